@@ -1,0 +1,18 @@
+PYTHON ?= python3
+PIP := $(PYTHON) -m pip install -q --disable-pip-version-check
+
+.PHONY: install demo test bench
+
+install:
+	$(PIP) -e '.[test]'
+
+## demo: install, fetch the default model (once), and stream a generation with statistics
+demo: install
+	viasd generate
+
+## test: install and run the whole test suite (fetches smollm2-135m once into the cache)
+test: install
+	$(PYTHON) -m pytest -q
+
+bench: install
+	$(PYTHON) benchmarks/core.py

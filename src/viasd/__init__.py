@@ -1,0 +1,21 @@
+"""viasd: multi-tier speculative decoding (VIA-SD) for small machines."""
+
+from viasd.api import STRATEGIES, GenerateConfig, generate
+from viasd.decoding.stats import DecodeResult, DecodeStats
+from viasd.errors import UsageError, ViasdError
+from viasd.models import DEFAULT_MODEL, ZOO, LoadedModel, load_model
+
+__version__ = "0.1.0"
+__all__ = [
+    "DEFAULT_MODEL",
+    "STRATEGIES",
+    "ZOO",
+    "DecodeResult",
+    "DecodeStats",
+    "GenerateConfig",
+    "LoadedModel",
+    "UsageError",
+    "ViasdError",
+    "generate",
+    "load_model",
+]

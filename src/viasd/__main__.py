@@ -1,0 +1,5 @@
+import sys
+
+from viasd.cli import main
+
+sys.exit(main())

@@ -1,0 +1,142 @@
+"""`viasd` console script: one command table, each command a thin front end over the API."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from collections.abc import Callable
+
+from viasd.errors import ViasdError
+
+DEMO_PROMPT = "Explain in three sentences why the sky is blue."
+
+
+def _generate(args: argparse.Namespace) -> int:
+    from viasd.api import GenerateConfig, generate
+    from viasd.models.loading import load_model
+
+    prompt = DEMO_PROMPT if args.prompt is None else args.prompt
+    if prompt == "-":
+        prompt = sys.stdin.read()
+    config = GenerateConfig(
+        strategy=args.strategy,
+        k=args.k,
+        max_new_tokens=args.max_new_tokens,
+        temperature=args.temperature,
+        top_p=args.top_p,
+        seed=args.seed,
+        chat=args.chat,
+        draft_threshold=args.draft_threshold,
+        draft_layers=tuple(args.draft_layers) if args.draft_layers is not None else None,
+    )
+    config.validate()  # before any model is fetched
+    progress = not args.quiet
+    model = load_model(args.model, device=args.device, progress=progress)
+    drafter = load_model(args.drafter, device=args.device, progress=progress) if args.drafter else None
+
+    def emit(text: str) -> None:
+        sys.stdout.write(text)
+        sys.stdout.flush()
+
+    result = generate(prompt, model, drafter=drafter, config=config, on_text=None if args.json else emit, progress=progress)
+    if args.json:
+        print(json.dumps(result.to_dict()))
+        return 0
+    s = result.stats.to_dict()
+    print()
+    calls = ", ".join(f"{k} {v}" for k, v in s["calls"].items())
+    print(
+        f"[{config.strategy}] {s['new_tokens']} tokens in {s['wall_s']:.2f} s ({s['tokens_per_s']:.1f} tok/s), "
+        f"mean accepted length {s['mean_accepted_length']:.2f}, rejection rate {s['rejection_rate']:.2f}, calls: {calls}",
+        file=sys.stderr,
+    )
+    return 0
+
+
+def _models(args: argparse.Namespace) -> int:
+    from viasd.models.loading import cached_models, zoo_gguf_path
+    from viasd.models.runtime import SUPPORTED_ARCHITECTURES
+    from viasd.models.zoo import DEFAULT_MODEL, ZOO
+
+    cached = {m.get("source"): m for m in cached_models()}
+    rows = []
+    for alias, e in ZOO.items():
+        state = "converted" if alias in cached else ("downloaded" if zoo_gguf_path(e).exists() else "-")
+        if e.architecture not in SUPPORTED_ARCHITECTURES:
+            state += " (architecture not supported yet)"
+        rows.append((alias + (" (default)" if alias == DEFAULT_MODEL else ""), e.architecture, f"{e.size_mb} MB", state, e.description))
+    if args.json:
+        print(json.dumps([dict(zip(("alias", "architecture", "download", "cache", "description"), r)) for r in rows]))
+        return 0
+    widths = [max(len(r[i]) for r in rows + [("alias", "arch", "download", "cache", "")]) for i in range(4)]
+    print("  ".join(h.ljust(w) for h, w in zip(("alias", "arch", "download", "cache"), widths)) + "  model")
+    for r in rows:
+        print("  ".join(c.ljust(w) for c, w in zip(r, widths)) + "  " + r[4])
+    others = [m for m in cached_models() if m.get("source") not in ZOO]
+    for m in others:
+        print(f"also cached: {m['source']} ({m['size_mb']} MB) in {m['dir']}")
+    return 0
+
+
+def _add_generate(p: argparse.ArgumentParser) -> None:
+    from viasd.api import DEFAULT_STRATEGY, STRATEGIES
+    from viasd.models.zoo import DEFAULT_MODEL
+
+    p.add_argument("prompt", nargs="?", help=f"text to continue; - reads stdin (default: {DEMO_PROMPT!r})")
+    p.add_argument("--model", "-m", default=DEFAULT_MODEL, help="zoo alias, GGUF file, transformers directory or hub id (default: %(default)s)")
+    p.add_argument("--drafter", "-d", help="drafter model for --strategy sd (same vocabulary as --model)")
+    p.add_argument("--strategy", "-s", default=DEFAULT_STRATEGY, choices=list(STRATEGIES),
+                   help="; ".join(f"{k}: {v}" for k, v in STRATEGIES.items()) + " (default: %(default)s)")
+    p.add_argument("--k", "-k", type=int, default=4, help="draft tokens per verification round (default: %(default)s)")
+    p.add_argument("--draft-threshold", type=float, help="adaptive drafting: stop when the drafter's top probability falls below this")
+    p.add_argument("--draft-layers", type=int, nargs="+", metavar="L", help="self-sd: verifier layers the drafting route keeps")
+    p.add_argument("--max-new-tokens", "-n", type=int, default=128, help="(default: %(default)s)")
+    p.add_argument("--temperature", "-t", type=float, default=0.0, help="0 = greedy (default: %(default)s)")
+    p.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling mass (default: %(default)s)")
+    p.add_argument("--seed", type=int, default=0, help="(default: %(default)s)")
+    p.add_argument("--chat", action=argparse.BooleanOptionalAction, default=None,
+                   help="wrap the prompt in the model's chat template (default: when the model has one)")
+    p.add_argument("--device", default="cpu", help="torch device (default: %(default)s)")
+    p.add_argument("--json", action="store_true", help="print one JSON object (text, token_ids, stats, config) instead of streaming")
+    p.add_argument("--quiet", "-q", action="store_true", help="no progress bars")
+
+
+def _add_models(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--json", action="store_true", help="print JSON")
+
+
+# name -> (help, add arguments, run)
+COMMANDS: dict[str, tuple[str, Callable[[argparse.ArgumentParser], None], Callable[[argparse.Namespace], int]]] = {
+    "generate": ("generate text, streaming it, then print decoding statistics", _add_generate, _generate),
+    "models": ("list zoo models and what is cached", _add_models, _models),
+}
+
+
+def build_parser() -> argparse.ArgumentParser:
+    from viasd import __version__
+
+    parser = argparse.ArgumentParser(prog="viasd", description="Multi-tier speculative decoding (VIA-SD).")
+    parser.add_argument("--version", action="version", version=f"viasd {__version__}")
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    for name, (help_, add, run) in COMMANDS.items():
+        p = sub.add_parser(name, help=help_, description=help_)
+        add(p)
+        p.set_defaults(run=run)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        return args.run(args)
+    except ViasdError as e:
+        print(f"viasd: error: {e}", file=sys.stderr)
+        return e.exit_code
+    except KeyboardInterrupt:
+        print("\nviasd: interrupted", file=sys.stderr)
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,1 @@
+"""Decoding: acceptance rules, statistics, and one loop per strategy."""

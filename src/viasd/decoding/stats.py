@@ -1,0 +1,88 @@
+"""Per-decode statistics and the result record every strategy returns."""
+
+from __future__ import annotations
+
+import time
+from collections import Counter
+from dataclasses import dataclass, field
+
+
+@dataclass
+class DecodeStats:
+    """Counters filled by a decoding loop through `observe_*`; `to_dict` derives the rates.
+
+    Names of `calls`: "full" (verifier, every layer), "slim" (verifier along the slim route),
+    "draft" (drafter: a separate model or a drafting route of the verifier). Model-free drafters
+    (n-gram lookup) make no calls.
+    """
+
+    prompt_tokens: int = 0
+    new_tokens: int = 0
+    wall_s: float = 0.0
+    first_token_s: float | None = None
+    calls: Counter = field(default_factory=Counter)
+    # verifier work, hardware-independent: one full-model call counts 1.0 whatever its block size
+    # (decoding is weight-bandwidth bound), a routed call counts its share of sub-layers
+    verifier_layer_passes: float = 0.0
+    rounds: int = 0  # verification rounds (each commits accepted + 1 tokens)
+    drafted: int = 0
+    accepted: int = 0
+    drafted_at: list[int] = field(default_factory=list)  # [k_max] drafts seen at position i of a block
+    accepted_at: list[int] = field(default_factory=list)  # [k_max] drafts accepted at position i
+    _t0: float = field(default_factory=time.perf_counter, repr=False)
+
+    def observe_call(self, name: str, n: int = 1, verifier_share: float = 0.0) -> None:
+        self.calls[name] += n
+        self.verifier_layer_passes += n * verifier_share
+
+    def observe_round(self, n_drafted: int, n_accepted: int) -> None:
+        self.rounds += 1
+        self.drafted += n_drafted
+        self.accepted += n_accepted
+        while len(self.drafted_at) < n_drafted:
+            self.drafted_at.append(0)
+            self.accepted_at.append(0)
+        for i in range(n_drafted):
+            self.drafted_at[i] += 1
+            self.accepted_at[i] += i < n_accepted
+
+    def observe_tokens(self, n: int) -> None:
+        if self.first_token_s is None and n > 0:
+            self.first_token_s = time.perf_counter() - self._t0
+        self.new_tokens += n
+
+    def finish(self) -> None:
+        self.wall_s = time.perf_counter() - self._t0
+
+    def to_dict(self) -> dict:
+        full = self.calls.get("full", 0)
+        return {
+            "prompt_tokens": self.prompt_tokens,
+            "new_tokens": self.new_tokens,
+            "wall_s": round(self.wall_s, 4),
+            "first_token_s": None if self.first_token_s is None else round(self.first_token_s, 4),
+            "tokens_per_s": round(self.new_tokens / self.wall_s, 3) if self.wall_s > 0 else 0.0,
+            # accepted drafts + one recovered/bonus token per round, as vLLM and Spec-Bench count it
+            "mean_accepted_length": round((self.accepted + self.rounds) / self.rounds, 4) if self.rounds else 0.0,
+            "rejection_rate": round((self.drafted - self.accepted) / self.drafted, 4) if self.drafted else 0.0,
+            "calls": dict(self.calls),
+            "tokens_per_full_call": round(self.new_tokens / full, 4) if full else 0.0,
+            "verifier_layer_passes_per_token": round(self.verifier_layer_passes / self.new_tokens, 4) if self.new_tokens else 0.0,
+            "rounds": self.rounds,
+            "drafted": self.drafted,
+            "accepted": self.accepted,
+            "acceptance_per_position": [round(a / d, 4) if d else 0.0 for a, d in zip(self.accepted_at, self.drafted_at)],
+        }
+
+
+@dataclass
+class DecodeResult:
+    """What every strategy returns; the CLI, server and benchmark never branch on the strategy."""
+
+    text: str
+    token_ids: list[int]  # new tokens only
+    stats: DecodeStats
+    config: dict = field(default_factory=dict)  # the request's settings, echoed for records
+
+    def to_dict(self) -> dict:
+        return {"text": self.text, "token_ids": self.token_ids, "stats": self.stats.to_dict(), "config": self.config}

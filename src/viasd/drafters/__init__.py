@@ -1,0 +1,163 @@
+"""Drafters: one small protocol, three kinds.
+
+`propose(context, k, stats) -> Draft` returns up to k next tokens for the committed `context`
+(+ their draft probabilities q, or None for deterministic drafters). Drafters keep whatever state
+they need (their own KV cache) and resynchronise with `context` at every call, so a verification
+round needs no separate `update`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Protocol
+
+import numpy as np
+import torch
+
+from viasd.decoding.acceptance import SamplingParams, logits_to_probs, sample
+from viasd.decoding.stats import DecodeStats
+from viasd.models.runtime import Decoder, KVCache, LayerMask
+
+
+@dataclass
+class Draft:
+    tokens: list[int]  # [k'] proposed token ids, k' <= k
+    probs: torch.Tensor | None  # [k', V] q of each proposal; None for deterministic drafters
+
+    def __len__(self) -> int:
+        return len(self.tokens)
+
+
+class Drafter(Protocol):
+    def begin(self, max_len: int) -> None:
+        """Start a new request whose sequences stay below `max_len` positions."""
+
+    def propose(self, context: list[int], k: int, stats: DecodeStats) -> Draft:
+        """Up to k draft tokens continuing `context` (every committed token, prompt included)."""
+
+
+class _AutoregressiveDrafter:
+    """Drafting by running a decoder token by token (shared by the model and self drafters).
+
+    Subclasses say which decoder, cache and route, and where the cache stops being valid.
+    Adaptive length: with `threshold`, drafting stops once the drafter's top probability falls
+    below it (Draft&Verify; transformers' `assistant_confidence_threshold`).
+    """
+
+    stat_name = "draft"
+
+    def __init__(self, decoder: Decoder, params: SamplingParams, generator: torch.Generator | None, threshold: float | None):
+        self.decoder = decoder
+        self.params = params
+        self.generator = generator
+        self.threshold = threshold
+
+    route: LayerMask | None = None
+    verifier_share = 0.0
+
+    def _sync(self, context: list[int]) -> tuple[KVCache, int]:
+        raise NotImplementedError
+
+    def propose(self, context: list[int], k: int, stats: DecodeStats) -> Draft:
+        cache, start = self._sync(context)
+        start = min(start, len(context) - 1)  # always recompute the last token to get its logits
+        feed = torch.tensor(context[start:])
+        tokens: list[int] = []
+        probs: list[torch.Tensor] = []
+        for _ in range(k):
+            logits = self.decoder.forward(feed, start, cache, route=self.route, last_only=True)[0]  # [V]
+            stats.observe_call(self.stat_name, verifier_share=self.verifier_share)
+            start += feed.shape[0]
+            if self.params.greedy:
+                token = int(logits.argmax())
+                top = float(torch.softmax(logits, -1).max()) if self.threshold is not None else 1.0
+            else:
+                q = logits_to_probs(logits, self.params)
+                token = sample(q, self.generator)
+                probs.append(q)
+                top = float(q.max())
+            tokens.append(token)
+            if self.threshold is not None and top < self.threshold:
+                break
+            feed = torch.tensor([token])
+        self._drafted(context, tokens)
+        return Draft(tokens, torch.stack(probs) if probs else None)
+
+    def _drafted(self, context: list[int], tokens: list[int]) -> None:
+        pass
+
+
+class ModelDrafter(_AutoregressiveDrafter):
+    """A separate, smaller model with the verifier's vocabulary, and its own KV cache."""
+
+    def begin(self, max_len: int) -> None:
+        self.cache = self.decoder.new_cache(max_len)
+        self.cached_ids: list[int] = []  # token ids at cache positions 0 .. n_full-1
+
+    def _sync(self, context: list[int]) -> tuple[KVCache, int]:
+        n = min(len(self.cached_ids), self.cache.n_full)
+        common = next((i for i in range(n) if self.cached_ids[i] != context[i]), n)
+        self.cache.rollback(common)
+        return self.cache, common
+
+    def _drafted(self, context: list[int], tokens: list[int]) -> None:
+        # the cache now holds context + all drafts but the last (which was never fed)
+        self.cached_ids = context + tokens[:-1]
+
+
+class SelfDrafter(_AutoregressiveDrafter):
+    """The verifier itself along a drafting route (Draft&Verify, LayerSkip), sharing its KV cache.
+
+    Positions < n_full come from the full model; the route writes its own layers above that, and
+    the verifier's next full pass overwrites them (the n_full invariant of the runtime).
+    """
+
+    def __init__(self, decoder: Decoder, route: LayerMask, params: SamplingParams, generator, threshold: float | None):
+        super().__init__(decoder, params, generator, threshold)
+        self.route = route
+        self.verifier_share = route.fraction
+        self.cache: KVCache | None = None
+
+    def attach(self, cache: KVCache) -> None:
+        """Share the verifier's cache for this request."""
+        self.cache = cache
+
+    def begin(self, max_len: int) -> None:
+        if self.cache is None:
+            raise RuntimeError("SelfDrafter.attach(verifier_cache) must precede begin()")
+
+    def _sync(self, context: list[int]) -> tuple[KVCache, int]:
+        # routed entries past n_full belong to an earlier draft: restart drafting at n_full
+        return self.cache, self.cache.n_full
+
+
+class NgramDrafter:
+    """Prompt lookup decoding (Saxena 2023; vLLM `ngram`): copy what followed the latest earlier
+    occurrence of the context's last n tokens, for n from `max_ngram` down to `min_ngram`.
+    Model-free: no calls, deterministic proposals (q = None)."""
+
+    def __init__(self, max_ngram: int = 3, min_ngram: int = 1):
+        if not 1 <= min_ngram <= max_ngram:
+            raise ValueError(f"need 1 <= min_ngram <= max_ngram, got {min_ngram}, {max_ngram}")
+        self.max_ngram = max_ngram
+        self.min_ngram = min_ngram
+
+    def begin(self, max_len: int) -> None:
+        pass
+
+    def propose(self, context: list[int], k: int, stats: DecodeStats | None = None) -> Draft:
+        return Draft(ngram_lookup(np.asarray(context), k, self.max_ngram, self.min_ngram), None)
+
+
+def ngram_lookup(context: np.ndarray, k: int, max_ngram: int, min_ngram: int) -> list[int]:
+    """context: [n] token ids -> up to k tokens following the latest earlier match of its suffix."""
+    n_ctx = context.shape[0]
+    for n in range(min(max_ngram, n_ctx - 1), min_ngram - 1, -1):
+        pattern = context[n_ctx - n :]
+        # windows[i] = context[i : i+n] for i + n < n_ctx (a continuation exists, suffix excluded)
+        windows = np.lib.stride_tricks.sliding_window_view(context[:-1], n)
+        hits = np.flatnonzero((windows == pattern).all(axis=1))
+        if hits.size:
+            begin = int(hits[-1]) + n
+            return context[begin : begin + k].tolist()
+    return []
