@@ -291,8 +291,12 @@ def load_model(
     dtype: torch.dtype = torch.float32,
     device: str = "cpu",
     progress: bool = True,
+    pack: bool = True,
 ) -> LoadedModel:
-    """Load `source` (zoo alias, GGUF path, transformers directory or hub id) into the lean runtime."""
+    """Load `source` (zoo alias, GGUF path, transformers directory or hub id) into the lean runtime.
+
+    `pack=False`: plain MKL products instead of prepacked oneDNN ones (slower; bit-closer to transformers).
+    """
     from transformers import AutoConfig, AutoTokenizer
 
     path, digest = resolve(source, progress)
@@ -301,7 +305,7 @@ def load_model(
     except Exception as e:
         raise ModelNotFoundError(f"{path}: unreadable config.json ({type(e).__name__}: {e})") from None
     config = ModelConfig.from_hf(hf_config)
-    decoder = Decoder.from_state_dict(config, load_state_dict(path), dtype=dtype, device=device)
+    decoder = Decoder.from_state_dict(config, load_state_dict(path), dtype=dtype, device=device, pack=pack)
     tokenizer = AutoTokenizer.from_pretrained(path)
     return LoadedModel(name=source, path=path, config=config, decoder=decoder, tokenizer=tokenizer, source_sha256=digest)
 

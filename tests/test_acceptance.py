@@ -1,0 +1,73 @@
+"""Acceptance rules on hand-built logits, and the sampling path's distribution."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from viasd.decoding.acceptance import SamplingParams, greedy_accept, logits_to_probs, speculative_sampling
+
+V = 6
+
+
+def peaked(tokens: list[int], vocab: int = V) -> torch.Tensor:
+    """Logits [len(tokens), vocab]: 100 at the wanted token, -100 elsewhere (as vLLM's tests)."""
+    logits = torch.full((len(tokens), vocab), -100.0)
+    logits[torch.arange(len(tokens)), torch.tensor(tokens)] = 100.0
+    return logits
+
+
+@pytest.mark.parametrize(
+    "draft, target, expected",
+    [
+        ([1, 2, 3], [1, 2, 3, 4], (3, 4)),  # all accepted + bonus
+        ([1, 2, 3], [5, 2, 3, 4], (0, 5)),  # first rejected: recovered token from the target
+        ([1, 2, 3], [1, 2, 0, 4], (2, 0)),
+        ([], [4], (0, 4)),  # no drafts: one plain step
+    ],
+)
+def test_greedy_accept(draft, target, expected):
+    assert greedy_accept(torch.tensor(draft, dtype=torch.long), peaked(target)) == expected
+
+
+def test_speculative_sampling_with_peaked_distributions():
+    g = torch.Generator().manual_seed(0)
+    draft = torch.tensor([1, 2, 3])
+    q = torch.softmax(peaked([1, 2, 3]), -1)
+    assert speculative_sampling(draft, q, torch.softmax(peaked([1, 2, 3, 4]), -1), g) == (3, 4)
+    # p puts no mass on the draft at position 1: rejected there, residual = p
+    assert speculative_sampling(draft, q, torch.softmax(peaked([1, 5, 3, 4]), -1), g) == (1, 5)
+    # deterministic drafter (q = None): same rule with q one-hot at the draft
+    assert speculative_sampling(draft, None, torch.softmax(peaked([1, 2, 0, 4]), -1), g) == (2, 0)
+
+
+def tv(counts: torch.Tensor, p: torch.Tensor) -> float:
+    return 0.5 * (counts / counts.sum() - p).abs().sum().item()
+
+
+@pytest.mark.parametrize("deterministic", [False, True])
+def test_first_committed_token_follows_p(deterministic):
+    """Empirical distribution over N = 20000 rounds of the first committed token is p.
+    Bound: TV < 0.02; with V = 6 the sampling noise alone gives TV ~ 0.006."""
+    g = torch.Generator().manual_seed(1)
+    p = torch.softmax(torch.randn(2, V, generator=g) * 1.5, -1)  # target for position 0 (and bonus)
+    q = torch.softmax(torch.randn(1, V, generator=g) * 1.5, -1)  # draft distribution
+    counts = torch.zeros(V)
+    n = 20_000
+    for _ in range(n):
+        x = torch.multinomial(q[0], 1, generator=g) if not deterministic else torch.tensor([2])
+        n_acc, nxt = speculative_sampling(x, None if deterministic else q, p, g)
+        counts[int(x[0]) if n_acc else nxt] += 1
+    assert tv(counts, p[0]) < 0.02
+
+
+def test_logits_to_probs_temperature_and_top_p():
+    logits = torch.tensor([[2.0, 1.0, 0.0, -1.0]])
+    assert torch.equal(logits_to_probs(logits, SamplingParams(0.0)), torch.tensor([[1.0, 0, 0, 0]]))
+    p = logits_to_probs(logits, SamplingParams(1.0))
+    assert torch.allclose(p, torch.softmax(logits, -1))
+    # top_p = 0.7 keeps the two most likely tokens (0.64 + 0.24 >= 0.7), renormalised
+    nucleus = logits_to_probs(logits, SamplingParams(1.0, top_p=0.7))
+    assert (nucleus[0, 2:] == 0).all() and torch.allclose(nucleus[0, :2], p[0, :2] / p[0, :2].sum())
+    sharp = logits_to_probs(logits, SamplingParams(0.5))
+    assert sharp[0, 0] > p[0, 0]

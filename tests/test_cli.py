@@ -1,0 +1,69 @@
+"""The console script: exit codes, one-line errors, JSON record, streaming."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from viasd.cli import main
+
+
+def run(capsys, *argv):
+    try:
+        code = main(list(argv))
+    except SystemExit as e:  # argparse usage errors
+        code = e.code
+    out, err = capsys.readouterr()
+    return code, out, err
+
+
+@pytest.mark.parametrize(
+    "argv, message",
+    [
+        (["generate", "hi", "--model", "no-such-model"], "viasd: error: unknown model 'no-such-model'"),
+        (["generate", "hi", "--k", "-1"], "viasd: error: k must be between 0 and 64, got -1"),
+        (["generate", "hi", "--temperature", "-2"], "viasd: error: temperature must be >= 0"),
+        (["generate", "hi", "--top-p", "0"], "viasd: error: top_p must be in (0, 1]"),
+        (["generate", "hi", "--max-new-tokens", "0"], "viasd: error: max_new_tokens must be >= 1"),
+        (["generate", "hi", "--model", "gemma3-270m"], "viasd: error: gemma3-270m: architecture 'gemma3' is not supported"),
+        (["generate", "hi", "--strategy", "nope"], "invalid choice: 'nope'"),
+        (["frobnicate"], "invalid choice: 'frobnicate'"),
+    ],
+)
+def test_usage_errors_exit_2_with_one_line(capsys, argv, message):
+    code, out, err = run(capsys, *argv)
+    assert code == 2
+    assert message in err
+    assert "Traceback" not in err
+
+
+def test_sd_without_drafter_and_drafter_without_sd(capsys, tiny_dir):
+    code, _, err = run(capsys, "generate", "w1 w2", "--model", str(tiny_dir), "--strategy", "sd", "--no-chat")
+    assert code == 2 and "strategy 'sd' needs a drafter model" in err
+    code, _, err = run(capsys, "generate", "w1 w2", "--model", str(tiny_dir), "--drafter", str(tiny_dir), "--no-chat")
+    assert code == 2 and "only used by strategy 'sd'" in err
+
+
+def test_generate_json_on_a_local_directory(capsys, tiny_dir):
+    code, out, err = run(capsys, "generate", "w1 w2 w3", "--model", str(tiny_dir), "--no-chat", "-n", "6", "-s", "ar", "--json", "-q")
+    assert code == 0
+    record = json.loads(out)
+    assert len(record["token_ids"]) == record["stats"]["new_tokens"] <= 6
+    assert set(record["stats"]) >= {"new_tokens", "wall_s", "tokens_per_s", "mean_accepted_length", "rejection_rate", "calls"}
+    assert record["config"]["strategy"] == "ar"
+
+
+def test_models_lists_the_zoo(capsys):
+    code, out, _ = run(capsys, "models")
+    assert code == 0
+    for alias in ("smollm2-135m (default)", "qwen2.5-coder-1.5b", "qwen2.5-coder-0.5b", "gemma3-270m"):
+        assert alias in out
+
+
+@pytest.mark.model
+def test_generate_streams_text_then_stats(capsys, smollm2):
+    code, out, err = run(capsys, "generate", "Name three colours.", "-n", "12", "-q")
+    assert code == 0
+    assert out.strip()  # the streamed text
+    assert "[pld] " in err and "tok/s" in err and "mean accepted length" in err
