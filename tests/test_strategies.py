@@ -9,8 +9,7 @@ import torch
 from viasd import generate
 from viasd.api import default_draft_layers
 from viasd.decoding.acceptance import SamplingParams, logits_to_probs
-from viasd.decoding.stats import DecodeStats
-from viasd.decoding.strategies import autoregressive_decode, speculative_decode
+from viasd.decoding.strategies import DecodeRequest, autoregressive_decode, speculative_decode
 from viasd.drafters import Draft, ModelDrafter, NgramDrafter, SelfDrafter
 from viasd.models.loading import load_model
 from viasd.models.runtime import LayerMask
@@ -35,13 +34,12 @@ class RandomDrafter:
 
 
 def run_ar(model, prompt, n, eos=NO_EOS):
-    return autoregressive_decode(model.decoder, prompt, n, GREEDY, eos, DecodeStats())
+    return autoregressive_decode(model.decoder, DecodeRequest(prompt, n, GREEDY, eos))
 
 
 def run_sd(model, drafter, prompt, n, k=4, eos=NO_EOS):
-    stats = DecodeStats()
-    out = speculative_decode(model.decoder, drafter, prompt, n, k, GREEDY, eos, stats)
-    return out, stats
+    req = DecodeRequest(prompt, n, GREEDY, eos)
+    return speculative_decode(model.decoder, drafter, req, k), req.stats
 
 
 def tiny_drafters(tiny, tiny_drafter):
@@ -132,8 +130,8 @@ def test_sampled_tokens_follow_the_verifier_distribution(small_vocab_pair, kind)
     drafted = accepted = 0
     for _ in range(n):
         drafter = ModelDrafter(drafter_model.decoder, params, g, None) if kind == "model" else NgramDrafter()
-        stats = DecodeStats()
-        out = speculative_decode(verifier.decoder, drafter, prompt, 2, 2, params, NO_EOS, stats, generator=g)
+        req = DecodeRequest(prompt, 2, params, NO_EOS, generator=g)
+        out, stats = speculative_decode(verifier.decoder, drafter, req, k=2), req.stats
         counts[0, out[0]] += 1
         counts[1, out[1]] += 1
         drafted, accepted = drafted + stats.drafted, accepted + stats.accepted

@@ -14,7 +14,7 @@ import torch
 
 from viasd.decoding.acceptance import SamplingParams
 from viasd.decoding.stats import DecodeResult, DecodeStats
-from viasd.decoding.strategies import autoregressive_decode, speculative_decode
+from viasd.decoding.strategies import DecodeRequest, autoregressive_decode, speculative_decode
 from viasd.drafters import ModelDrafter, NgramDrafter, SelfDrafter
 from viasd.errors import UsageError
 from viasd.models.loading import LoadedModel, check_same_vocabulary, load_model
@@ -43,6 +43,7 @@ class GenerateConfig:
     chat: bool | None = None  # None: use the chat template when the model has one
     draft_threshold: float | None = None  # adaptive drafting: stop below this top probability
     draft_layers: tuple[int, ...] | None = None  # self-sd: verifier layers the drafter keeps
+    draft_route: str | None = None  # self-sd: a route JSON file (instead of draft_layers)
     max_ngram: int = 3
     min_ngram: int = 1
 
@@ -59,6 +60,10 @@ class GenerateConfig:
             raise UsageError(f"top_p must be in (0, 1], got {self.top_p}")
         if self.draft_threshold is not None and not 0 <= self.draft_threshold <= 1:
             raise UsageError(f"draft_threshold must be in [0, 1], got {self.draft_threshold}")
+        if self.draft_layers is not None and self.draft_route is not None:
+            raise UsageError("give either draft_layers or draft_route, not both")
+        if (self.draft_layers is not None or self.draft_route is not None) and self.strategy != "self-sd":
+            raise UsageError(f"a drafting route is only used by strategy 'self-sd', not {self.strategy!r}")
         if not 1 <= self.min_ngram <= self.max_ngram:
             raise UsageError(f"need 1 <= min_ngram <= max_ngram, got {self.min_ngram} and {self.max_ngram}")
 
@@ -69,7 +74,11 @@ def default_draft_layers(n_layers: int) -> tuple[int, ...]:
     return tuple(range(n_layers // 2)) + (n_layers - 1,)
 
 
-def draft_route(model: LoadedModel, layers: Sequence[int] | None) -> LayerMask:
+def draft_route(model: LoadedModel, layers: Sequence[int] | None, route_file: str | None = None) -> LayerMask:
+    if route_file is not None:
+        from viasd.routing import ModelFingerprint, Route
+
+        return Route.load(route_file, ModelFingerprint.of(model)).mask
     n = model.config.n_layers
     layers = default_draft_layers(n) if layers is None else tuple(layers)
     bad = [i for i in layers if not 0 <= i < n]
@@ -141,10 +150,9 @@ def generate(
     params = SamplingParams(config.temperature, config.top_p)
     stats = DecodeStats(prompt_tokens=len(ids))
     stream = TextStream(verifier, on_text) if on_text else None
-    common = dict(prompt=ids, max_new_tokens=config.max_new_tokens, params=params, eos=verifier.eos_token_ids,
-                  stats=stats, generator=generator, on_tokens=stream)
+    req = DecodeRequest(ids, config.max_new_tokens, params, verifier.eos_token_ids, stats, generator, stream)
     if config.strategy == "ar":
-        out = autoregressive_decode(verifier.decoder, **common)
+        out = autoregressive_decode(verifier.decoder, req)
     else:
         if config.strategy == "sd":
             draft_model = _as_model(drafter, progress)
@@ -153,9 +161,9 @@ def generate(
         elif config.strategy == "pld":
             chosen = NgramDrafter(config.max_ngram, config.min_ngram)
         else:  # self-sd
-            route = draft_route(verifier, config.draft_layers)
+            route = draft_route(verifier, config.draft_layers, config.draft_route)
             chosen = SelfDrafter(verifier.decoder, route, params, generator, config.draft_threshold)
-        out = speculative_decode(verifier.decoder, chosen, k=config.k, **common)
+        out = speculative_decode(verifier.decoder, chosen, req, config.k)
     stats.finish()
     record = {"model": verifier.name, "drafter": getattr(drafter, "name", drafter), **asdict(config)}
     return DecodeResult(text=verifier.decode(out), token_ids=out, stats=stats, config=record)

@@ -10,6 +10,7 @@ from collections.abc import Callable
 from viasd.errors import ViasdError
 
 DEMO_PROMPT = "Explain in three sentences why the sky is blue."
+DTYPES = ("float32", "bfloat16")
 
 
 def _generate(args: argparse.Namespace) -> int:
@@ -29,11 +30,15 @@ def _generate(args: argparse.Namespace) -> int:
         chat=args.chat,
         draft_threshold=args.draft_threshold,
         draft_layers=tuple(args.draft_layers) if args.draft_layers is not None else None,
+        draft_route=args.draft_route,
     )
     config.validate()  # before any model is fetched
     progress = not args.quiet
-    model = load_model(args.model, device=args.device, progress=progress)
-    drafter = load_model(args.drafter, device=args.device, progress=progress) if args.drafter else None
+    import torch
+
+    dtype = getattr(torch, args.dtype)
+    model = load_model(args.model, dtype=dtype, device=args.device, progress=progress)
+    drafter = load_model(args.drafter, dtype=dtype, device=args.device, progress=progress) if args.drafter else None
 
     def emit(text: str) -> None:
         sys.stdout.write(text)
@@ -79,6 +84,29 @@ def _models(args: argparse.Namespace) -> int:
     return 0
 
 
+def _routes_show(args: argparse.Namespace) -> int:
+    from viasd.routing import Route
+
+    route = Route.load(args.route)
+    m = route.model
+    print(f"{args.route}: route for {m.source} ({m.architecture}, {m.n_layers} layers)")
+    print(f"  layers  {route.picture()}   (█ kept, a attention only, m MLP only, · skipped)")
+    print(f"  kept    {len(route.kept_layers)}/{m.n_layers} layers, {route.fraction:.0%} of sub-layer work"
+          + (f" (budget {route.budget:.2f})" if route.budget is not None else ""))
+    for key, value in route.metrics.items():
+        print(f"  {key:<7} {value:.4g}" if isinstance(value, float) else f"  {key:<7} {value}")
+    for key, value in route.search.items():
+        print(f"  search.{key} = {value}")
+    return 0
+
+
+def _add_routes(p: argparse.ArgumentParser) -> None:
+    sub = p.add_subparsers(dest="routes_command", required=True, metavar="ACTION")
+    show = sub.add_parser("show", help="draw a route's layer mask and print its metrics")
+    show.add_argument("route", help="route JSON file")
+    show.set_defaults(run=_routes_show)
+
+
 def _add_generate(p: argparse.ArgumentParser) -> None:
     from viasd.api import DEFAULT_STRATEGY, STRATEGIES
     from viasd.models.zoo import DEFAULT_MODEL
@@ -91,6 +119,7 @@ def _add_generate(p: argparse.ArgumentParser) -> None:
     p.add_argument("--k", "-k", type=int, default=4, help="draft tokens per verification round (default: %(default)s)")
     p.add_argument("--draft-threshold", type=float, help="adaptive drafting: stop when the drafter's top probability falls below this")
     p.add_argument("--draft-layers", type=int, nargs="+", metavar="L", help="self-sd: verifier layers the drafting route keeps")
+    p.add_argument("--draft-route", metavar="ROUTE.json", help="self-sd: drafting route from a route file (see `viasd routes show`)")
     p.add_argument("--max-new-tokens", "-n", type=int, default=128, help="(default: %(default)s)")
     p.add_argument("--temperature", "-t", type=float, default=0.0, help="0 = greedy (default: %(default)s)")
     p.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling mass (default: %(default)s)")
@@ -98,6 +127,9 @@ def _add_generate(p: argparse.ArgumentParser) -> None:
     p.add_argument("--chat", action=argparse.BooleanOptionalAction, default=None,
                    help="wrap the prompt in the model's chat template (default: when the model has one)")
     p.add_argument("--device", default="cpu", help="torch device (default: %(default)s)")
+    p.add_argument("--dtype", default="float32", choices=DTYPES,
+                   help="weights and activations; bfloat16 halves the bytes read per token, float32 is the exact "
+                        "reference (default: %(default)s)")
     p.add_argument("--json", action="store_true", help="print one JSON object (text, token_ids, stats, config) instead of streaming")
     p.add_argument("--quiet", "-q", action="store_true", help="no progress bars")
 
@@ -107,9 +139,11 @@ def _add_models(p: argparse.ArgumentParser) -> None:
 
 
 # name -> (help, add arguments, run)
-COMMANDS: dict[str, tuple[str, Callable[[argparse.ArgumentParser], None], Callable[[argparse.Namespace], int]]] = {
+# (run None: the command has sub-actions that set their own)
+COMMANDS: dict[str, tuple[str, Callable[[argparse.ArgumentParser], None], Callable[[argparse.Namespace], int] | None]] = {
     "generate": ("generate text, streaming it, then print decoding statistics", _add_generate, _generate),
     "models": ("list zoo models and what is cached", _add_models, _models),
+    "routes": ("inspect routes (layer masks of the verifier)", _add_routes, None),
 }
 
 
@@ -122,7 +156,8 @@ def build_parser() -> argparse.ArgumentParser:
     for name, (help_, add, run) in COMMANDS.items():
         p = sub.add_parser(name, help=help_, description=help_)
         add(p)
-        p.set_defaults(run=run)
+        if run is not None:
+            p.set_defaults(run=run)
     return parser
 
 

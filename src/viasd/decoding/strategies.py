@@ -8,6 +8,7 @@ last, whose logits the next verifier call computes together with the drafts afte
 from __future__ import annotations
 
 from collections.abc import Callable
+from dataclasses import dataclass, field
 
 import torch
 
@@ -17,6 +18,19 @@ from viasd.drafters import Drafter, SelfDrafter
 from viasd.models.runtime import Decoder, KVCache
 
 OnTokens = Callable[[list[int]], None]
+
+
+@dataclass
+class DecodeRequest:
+    """One request as every loop sees it."""
+
+    prompt: list[int]  # [n] token ids
+    max_new_tokens: int
+    params: SamplingParams = field(default_factory=SamplingParams)
+    eos: frozenset[int] = frozenset()
+    stats: DecodeStats = field(default_factory=DecodeStats)
+    generator: torch.Generator | None = None
+    on_tokens: OnTokens | None = None  # called with each batch of newly committed ids
 
 
 def _commit(new: list[int], tokens: list[int], budget: int, eos: frozenset[int]) -> tuple[list[int], bool]:
@@ -37,17 +51,9 @@ def _next_token(logits: torch.Tensor, params: SamplingParams, generator: torch.G
     return sample(logits_to_probs(logits, params), generator)
 
 
-def autoregressive_decode(
-    decoder: Decoder,
-    prompt: list[int],
-    max_new_tokens: int,
-    params: SamplingParams,
-    eos: frozenset[int],
-    stats: DecodeStats,
-    generator: torch.Generator | None = None,
-    on_tokens: OnTokens | None = None,
-) -> list[int]:
+def autoregressive_decode(decoder: Decoder, req: DecodeRequest) -> list[int]:
     """Plain decoding: one full-model call per token."""
+    prompt, max_new_tokens, params, eos, stats = req.prompt, req.max_new_tokens, req.params, req.eos, req.stats
     out: list[int] = []
     if max_new_tokens <= 0:
         return out
@@ -57,12 +63,12 @@ def autoregressive_decode(
     stats.observe_call("full", verifier_share=1.0)
     while True:
         # 2. choose the next token and commit it
-        token = _next_token(logits, params, generator)
+        token = _next_token(logits, params, req.generator)
         out.append(token)
         stats.observe_round(0, 0)
         stats.observe_tokens(1)
-        if on_tokens:
-            on_tokens([token])
+        if req.on_tokens:
+            req.on_tokens([token])
         if token in eos or len(out) >= max_new_tokens:
             return out
         # 3. one full call for the token just committed
@@ -70,23 +76,13 @@ def autoregressive_decode(
         stats.observe_call("full", verifier_share=1.0)
 
 
-def speculative_decode(
-    decoder: Decoder,
-    drafter: Drafter,
-    prompt: list[int],
-    max_new_tokens: int,
-    k: int,
-    params: SamplingParams,
-    eos: frozenset[int],
-    stats: DecodeStats,
-    generator: torch.Generator | None = None,
-    on_tokens: OnTokens | None = None,
-) -> list[int]:
-    """Speculative decoding (Leviathan et al. 2023; Chen et al. 2023) with any drafter.
+def speculative_decode(decoder: Decoder, drafter: Drafter, req: DecodeRequest, k: int) -> list[int]:
+    """Speculative decoding (Leviathan et al. 2023; Chen et al. 2023) with any drafter, k drafts a round.
 
     Lossless: greedy output equals `autoregressive_decode`'s token for token, and sampled output
     follows the verifier's distribution exactly.
     """
+    prompt, max_new_tokens, params, eos, stats = req.prompt, req.max_new_tokens, req.params, req.eos, req.stats
     out: list[int] = []
     if max_new_tokens <= 0:
         return out
@@ -114,14 +110,14 @@ def speculative_decode(
             n_acc, nxt = greedy_accept(torch.tensor(drafted, dtype=torch.long), logits)
         else:
             p = logits_to_probs(logits, params)  # [k'+1, V]
-            n_acc, nxt = speculative_sampling(torch.tensor(drafted, dtype=torch.long), draft.probs if draft else None, p, generator)
+            n_acc, nxt = speculative_sampling(torch.tensor(drafted, dtype=torch.long), draft.probs if draft else None, p, req.generator)
         stats.observe_round(len(drafted), n_acc)
         # 4. commit (cut at EOS and budget) and roll the cache back to "all committed but the last"
         new, finished = _commit(drafted[:n_acc] + [nxt], tokens, budget, eos)
         out.extend(new)
         stats.observe_tokens(len(new))
-        if on_tokens:
-            on_tokens(new)
+        if req.on_tokens:
+            req.on_tokens(new)
         if finished:
             return out
         cache.rollback(len(tokens) - 1)
