@@ -6,6 +6,7 @@ import argparse
 import json
 import sys
 from collections.abc import Callable
+from pathlib import Path
 
 from viasd.errors import ViasdError
 
@@ -107,6 +108,41 @@ def _add_routes(p: argparse.ArgumentParser) -> None:
     show.set_defaults(run=_routes_show)
 
 
+def _search(args: argparse.Namespace) -> int:
+    from viasd.models.loading import load_model
+    from viasd.routing.search import build_calibration, search_route
+
+    out = Path(args.out)
+    storage = args.storage or f"sqlite:///{out.with_suffix('.optuna.sqlite').resolve()}"
+    progress = not args.quiet
+    model = load_model(args.model, progress=progress)
+    calib = build_calibration(model, n_seqs=args.calib_seqs, seq_len=args.calib_len, progress=progress)
+    route = search_route(model, args.budget, args.trials, seed=args.seed, storage=storage, cost=args.cost,
+                         pin_ends=args.pin_ends, calib=calib, n_random=args.random_trials, progress=progress)
+    route.save(out)
+    print(f"{out}: {route.picture()}  {args.cost} {route.metrics[args.cost]:.4f}, "
+          f"top-1 agreement {route.metrics['top1_agreement']:.3f} (study in {storage})")
+    return 0
+
+
+def _add_search(p: argparse.ArgumentParser) -> None:
+    from viasd.models.zoo import DEFAULT_MODEL
+    from viasd.routing.search import COSTS
+
+    p.add_argument("--model", "-m", default=DEFAULT_MODEL, help="model to route (default: %(default)s)")
+    p.add_argument("--budget", type=float, required=True, help="fraction of layers kept, e.g. 0.5")
+    p.add_argument("--trials", type=int, default=100, help="the study's total trials; a rerun runs only the missing ones (default: %(default)s)")
+    p.add_argument("--random-trials", type=int, default=20, help="random-search warm start before TPE (default: %(default)s)")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--cost", default="kl", choices=COSTS, help="KL(full||routed), reverse KL, or total variation (default: %(default)s)")
+    p.add_argument("--pin-ends", action=argparse.BooleanOptionalAction, default=True, help="always keep the first and last layer (default: on)")
+    p.add_argument("--calib-seqs", type=int, default=16, help="calibration sequences (default: %(default)s)")
+    p.add_argument("--calib-len", type=int, default=128, help="tokens per calibration sequence (default: %(default)s)")
+    p.add_argument("--out", "-o", required=True, help="route JSON to write")
+    p.add_argument("--storage", help="Optuna storage URL (default: sqlite file beside --out)")
+    p.add_argument("--quiet", "-q", action="store_true", help="no progress bars")
+
+
 def _add_generate(p: argparse.ArgumentParser) -> None:
     from viasd.api import DEFAULT_STRATEGY, STRATEGIES
     from viasd.models.zoo import DEFAULT_MODEL
@@ -144,6 +180,7 @@ COMMANDS: dict[str, tuple[str, Callable[[argparse.ArgumentParser], None], Callab
     "generate": ("generate text, streaming it, then print decoding statistics", _add_generate, _generate),
     "models": ("list zoo models and what is cached", _add_models, _models),
     "routes": ("inspect routes (layer masks of the verifier)", _add_routes, None),
+    "search": ("find a route by DIMR (random search, then Bayesian optimisation); resumable", _add_search, _search),
 }
 
 

@@ -1,0 +1,188 @@
+"""DIMR route search: random search, then Bayesian optimisation (Optuna TPE), over layer masks under
+a compute budget, minimising a KL-type cost between the full model and the routed model.
+
+Calibration: Spec-Bench dev prompts (question_id % 5 == 0; the rest stay for evaluation) continued
+greedily by the full model to `seq_len` tokens. The full model's next-token distributions on the
+continuation are cached once (top-k log-probs + the remaining mass), so a trial costs one routed,
+teacher-forced pass per sequence: the prompt's K/V comes from the full model (n_full = prompt
+length - 1), the routed pass covers the continuation, as a slim verifier sees it while decoding.
+
+Cost with top-k: KL between the distributions coarsened to {top-k tokens of p, everything else}
+(a lower bound of the full KL, exact when the rest has no mass).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import sys
+import tempfile
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from viasd.errors import UsageError
+from viasd.models.loading import LoadedModel, cache_dir
+from viasd.models.runtime import LayerMask
+from viasd.routing.route import ModelFingerprint, Route
+
+COSTS = ("kl", "reverse_kl", "tv")
+
+
+@dataclass
+class Calibration:
+    sequences: list[torch.Tensor]  # each [L] prompt + full-model continuation
+    prompt_lens: list[int]
+    topk_logp: list[torch.Tensor]  # each [L - P, k] full model's log-probs of its top-k tokens, predicting tokens P..L-1
+    topk_idx: list[torch.Tensor]  # each [L - P, k]
+    description: str
+
+
+def dev_prompts(model: LoadedModel, n: int) -> list[list[int]]:
+    """The first n Spec-Bench dev-split prompts (question_id % 5 == 0), chat-formatted when possible."""
+    from viasd.datasets import spec_bench
+
+    rows = [r for r in spec_bench() if r["question_id"] % 5 == 0][:n]
+    return [model.encode(r["turns"][0]) for r in rows]
+
+
+def build_calibration(model: LoadedModel, n_seqs: int = 16, seq_len: int = 128, top_k: int = 64,
+                      progress: bool = True, prompts: list[list[int]] | None = None) -> Calibration:
+    """Calibration set for `model`, cached on disk by model fingerprint and settings."""
+    from tqdm import tqdm
+
+    from viasd.decoding.strategies import DecodeRequest, autoregressive_decode
+
+    fp = ModelFingerprint.of(model)
+    prompts = prompts if prompts is not None else dev_prompts(model, n_seqs)
+    key = hashlib.sha256(repr((fp, prompts, seq_len, top_k)).encode()).hexdigest()[:16]
+    path = cache_dir() / "calibration" / f"{key}.pt"
+    if path.exists():
+        return Calibration(**torch.load(path, weights_only=False))
+    seqs, plens, logps, idxs = [], [], [], []
+    for ids in tqdm(prompts, desc="calibration (full model)", disable=not progress, file=sys.stderr):
+        ids = ids[: seq_len // 2]  # keep room for a continuation
+        cont = autoregressive_decode(model.decoder, DecodeRequest(ids, seq_len - len(ids)))
+        seq = torch.tensor(ids + cont)
+        cache = model.decoder.new_cache(len(seq))
+        logits = model.decoder.forward(seq[:-1], 0, cache)[len(ids) - 1 :]  # predicting tokens P..L-1
+        logp, idx = torch.log_softmax(logits, -1).topk(top_k, dim=-1)
+        seqs.append(seq), plens.append(len(ids)), logps.append(logp), idxs.append(idx)
+    calib = Calibration(seqs, plens, logps, idxs, f"{len(seqs)} Spec-Bench dev sequences of {seq_len} tokens, top-{top_k}")
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=path.parent)
+    os.close(fd)
+    torch.save(calib.__dict__, tmp)
+    os.replace(tmp, path)
+    return calib
+
+
+def coarse_divergences(full_logp: torch.Tensor, idx: torch.Tensor, routed_logits: torch.Tensor) -> dict[str, torch.Tensor]:
+    """Per-position divergences between p (full, top-k known) and q (routed, all known).
+
+    full_logp, idx: [N, k]; routed_logits: [N, V]. Returns {cost: [N]} and top-1 agreement [N].
+    """
+    q_logp_all = torch.log_softmax(routed_logits.float(), -1)
+    q_logp = q_logp_all.gather(-1, idx)  # [N, k]
+    p, q = full_logp.exp(), q_logp.exp()
+    p_rest = (1 - p.sum(-1)).clamp_min(1e-12)  # [N]
+    q_rest = (1 - q.sum(-1)).clamp_min(1e-12)
+    kl = (p * (full_logp - q_logp)).sum(-1) + p_rest * (p_rest.log() - q_rest.log())
+    rkl = (q * (q_logp - full_logp)).sum(-1) + q_rest * (q_rest.log() - p_rest.log())
+    tv = 0.5 * ((p - q).abs().sum(-1) + (p_rest - q_rest).abs())
+    agree = (q_logp_all.argmax(-1) == idx[:, 0]).float()
+    return {"kl": kl, "reverse_kl": rkl, "tv": tv, "top1_agreement": agree}
+
+
+def evaluate_route(model: LoadedModel, calib: Calibration, mask: LayerMask | None) -> dict[str, float]:
+    """Mean divergences and top-1 agreement of the routed model against the cached full model."""
+    totals: dict[str, float] = {}
+    count = 0
+    for seq, plen, logp, idx in zip(calib.sequences, calib.prompt_lens, calib.topk_logp, calib.topk_idx):
+        cache = model.decoder.new_cache(len(seq))
+        if plen > 1:
+            model.decoder.forward(seq[: plen - 1], 0, cache, last_only=True)
+        logits = model.decoder.forward(seq[plen - 1 : -1], plen - 1, cache, route=mask)
+        for name, values in coarse_divergences(logp, idx, logits).items():
+            totals[name] = totals.get(name, 0.0) + float(values.sum())
+        count += logits.shape[0]
+    return {name: total / count for name, total in totals.items()}
+
+
+def kept_from_scores(scores: dict[int, float], n_keep: int, pinned: list[int]) -> list[int]:
+    """The pinned layers plus the highest-scoring free ones, n_keep in all."""
+    free = sorted(scores, key=lambda i: -scores[i])[: max(n_keep - len(pinned), 0)]
+    return sorted(set(pinned) | set(free))
+
+
+def search_route(
+    model: LoadedModel,
+    budget: float,
+    trials: int,
+    seed: int = 0,
+    storage: str | None = None,
+    cost: str = "kl",
+    pin_ends: bool = True,
+    calib: Calibration | None = None,
+    n_random: int = 20,
+    progress: bool = True,
+) -> Route:
+    """Run (or resume) a DIMR study; return the best route found. `trials` is the study's total."""
+    import optuna
+    from optuna.trial import TrialState
+    from tqdm import tqdm
+
+    if cost not in COSTS:
+        raise UsageError(f"unknown cost {cost!r}: choose from {', '.join(COSTS)}")
+    if not 0 < budget <= 1:
+        raise UsageError(f"budget must be in (0, 1], got {budget}")
+    if trials < 1:
+        raise UsageError(f"trials must be >= 1, got {trials}")
+    n = model.config.n_layers
+    n_keep = max(1, round(budget * n))
+    pinned = sorted({0, n - 1}) if pin_ends and n_keep >= 2 else []
+    free = [i for i in range(n) if i not in pinned]
+    calib = calib or build_calibration(model, progress=progress)
+    fp = ModelFingerprint.of(model)
+    name = f"dimr-{fp.source}-{fp.n_layers}-b{budget}-{cost}-s{seed}-pin{int(pin_ends)}-{calib.description}"
+    optuna.logging.set_verbosity(optuna.logging.WARNING)
+    sampler = optuna.samplers.TPESampler(n_startup_trials=n_random, seed=seed, multivariate=True)
+    study = optuna.create_study(study_name=name, storage=storage, direction="minimize", sampler=sampler, load_if_exists=True)
+    for t in study.get_trials(deepcopy=False, states=(TrialState.RUNNING,)):
+        study.tell(t.number, state=TrialState.FAIL)  # left running by an interrupted run
+    done = len(study.get_trials(deepcopy=False, states=(TrialState.COMPLETE,)))
+    memo: dict[tuple[int, ...], dict] = {
+        tuple(t.user_attrs["kept"]): t.user_attrs["metrics"] for t in study.get_trials(deepcopy=False, states=(TrialState.COMPLETE,))
+    }
+    t0 = time.perf_counter()
+    bar = tqdm(total=trials, initial=done, desc=f"DIMR budget {budget}", disable=not progress, file=sys.stderr)
+
+    def objective(trial: "optuna.Trial") -> float:
+        scores = {i: trial.suggest_float(f"layer_{i}", 0.0, 1.0) for i in free}
+        kept = kept_from_scores(scores, n_keep, pinned)
+        key = tuple(kept)
+        if key not in memo:
+            memo[key] = evaluate_route(model, calib, LayerMask.from_layers(n, kept))
+        trial.set_user_attr("kept", kept)
+        trial.set_user_attr("metrics", memo[key])
+        return memo[key][cost]
+
+    def report(study: "optuna.Study", trial) -> None:
+        bar.update(1)
+        bar.set_postfix(best=f"{study.best_value:.4f}")
+
+    if trials > done:
+        study.optimize(objective, n_trials=trials - done, callbacks=[report])
+    bar.close()
+    best = study.best_trial
+    return Route.from_layers(
+        fp,
+        best.user_attrs["kept"],
+        budget=budget,
+        metrics={**best.user_attrs["metrics"], "cost": cost},
+        search={"method": "DIMR: random warm start + Optuna TPE", "seed": seed, "trials": trials,
+                "random_trials": n_random, "pinned": pinned, "calibration": calib.description,
+                "time_s": round(time.perf_counter() - t0, 1), "study": name},
+    )

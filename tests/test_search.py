@@ -1,0 +1,108 @@
+"""DIMR search: the full route costs nothing, a planted best mask is found, seeded runs repeat,
+and an interrupted study resumes without losing completed trials."""
+
+from __future__ import annotations
+
+import os
+import signal
+import sqlite3
+import subprocess
+import sys
+import time
+
+import pytest
+import torch
+
+from viasd.models.loading import load_model
+from viasd.models.runtime import LayerMask
+from viasd.routing import Route
+from viasd.routing.search import build_calibration, evaluate_route, kept_from_scores, search_route
+
+from conftest import save_tiny
+
+PLANTED = [0, 2, 5, 7]  # the informative layers; the others are no-ops
+
+
+@pytest.fixture(autouse=True)
+def private_cache(tmp_path, monkeypatch):
+    monkeypatch.setenv("VIASD_CACHE", str(tmp_path / "cache"))
+
+
+@pytest.fixture(scope="module")
+def planted_dir(tmp_path_factory):
+    """8 layers; layers outside PLANTED have zero output projections, so they change nothing."""
+    from safetensors.torch import load_file, save_file
+
+    path = save_tiny(tmp_path_factory.mktemp("planted"), n_layers=8, seed=3)
+    f = path / "model.safetensors"
+    state = load_file(f)
+    for i in set(range(8)) - set(PLANTED):
+        for name in ("self_attn.o_proj.weight", "mlp.down_proj.weight"):
+            state[f"model.layers.{i}.{name}"].zero_()
+    save_file(state, f, metadata={"format": "pt"})
+    return path
+
+
+@pytest.fixture(scope="module")
+def planted(planted_dir):
+    return load_model(str(planted_dir), progress=False)
+
+
+def prompts():
+    g = torch.Generator().manual_seed(0)
+    return [torch.randint(0, 61, (8,), generator=g).tolist() for _ in range(3)]
+
+
+def test_full_route_costs_nothing(tiny):
+    calib = build_calibration(tiny, seq_len=32, top_k=16, progress=False, prompts=prompts())
+    full = evaluate_route(tiny, calib, None)
+    assert full["kl"] == pytest.approx(0, abs=1e-6) and full["tv"] == pytest.approx(0, abs=1e-6)
+    assert full["top1_agreement"] == 1.0
+    partial = evaluate_route(tiny, calib, LayerMask.from_layers(4, [0, 1]))
+    assert partial["kl"] > 0.01 and partial["tv"] > 0.01
+
+
+def test_kept_from_scores():
+    assert kept_from_scores({1: 0.9, 2: 0.1, 3: 0.5}, 4, [0, 4]) == [0, 1, 3, 4]
+    assert kept_from_scores({1: 0.2, 2: 0.3}, 1, []) == [2]
+
+
+def test_search_finds_the_planted_mask_and_repeats_with_a_seed(planted):
+    calib = build_calibration(planted, seq_len=32, top_k=16, progress=False, prompts=prompts())
+    assert evaluate_route(planted, calib, LayerMask.from_layers(8, PLANTED))["kl"] == pytest.approx(0, abs=1e-6)
+    a = search_route(planted, 0.5, 60, seed=1, pin_ends=False, calib=calib, n_random=15, progress=False)
+    assert a.kept_layers == PLANTED and a.metrics["kl"] == pytest.approx(0, abs=1e-6)
+    b = search_route(planted, 0.5, 60, seed=1, pin_ends=False, calib=calib, n_random=15, progress=False)
+    assert b.kept_layers == a.kept_layers and b.metrics == a.metrics
+
+
+def complete_trials(db) -> int:
+    if not db.exists():
+        return 0
+    try:
+        with sqlite3.connect(db) as con:
+            return con.execute("select count(*) from trials where state = 'COMPLETE'").fetchone()[0]
+    except sqlite3.Error:
+        return 0
+
+
+def test_interrupted_search_resumes(planted_dir, tmp_path):
+    out = tmp_path / "route.json"
+    db = tmp_path / "route.optuna.sqlite"
+    cmd = [sys.executable, "-m", "viasd", "search", "--model", str(planted_dir), "--budget", "0.5", "--trials", "150",
+           "--seed", "2", "--calib-seqs", "2", "--calib-len", "24", "--no-pin-ends", "--out", str(out), "-q"]
+    env = {**os.environ, "VIASD_CACHE": str(tmp_path / "cache")}
+    proc = subprocess.Popen(cmd, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    deadline = time.time() + 120
+    while complete_trials(db) < 10 and proc.poll() is None and time.time() < deadline:
+        time.sleep(0.05)
+    proc.send_signal(signal.SIGKILL)
+    proc.wait()
+    interrupted_at = complete_trials(db)
+    assert 10 <= interrupted_at < 150, "the run should have been killed mid-study"
+    assert not out.exists()
+    rerun = subprocess.run(cmd, env=env, capture_output=True, text=True)
+    assert rerun.returncode == 0, rerun.stderr
+    assert complete_trials(db) == 150  # nothing lost, nothing run twice
+    route = Route.load(out)
+    assert route.search["trials"] == 150 and len(route.kept_layers) == 4
