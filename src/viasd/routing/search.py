@@ -18,7 +18,7 @@ import os
 import sys
 import tempfile
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
@@ -38,6 +38,8 @@ class Calibration:
     topk_logp: list[torch.Tensor]  # each [L - P, k] full model's log-probs of its top-k tokens, predicting tokens P..L-1
     topk_idx: list[torch.Tensor]  # each [L - P, k]
     description: str
+    # per sequence, a KV cache holding the full model's prompt (filled on first use, not saved)
+    _prompt_caches: dict = field(default_factory=dict, repr=False)
 
 
 def dev_prompts(model: LoadedModel, n: int) -> list[list[int]]:
@@ -74,7 +76,7 @@ def build_calibration(model: LoadedModel, n_seqs: int = 16, seq_len: int = 128, 
     path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(dir=path.parent)
     os.close(fd)
-    torch.save(calib.__dict__, tmp)
+    torch.save({k: v for k, v in calib.__dict__.items() if not k.startswith("_")}, tmp)
     os.replace(tmp, path)
     return calib
 
@@ -100,10 +102,14 @@ def evaluate_route(model: LoadedModel, calib: Calibration, mask: LayerMask | Non
     """Mean divergences and top-1 agreement of the routed model against the cached full model."""
     totals: dict[str, float] = {}
     count = 0
-    for seq, plen, logp, idx in zip(calib.sequences, calib.prompt_lens, calib.topk_logp, calib.topk_idx):
-        cache = model.decoder.new_cache(len(seq))
-        if plen > 1:
-            model.decoder.forward(seq[: plen - 1], 0, cache, last_only=True)
+    for i, (seq, plen, logp, idx) in enumerate(zip(calib.sequences, calib.prompt_lens, calib.topk_logp, calib.topk_idx)):
+        key = (id(model.decoder), i)
+        cache = calib._prompt_caches.get(key)
+        if cache is None:  # the full model's prompt K/V, computed once per sequence
+            cache = calib._prompt_caches[key] = model.decoder.new_cache(len(seq))
+            if plen > 1:
+                model.decoder.forward(seq[: plen - 1], 0, cache, last_only=True)
+        cache.rollback(plen - 1)  # forget the previous trial's routed (or full) continuation
         logits = model.decoder.forward(seq[plen - 1 : -1], plen - 1, cache, route=mask)
         for name, values in coarse_divergences(logp, idx, logits).items():
             totals[name] = totals.get(name, 0.0) + float(values.sum())
