@@ -62,7 +62,7 @@ def test_routes_show(tmp_path, capsys):
     path = Route.from_layers(SMOL, [0, 1, 2, 29], budget=0.15, metrics={"kl": 0.25}).save(tmp_path / "r.json")
     assert main(["routes", "show", str(path)]) == 0
     out = capsys.readouterr().out
-    assert "███" + "·" * 26 + "█" in out and "4/30 layers" in out and "kl      0.25" in out
+    assert "███" + "·" * 26 + "█" in out and "4/30 layers" in out and "kl              0.25" in out
     assert main(["routes", "show", str(tmp_path / "nope.json")]) == 2
     assert "no such route file" in capsys.readouterr().err
 

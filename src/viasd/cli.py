@@ -95,7 +95,7 @@ def _routes_show(args: argparse.Namespace) -> int:
     print(f"  kept    {len(route.kept_layers)}/{m.n_layers} layers, {route.fraction:.0%} of sub-layer work"
           + (f" (budget {route.budget:.2f})" if route.budget is not None else ""))
     for key, value in route.metrics.items():
-        print(f"  {key:<7} {value:.4g}" if isinstance(value, float) else f"  {key:<7} {value}")
+        print(f"  {key:<15} {value:.4g}" if isinstance(value, float) else f"  {key:<15} {value}")
     for key, value in route.search.items():
         print(f"  search.{key} = {value}")
     return 0
