@@ -14,5 +14,6 @@ demo: install
 test: install
 	$(PYTHON) -m pytest -q
 
-bench: install
+bench:
+	$(PIP) -e '.[test,bench]'
 	$(PYTHON) benchmarks/core.py
