@@ -18,15 +18,21 @@ from common import Records, environment  # noqa: E402
 
 from viasd.models.loading import load_model  # noqa: E402
 from viasd.models.runtime import LayerMask  # noqa: E402
-from viasd.routing.search import build_calibration, evaluate_route, search_route  # noqa: E402
+from viasd.routing.search import build_calibration, evaluate_model, evaluate_route, search_route  # noqa: E402
+
+
+def every_other(n: int, m: int) -> list[int]:
+    """Skip odd layers (1, 3, ...) first, then even ones (2, 4, ...), until m layers remain:
+    exactly every other layer at budget 0.5."""
+    order = list(range(1, n, 2)) + list(range(2, n, 2))
+    return sorted(set(range(n)) - set(order[: n - m]))
 
 
 def baselines(n: int, m: int, seeds: int = 5) -> dict[str, list[list[int]]]:
-    every_other = list(range(0, n, 2))[:m]
     evenly = sorted({round(i * (n - 1) / max(m - 1, 1)) for i in range(m)})
     return {
         "first-k": [list(range(m))],
-        "every-other": [every_other],
+        "every-other": [every_other(n, m)],
         "evenly-spaced": [evenly],
         "random": [sorted(random.Random(s).sample(range(n), m)) for s in range(seeds)],
     }
@@ -40,10 +46,13 @@ def main() -> None:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--out", type=Path, default=Path("results/routes.jsonl"))
     ap.add_argument("--routes-dir", type=Path, default=Path("results/routes"))
+    ap.add_argument("--ablation", metavar="MODEL", help="also score this independent smaller model (same tokenizer) against the full model")
+    ap.add_argument("--calib-seqs", type=int, default=16)
+    ap.add_argument("--calib-len", type=int, default=128)
     args = ap.parse_args()
     rec = Records(args.out, environment())
     model = load_model(args.model)
-    calib = build_calibration(model)
+    calib = build_calibration(model, n_seqs=args.calib_seqs, seq_len=args.calib_len)
     n = model.config.n_layers
     rows = []
     for budget in [float(b) for b in args.budgets.split(",")]:
@@ -64,6 +73,13 @@ def main() -> None:
         best_baseline = min(v["kl"] for k, v in results.items() if k != "DIMR")
         print(f"budget {budget}: DIMR KL {route.metrics['kl']:.3f} vs best baseline {best_baseline:.3f} "
               f"(margin {best_baseline - route.metrics['kl']:.3f})", flush=True)
+    if args.ablation:
+        other = load_model(args.ablation)
+        metrics = evaluate_model(other, calib)
+        rec.write(bench="routes", model=args.model, method=f"independent:{args.ablation}", kl=metrics["kl"],
+                  top1_agreement=metrics["top1_agreement"], config={"calibration": calib.description})
+        rows.append(("-", f"independent {args.ablation}", metrics["kl"], metrics["top1_agreement"]))
+        print(f"ablation: {args.ablation} KL {metrics['kl']:.3f}, top-1 agreement {metrics['top1_agreement']:.3f}", flush=True)
     print("\n| budget | route | KL(full||routed) | top-1 agreement |\n|---|---|---|---|")
     for b, name, kl, agree in rows:
         print(f"| {b} | {name} | {kl:.3f} | {agree:.3f} |")
@@ -73,9 +89,12 @@ def main() -> None:
     import matplotlib.pyplot as plt
 
     fig, ax = plt.subplots(figsize=(6, 4))
-    for name in dict.fromkeys(r[1] for r in rows):
+    for name in dict.fromkeys(r[1] for r in rows if r[0] != "-"):
         pts = [(b, kl) for b, nm, kl, _ in rows if nm == name]
         ax.plot(*zip(*pts), marker="o", label=name)
+    for b, name, kl, _ in rows:
+        if b == "-":
+            ax.axhline(kl, color="gray", linestyle="--", label=name)
     ax.set(xlabel="budget (fraction of layers kept)", ylabel="KL(full || routed)", yscale="log", title=args.model)
     ax.legend()
     fig.tight_layout()

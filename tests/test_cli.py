@@ -42,7 +42,7 @@ def test_sd_without_drafter_and_drafter_without_sd(capsys, tiny_dir):
     code, _, err = run(capsys, "generate", "w1 w2", "--model", str(tiny_dir), "--strategy", "sd", "--no-chat")
     assert code == 2 and "strategy 'sd' needs a drafter model" in err
     code, _, err = run(capsys, "generate", "w1 w2", "--model", str(tiny_dir), "--drafter", str(tiny_dir), "--no-chat")
-    assert code == 2 and "only used by strategy 'sd'" in err
+    assert code == 2 and "only used with model drafting" in err
 
 
 def test_generate_json_on_a_local_directory(capsys, tiny_dir):

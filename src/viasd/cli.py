@@ -8,31 +8,26 @@ import sys
 from collections.abc import Callable
 from pathlib import Path
 
-from viasd.errors import ViasdError
+from viasd.errors import UsageError, ViasdError
 
 DEMO_PROMPT = "Explain in three sentences why the sky is blue."
 DTYPES = ("float32", "bfloat16")
 
 
 def _generate(args: argparse.Namespace) -> int:
+    from dataclasses import fields
+
     from viasd.api import GenerateConfig, generate
     from viasd.models.loading import load_model
 
     prompt = DEMO_PROMPT if args.prompt is None else args.prompt
     if prompt == "-":
         prompt = sys.stdin.read()
-    config = GenerateConfig(
-        strategy=args.strategy,
-        k=args.k,
-        max_new_tokens=args.max_new_tokens,
-        temperature=args.temperature,
-        top_p=args.top_p,
-        seed=args.seed,
-        chat=args.chat,
-        draft_threshold=args.draft_threshold,
-        draft_layers=tuple(args.draft_layers) if args.draft_layers is not None else None,
-        draft_route=args.draft_route,
-    )
+    settings = {f.name: getattr(args, f.name) for f in fields(GenerateConfig) if hasattr(args, f.name)}
+    for name in ("draft_layers", "slim_layers"):
+        if settings[name] is not None:
+            settings[name] = tuple(settings[name])
+    config = GenerateConfig(**settings)
     config.validate()  # before any model is fetched
     progress = not args.quiet
     import torch
@@ -53,7 +48,7 @@ def _generate(args: argparse.Namespace) -> int:
     print()
     calls = ", ".join(f"{k} {v}" for k, v in s["calls"].items())
     print(
-        f"[{config.strategy}] {s['new_tokens']} tokens in {s['wall_s']:.2f} s ({s['tokens_per_s']:.1f} tok/s), "
+        f"[{config.strategy}{'/' + config.mode if config.strategy == 'viasd' else ''}] {s['new_tokens']} tokens in {s['wall_s']:.2f} s ({s['tokens_per_s']:.1f} tok/s), "
         f"mean accepted length {s['mean_accepted_length']:.2f}, rejection rate {s['rejection_rate']:.2f}, calls: {calls}",
         file=sys.stderr,
     )
@@ -143,8 +138,62 @@ def _add_search(p: argparse.ArgumentParser) -> None:
     p.add_argument("--quiet", "-q", action="store_true", help="no progress bars")
 
 
+def _calibrate(args: argparse.Namespace) -> int:
+    from viasd.api import GenerateConfig, resolve_route
+    from viasd.calibrate import calibrate, plot_curve, write_thresholds
+    from viasd.models.loading import load_model
+    from viasd.routing.search import dev_prompts
+
+    progress = not args.quiet
+    base = GenerateConfig(strategy="viasd", mode="tiered", k=args.k, max_new_tokens=args.max_new_tokens,
+                          draft=args.draft, slim_route=args.route, draft_route=args.draft_route)
+    base.validate()
+    if not 0 < args.min_agreement <= 1:
+        raise UsageError(f"--min-agreement must be in (0, 1], got {args.min_agreement}")
+    model = load_model(args.model, progress=progress)
+    drafter = load_model(args.drafter, progress=progress) if args.drafter else None
+    _, route_file = resolve_route(model, "slim", None, args.route)
+    if args.out:
+        out = Path(args.out)
+    elif route_file is not None and args.route:
+        out = route_file.with_suffix(".thresholds.json")
+    else:
+        out = Path(f"{Path(args.model).name}.slim.thresholds.json")
+    prompts = dev_prompts(model, args.prompts)
+    best, cands = calibrate(model, base, prompts, drafter, args.grid, args.min_agreement, progress)
+    meta = {"model": args.model, "drafter": args.drafter or base.draft, "route": str(route_file) if route_file else "default",
+            "min_agreement": args.min_agreement, "prompts": len(prompts), "max_new_tokens": args.max_new_tokens, "k": args.k}
+    write_thresholds(out, best, cands, meta)
+    png = plot_curve(out.with_suffix(".png"), best, cands, args.min_agreement, f"{args.model}: tiered thresholds")
+    t = best.thresholds
+    print(f"{out}: accept {t.accept}, accept_draft {t.accept_draft}, slim {t.slim} -> {best.tokens_per_s:.1f} tok/s, "
+          f"agreement {best.agreement:.3f} (curve: {png})")
+    return 0
+
+
+def _add_calibrate(p: argparse.ArgumentParser) -> None:
+    from viasd.api import DRAFT_KINDS
+    from viasd.calibrate import GRIDS
+    from viasd.models.zoo import DEFAULT_MODEL
+
+    p.add_argument("--model", "-m", default=DEFAULT_MODEL, help="(default: %(default)s)")
+    p.add_argument("--drafter", "-d", help="drafter model (else --draft pld or self)")
+    p.add_argument("--draft", default="auto", choices=DRAFT_KINDS, help="drafter kind (default: %(default)s)")
+    p.add_argument("--draft-route", metavar="ROUTE.json", help="self drafting route file")
+    p.add_argument("--route", "-r", metavar="ROUTE.json", help="slim route (default: the shipped route); thresholds are written beside it")
+    p.add_argument("--min-agreement", type=float, default=0.98,
+                   help="quality constraint: share of committed tokens equal to the full model's greedy choice (default: %(default)s)")
+    p.add_argument("--prompts", type=int, default=4, help="held-in calibration prompts (default: %(default)s)")
+    p.add_argument("--max-new-tokens", "-n", type=int, default=48, help="(default: %(default)s)")
+    p.add_argument("--k", "-k", type=int, default=4)
+    p.add_argument("--grid", default="small", choices=list(GRIDS), help="threshold grid (default: %(default)s)")
+    p.add_argument("--out", "-o", help="thresholds JSON (default: beside --route, else MODEL.slim.thresholds.json)")
+    p.add_argument("--quiet", "-q", action="store_true")
+
+
 def _add_generate(p: argparse.ArgumentParser) -> None:
-    from viasd.api import DEFAULT_STRATEGY, STRATEGIES
+    from viasd.api import DEFAULT_STRATEGY, DRAFT_KINDS, MODES, STRATEGIES
+    from viasd.decoding.acceptance import DEFERRAL_RULES
     from viasd.models.zoo import DEFAULT_MODEL
 
     p.add_argument("prompt", nargs="?", help=f"text to continue; - reads stdin (default: {DEMO_PROMPT!r})")
@@ -154,8 +203,26 @@ def _add_generate(p: argparse.ArgumentParser) -> None:
                    help="; ".join(f"{k}: {v}" for k, v in STRATEGIES.items()) + " (default: %(default)s)")
     p.add_argument("--k", "-k", type=int, default=4, help="draft tokens per verification round (default: %(default)s)")
     p.add_argument("--draft-threshold", type=float, help="adaptive drafting: stop when the drafter's top probability falls below this")
-    p.add_argument("--draft-layers", type=int, nargs="+", metavar="L", help="self-sd: verifier layers the drafting route keeps")
+    p.add_argument("--draft-layers", type=int, nargs="+", metavar="L", help="self drafting: verifier layers the drafting route keeps")
     p.add_argument("--draft-route", metavar="ROUTE.json", help="self-sd: drafting route from a route file (see `viasd routes show`)")
+    p.add_argument("--draft", default="auto", choices=DRAFT_KINDS,
+                   help="drafter for viasd / cascade: model (--drafter), pld, self (a route); auto = model if --drafter "
+                        "is given, else pld for viasd and self for cascade")
+    v = p.add_argument_group("viasd (--strategy viasd)")
+    v.add_argument("--mode", default="lossless", choices=MODES,
+                   help="lossless: exactly the full model's output; tiered: tiers 1-2 skip the full model (default: %(default)s)")
+    v.add_argument("--slim-layers", type=int, nargs="+", metavar="L", help="slim verifier's kept layers (default: the shipped route)")
+    v.add_argument("--slim-route", metavar="ROUTE.json", help="slim verifier's route file (thresholds beside it are used in tiered mode)")
+    v.add_argument("--full-block", type=int, default=8, help="lossless: slim-verified tokens per full check (default: %(default)s)")
+    v.add_argument("--thresholds", metavar="FILE.json", help="tiered: thresholds file (as written by `viasd calibrate`)")
+    v.add_argument("--accept", type=float, help="tiered: tier 1 when the slim prob of the draft is >= this")
+    v.add_argument("--accept-draft", type=float, help="tiered: ... and the drafter's prob of its token is >= this")
+    v.add_argument("--accept-tv", type=float, help="tiered: ... and TV(drafter, slim) is <= this")
+    v.add_argument("--slim", type=float, help="tiered: tier 2 when the slim top prob is >= this, else tier 3 (full)")
+    v.add_argument("--slim-entropy", type=float, help="tiered: ... and the slim entropy is <= this")
+    c = p.add_argument_group("cascade (--strategy cascade)")
+    c.add_argument("--rule", default="opt", choices=DEFERRAL_RULES, help="deferral rule (default: %(default)s)")
+    c.add_argument("--alpha", type=float, default=0.1, help="deferral rule parameter (default: %(default)s)")
     p.add_argument("--max-new-tokens", "-n", type=int, default=128, help="(default: %(default)s)")
     p.add_argument("--temperature", "-t", type=float, default=0.0, help="0 = greedy (default: %(default)s)")
     p.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling mass (default: %(default)s)")
@@ -180,6 +247,7 @@ COMMANDS: dict[str, tuple[str, Callable[[argparse.ArgumentParser], None], Callab
     "generate": ("generate text, streaming it, then print decoding statistics", _add_generate, _generate),
     "models": ("list zoo models and what is cached", _add_models, _models),
     "routes": ("inspect routes (layer masks of the verifier)", _add_routes, None),
+    "calibrate": ("choose tiered-mode thresholds for speed under a quality constraint", _add_calibrate, _calibrate),
     "search": ("find a route by DIMR (random search, then Bayesian optimisation); resumable", _add_search, _search),
 }
 

@@ -92,3 +92,82 @@ def speculative_sampling(
     if total <= 0:  # p == q up to rounding: the rejection had probability ~0; fall back to p
         residual, total = p[n], p[n].sum()
     return n, sample(residual / total, generator)
+
+
+# ------------------------------------------------------------------------ VIA-SD tier assignment
+
+
+@dataclass(frozen=True)
+class TierThresholds:
+    """Tiered mode's rules (VIA-SD), per draft position, in order:
+
+    tier 1 (accept): slim prob of the draft >= `accept`, drafter prob of its token >= `accept_draft`
+        and TV(drafter, slim) <= `accept_tv`: kept with no further check;
+    tier 2 (slim): slim top prob >= `slim` and slim entropy <= `slim_entropy`: the slim verifier
+        settles the token (keeps the draft if it is the slim's choice, else replaces it);
+    tier 3 (full): everything else goes to the full verifier.
+    Thresholds above 1 switch a tier off: `accept=2, slim=2` is plain SD; `accept=2, slim=0` lets
+    the slim verifier settle everything.
+    """
+
+    accept: float = 0.9
+    accept_draft: float = 0.5
+    accept_tv: float = 1.0
+    slim: float = 0.6
+    slim_entropy: float = float("inf")
+
+    def to_dict(self) -> dict:
+        return {k: getattr(self, k) for k in ("accept", "accept_draft", "accept_tv", "slim", "slim_entropy")}
+
+
+def confidence_signals(draft: torch.Tensor, q: torch.Tensor | None, slim: torch.Tensor) -> dict[str, torch.Tensor]:
+    """Per-position confidence signals.
+
+    draft: [k]; q: [k, V] drafter probabilities (None: deterministic drafter, q(x) = 1);
+    slim: [k, V] slim-verifier probabilities at the draft positions. Returns [k] tensors.
+    """
+    k = draft.shape[0]
+    idx = torch.arange(k)
+    top2 = slim.topk(2, dim=-1).values if slim.shape[-1] > 1 else torch.cat([slim, torch.zeros_like(slim)], -1)
+    q_full = q if q is not None else torch.nn.functional.one_hot(draft, slim.shape[-1]).float()
+    return {
+        "draft_prob": q_full[idx, draft],
+        "slim_prob": slim[idx, draft],
+        "slim_top": top2[:, 0],
+        "slim_margin": top2[:, 0] - top2[:, 1],
+        "slim_entropy": -(slim * slim.clamp_min(1e-12).log()).sum(-1),
+        "tv": 0.5 * (q_full - slim).abs().sum(-1),
+    }
+
+
+def assign_tiers(signals: dict[str, torch.Tensor], t: TierThresholds) -> torch.Tensor:
+    """[k] tier of each draft position (1 accept, 2 slim, 3 full) from `confidence_signals`."""
+    tier1 = (signals["slim_prob"] >= t.accept) & (signals["draft_prob"] >= t.accept_draft) & (signals["tv"] <= t.accept_tv)
+    tier2 = (signals["slim_top"] >= t.slim) & (signals["slim_entropy"] <= t.slim_entropy)
+    return torch.where(tier1, 1, torch.where(tier2, 2, 3))
+
+
+# ------------------------------------------------------------------ speculative cascades (baseline)
+
+DEFERRAL_RULES = ("chow", "diff", "opt")
+
+
+def cascade_defer(q: torch.Tensor, p: torch.Tensor, rule: str, alpha: float) -> torch.Tensor:
+    """Speculative cascades (Narasimhan et al. 2024): defer to the small model at each position?
+
+    q: [k, V] drafter distribution, p: [k, V] full model's. Returns [k] bool.
+    Chow: max q >= 1 - alpha;  Diff: max q >= max p - alpha;  OPT: max q >= max p - alpha * TV(p, q).
+    """
+    q_max, p_max = q.max(-1).values, p.max(-1).values
+    if rule == "chow":
+        return q_max >= 1 - alpha
+    if rule == "diff":
+        return q_max >= p_max - alpha
+    if rule == "opt":
+        return q_max >= p_max - alpha * 0.5 * (p - q).abs().sum(-1)
+    raise ValueError(f"unknown deferral rule {rule!r}: {', '.join(DEFERRAL_RULES)}")
+
+
+def cascade_target(q: torch.Tensor, p: torch.Tensor, defer: torch.Tensor) -> torch.Tensor:
+    """pi = q where deferred to the small model, else p. q, p: [k, V]; defer: [k] -> [k, V]."""
+    return torch.where(defer[:, None], q, p)

@@ -24,19 +24,24 @@ class DecodeStats:
     # verifier work, hardware-independent: one full-model call counts 1.0 whatever its block size
     # (decoding is weight-bandwidth bound), a routed call counts its share of sub-layers
     verifier_layer_passes: float = 0.0
-    rounds: int = 0  # verification rounds (each commits accepted + 1 tokens)
+    rounds: int = 0  # verification rounds by the deciding verifier (each commits >= 1 token)
     drafted: int = 0
     accepted: int = 0
     drafted_at: list[int] = field(default_factory=list)  # [k_max] drafts seen at position i of a block
     accepted_at: list[int] = field(default_factory=list)  # [k_max] drafts accepted at position i
+    tiers: Counter = field(default_factory=Counter)  # committed tokens by tier: 1 accept, 2 slim, 3 full
+    unchecked: int = 0  # committed tokens the full model never checked (tiered mode)
     _t0: float = field(default_factory=time.perf_counter, repr=False)
 
     def observe_call(self, name: str, n: int = 1, verifier_share: float = 0.0) -> None:
         self.calls[name] += n
         self.verifier_layer_passes += n * verifier_share
 
-    def observe_round(self, n_drafted: int, n_accepted: int) -> None:
-        self.rounds += 1
+    def observe_round(self, n_drafted: int, n_accepted: int, verification: bool = True) -> None:
+        """A block of n_drafted drafter tokens of which the first n_accepted were kept;
+        `verification`: the round was decided by the verifier that counts rounds (the full model, or
+        in tiered mode whichever settled it)."""
+        self.rounds += verification
         self.drafted += n_drafted
         self.accepted += n_accepted
         while len(self.drafted_at) < n_drafted:
@@ -45,6 +50,9 @@ class DecodeStats:
         for i in range(n_drafted):
             self.drafted_at[i] += 1
             self.accepted_at[i] += i < n_accepted
+
+    def observe_tiers(self, tiers: list[int]) -> None:
+        self.tiers.update(tiers)
 
     def observe_tokens(self, n: int) -> None:
         if self.first_token_s is None and n > 0:
@@ -62,8 +70,9 @@ class DecodeStats:
             "wall_s": round(self.wall_s, 4),
             "first_token_s": None if self.first_token_s is None else round(self.first_token_s, 4),
             "tokens_per_s": round(self.new_tokens / self.wall_s, 3) if self.wall_s > 0 else 0.0,
-            # accepted drafts + one recovered/bonus token per round, as vLLM and Spec-Bench count it
-            "mean_accepted_length": round((self.accepted + self.rounds) / self.rounds, 4) if self.rounds else 0.0,
+            # tokens committed per verification round (accepted drafts + the recovered/bonus token),
+            # as vLLM and Spec-Bench count it
+            "mean_accepted_length": round(self.new_tokens / self.rounds, 4) if self.rounds else 0.0,
             "rejection_rate": round((self.drafted - self.accepted) / self.drafted, 4) if self.drafted else 0.0,
             "calls": dict(self.calls),
             "tokens_per_full_call": round(self.new_tokens / full, 4) if full else 0.0,
@@ -71,6 +80,8 @@ class DecodeStats:
             "rounds": self.rounds,
             "drafted": self.drafted,
             "accepted": self.accepted,
+            "tiers": {"accept": self.tiers.get(1, 0), "slim": self.tiers.get(2, 0), "full": self.tiers.get(3, 0)},
+            "settled_without_full": round(self.unchecked / self.new_tokens, 4) if self.new_tokens else 0.0,
             "acceptance_per_position": [round(a / d, 4) if d else 0.0 for a, d in zip(self.accepted_at, self.drafted_at)],
         }
 

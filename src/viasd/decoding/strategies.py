@@ -12,7 +12,15 @@ from dataclasses import dataclass, field
 
 import torch
 
-from viasd.decoding.acceptance import SamplingParams, greedy_accept, logits_to_probs, sample, speculative_sampling
+from viasd.decoding.acceptance import (
+    SamplingParams,
+    cascade_defer,
+    cascade_target,
+    greedy_accept,
+    logits_to_probs,
+    sample,
+    speculative_sampling,
+)
 from viasd.decoding.stats import DecodeStats
 from viasd.drafters import Drafter, SelfDrafter
 from viasd.models.runtime import Decoder, KVCache
@@ -51,6 +59,20 @@ def _next_token(logits: torch.Tensor, params: SamplingParams, generator: torch.G
     return sample(logits_to_probs(logits, params), generator)
 
 
+def _cascade_accept(draft, logits: torch.Tensor, params: SamplingParams, cascade: tuple[str, float], generator) -> tuple[int, int]:
+    """Acceptance against the cascade target pi. logits: [k+1, V] full model; draft.probs: [k, V]."""
+    if draft.probs is None:
+        raise ValueError("speculative cascades need a drafter with probabilities (a model or a self route)")
+    k = len(draft)
+    tokens = torch.tensor(draft.tokens, dtype=torch.long)
+    # the rule compares the models' own confidences; greedy uses raw softmax, sampling the processed p
+    p = torch.softmax(logits.float(), -1) if params.greedy else logits_to_probs(logits, params)  # [k+1, V]
+    pi = torch.cat([cascade_target(draft.probs, p[:k], cascade_defer(draft.probs, p[:k], *cascade)), p[k:]])
+    if params.greedy:
+        return greedy_accept(tokens, pi)
+    return speculative_sampling(tokens, draft.probs, pi, generator)
+
+
 def autoregressive_decode(decoder: Decoder, req: DecodeRequest) -> list[int]:
     """Plain decoding: one full-model call per token."""
     prompt, max_new_tokens, params, eos, stats = req.prompt, req.max_new_tokens, req.params, req.eos, req.stats
@@ -76,11 +98,17 @@ def autoregressive_decode(decoder: Decoder, req: DecodeRequest) -> list[int]:
         stats.observe_call("full", verifier_share=1.0)
 
 
-def speculative_decode(decoder: Decoder, drafter: Drafter, req: DecodeRequest, k: int) -> list[int]:
+def speculative_decode(
+    decoder: Decoder, drafter: Drafter, req: DecodeRequest, k: int, cascade: tuple[str, float] | None = None
+) -> list[int]:
     """Speculative decoding (Leviathan et al. 2023; Chen et al. 2023) with any drafter, k drafts a round.
 
     Lossless: greedy output equals `autoregressive_decode`'s token for token, and sampled output
     follows the verifier's distribution exactly.
+
+    `cascade=(rule, alpha)`: speculative cascades (Narasimhan et al. 2024) instead: the target at
+    each draft position is pi = q where the deferral rule defers to the drafter, else p; then the
+    same lossless rule runs against pi (lossy with respect to p by design).
     """
     prompt, max_new_tokens, params, eos, stats = req.prompt, req.max_new_tokens, req.params, req.eos, req.stats
     out: list[int] = []
@@ -106,7 +134,9 @@ def speculative_decode(decoder: Decoder, drafter: Drafter, req: DecodeRequest, k
         logits = decoder.forward(torch.tensor([tokens[-1], *drafted]), start, cache)
         stats.observe_call("full", verifier_share=1.0)
         # 3. accept a prefix of the drafts, plus one recovered or bonus token
-        if params.greedy:
+        if cascade is not None and drafted:
+            n_acc, nxt = _cascade_accept(draft, logits, params, cascade, req.generator)
+        elif params.greedy:
             n_acc, nxt = greedy_accept(torch.tensor(drafted, dtype=torch.long), logits)
         else:
             p = logits_to_probs(logits, params)  # [k'+1, V]

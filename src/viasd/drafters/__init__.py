@@ -22,7 +22,9 @@ from viasd.models.runtime import Decoder, KVCache, LayerMask
 @dataclass
 class Draft:
     tokens: list[int]  # [k'] proposed token ids, k' <= k
-    probs: torch.Tensor | None  # [k', V] q of each proposal; None for deterministic drafters
+    # [k', V] q of each proposal, None for deterministic drafters. When sampling, the distribution
+    # the token was drawn from; when greedy, softmax(logits): the drafter's confidence.
+    probs: torch.Tensor | None
 
     def __len__(self) -> int:
         return len(self.tokens)
@@ -69,13 +71,13 @@ class _AutoregressiveDrafter:
             stats.observe_call(self.stat_name, verifier_share=self.verifier_share)
             start += feed.shape[0]
             if self.params.greedy:
+                q = torch.softmax(logits, -1)
                 token = int(logits.argmax())
-                top = float(torch.softmax(logits, -1).max()) if self.threshold is not None else 1.0
             else:
                 q = logits_to_probs(logits, self.params)
                 token = sample(q, self.generator)
-                probs.append(q)
-                top = float(q.max())
+            probs.append(q)
+            top = float(q.max())
             tokens.append(token)
             if self.threshold is not None and top < self.threshold:
                 break
@@ -95,7 +97,7 @@ class ModelDrafter(_AutoregressiveDrafter):
         self.cached_ids: list[int] = []  # token ids at cache positions 0 .. n_full-1
 
     def _sync(self, context: list[int]) -> tuple[KVCache, int]:
-        n = min(len(self.cached_ids), self.cache.n_full)
+        n = min(len(self.cached_ids), self.cache.n_full, len(context))
         common = next((i for i in range(n) if self.cached_ids[i] != context[i]), n)
         self.cache.rollback(common)
         return self.cache, common

@@ -131,6 +131,13 @@ class KVCache:
         self.n_full = min(self.n_full, n)
         self._routed = {r: min(length, n) for r, length in self._routed.items() if min(length, n) > self.n_full}
 
+    def rollback_route(self, route: LayerMask, n: int) -> None:
+        """Forget positions >= n for one route only (its rejected drafts); n_full is untouched."""
+        if route in self._routed:
+            self._routed[route] = min(self._routed[route], n)
+            if self._routed[route] <= self.n_full:
+                del self._routed[route]
+
     def _begin(self, route: LayerMask | None, start: int, n_tokens: int) -> None:
         if start + n_tokens > self.max_len:
             raise ValueError(f"KV cache overflow: positions up to {start + n_tokens} > max_len {self.max_len}")

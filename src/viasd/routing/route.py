@@ -134,3 +134,22 @@ class Route:
         if model is not None:
             route.check_model(model)
         return route
+
+
+ROLES = ("slim", "draft")
+
+
+def shipped_route_path(model: ModelFingerprint, role: str) -> Path | None:
+    """The searched route shipped with viasd for `model` (matched by weight hash) and `role`
+    ("slim": the slim verifier, "draft": a self-drafting route), or None."""
+    if role not in ROLES:
+        raise ValueError(f"unknown route role {role!r}: {', '.join(ROLES)}")
+    for path in sorted((Path(__file__).parent / "shipped").glob(f"*.{role}.json")):
+        if Route.from_dict(json.loads(path.read_text())).model.mismatch(model) is None:
+            return path
+    return None
+
+
+def shipped_route(model: ModelFingerprint, role: str) -> Route | None:
+    path = shipped_route_path(model, role)
+    return Route.load(path) if path else None

@@ -117,6 +117,20 @@ def evaluate_route(model: LoadedModel, calib: Calibration, mask: LayerMask | Non
     return {name: total / count for name, total in totals.items()}
 
 
+def evaluate_model(other: LoadedModel, calib: Calibration) -> dict[str, float]:
+    """Divergences of an independent model (same vocabulary) from the calibration's full model:
+    the paper's ablation of a routed slim verifier against a separate smaller model."""
+    totals: dict[str, float] = {}
+    count = 0
+    for seq, plen, logp, idx in zip(calib.sequences, calib.prompt_lens, calib.topk_logp, calib.topk_idx):
+        cache = other.decoder.new_cache(len(seq))
+        logits = other.decoder.forward(seq[:-1], 0, cache)[plen - 1 :]
+        for name, values in coarse_divergences(logp, idx, logits).items():
+            totals[name] = totals.get(name, 0.0) + float(values.sum())
+        count += logits.shape[0]
+    return {name: total / count for name, total in totals.items()}
+
+
 def kept_from_scores(scores: dict[int, float], n_keep: int, pinned: list[int]) -> list[int]:
     """The pinned layers plus the highest-scoring free ones, n_keep in all."""
     free = sorted(scores, key=lambda i: -scores[i])[: max(n_keep - len(pinned), 0)]

@@ -1,0 +1,121 @@
+"""Automatic thresholds for tiered VIA-SD (the paper leaves them to hand-tuning).
+
+For a model, drafter and slim route: decode held-in calibration prompts (the Spec-Bench dev split,
+question_id % 5 == 0) in tiered mode under each candidate `TierThresholds`, measure tokens/s and the
+agreement of the committed tokens with the full model's greedy choice at the same prefix (one
+teacher-forced full pass per decode), and keep the fastest candidate whose agreement meets the
+constraint. The all-to-full candidate (plain SD, agreement 1.0) is always in the grid, so a
+feasible answer always exists.
+"""
+
+from __future__ import annotations
+
+import itertools
+import json
+import os
+import sys
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from viasd.api import GenerateConfig, generate
+from viasd.decoding.acceptance import TierThresholds
+from viasd.models.loading import LoadedModel
+
+OFF = 2.0  # a threshold above 1 switches its tier off
+
+GRIDS = {
+    "small": {"accept": [0.7, 0.9, 0.97, OFF], "slim": [0.5, 0.7, 0.9, OFF], "accept_draft": [0.5]},
+    "full": {"accept": [0.5, 0.7, 0.8, 0.9, 0.95, 0.99, OFF], "slim": [0.3, 0.5, 0.6, 0.7, 0.8, 0.9, 0.95, OFF],
+             "accept_draft": [0.0, 0.5, 0.8]},
+}
+
+
+@dataclass
+class Candidate:
+    thresholds: TierThresholds
+    tokens: int = 0
+    agreeing: int = 0
+    wall_s: float = 0.0
+    full_calls: int = 0
+
+    @property
+    def agreement(self) -> float:
+        return self.agreeing / self.tokens if self.tokens else 0.0
+
+    @property
+    def tokens_per_s(self) -> float:
+        return self.tokens / self.wall_s if self.wall_s else 0.0
+
+    def to_dict(self) -> dict:
+        return {"thresholds": self.thresholds.to_dict(), "tokens": self.tokens, "agreement": round(self.agreement, 4),
+                "tokens_per_s": round(self.tokens_per_s, 3), "full_calls_per_token": round(self.full_calls / max(self.tokens, 1), 4)}
+
+
+def greedy_agreement(model: LoadedModel, prompt: list[int], out: list[int]) -> int:
+    """How many of `out` equal the full model's greedy choice given the committed prefix."""
+    seq = torch.tensor(prompt + out)
+    cache = model.decoder.new_cache(len(seq))
+    logits = model.decoder.forward(seq[:-1], 0, cache)[len(prompt) - 1 :]  # [len(out), V]
+    return int((logits.argmax(-1) == torch.tensor(out)).sum())
+
+
+def candidates(grid: str) -> list[TierThresholds]:
+    g = GRIDS[grid]
+    out = [TierThresholds(accept=a, slim=s, accept_draft=d) for a, s, d in itertools.product(g["accept"], g["slim"], g["accept_draft"])]
+    return [t for i, t in enumerate(out) if t not in out[:i]]
+
+
+def calibrate(model: LoadedModel, base: GenerateConfig, prompts: list[list[int]], drafter=None, grid: str = "small",
+              min_agreement: float = 0.98, progress: bool = True) -> tuple[Candidate, list[Candidate]]:
+    """Evaluate every candidate on every prompt (interleaved, so machine drift hits all alike)."""
+    from tqdm import tqdm
+
+    cands = [Candidate(t) for t in candidates(grid)]
+    generate(prompts[0], model, drafter=drafter, config=base, progress=False)  # warm-up
+    bar = tqdm(total=len(cands) * len(prompts), desc="calibrating thresholds", disable=not progress, file=sys.stderr)
+    for ids in prompts:
+        for c in cands:
+            config = GenerateConfig(**{**base.__dict__, **c.thresholds.to_dict(), "thresholds": None})
+            r = generate(ids, model, drafter=drafter, config=config, progress=False)
+            s = r.stats.to_dict()
+            c.tokens += s["new_tokens"]
+            c.wall_s += s["wall_s"]
+            c.full_calls += s["calls"].get("full", 0)
+            c.agreeing += greedy_agreement(model, ids, r.token_ids)
+            bar.update(1)
+    bar.close()
+    feasible = [c for c in cands if c.agreement >= min_agreement]
+    best = max(feasible, key=lambda c: c.tokens_per_s) if feasible else max(cands, key=lambda c: c.agreement)
+    return best, cands
+
+
+def write_thresholds(path: Path, best: Candidate, cands: list[Candidate], meta: dict) -> Path:
+    data = {"thresholds": best.thresholds.to_dict(), "measured": best.to_dict(), **meta,
+            "explored": [c.to_dict() for c in cands]}
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.")
+    with os.fdopen(fd, "w") as f:
+        json.dump(data, f, indent=1)
+    os.replace(tmp, path)
+    return path
+
+
+def plot_curve(path: Path, best: Candidate, cands: list[Candidate], min_agreement: float, title: str) -> Path:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(6, 4))
+    ax.scatter([c.agreement for c in cands], [c.tokens_per_s for c in cands], s=18, label="candidate thresholds")
+    ax.scatter([best.agreement], [best.tokens_per_s], s=80, marker="*", color="red", label="chosen")
+    ax.axvline(min_agreement, color="gray", linestyle="--", label=f"constraint {min_agreement:.0%}")
+    ax.set(xlabel="agreement with the full model's greedy tokens", ylabel="tokens/s", title=title)
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return path

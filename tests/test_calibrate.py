@@ -1,0 +1,45 @@
+"""Automatic tiered thresholds: the constraint holds, the all-to-full candidate agrees exactly,
+and the thresholds file drives `generate`."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from viasd import generate
+from viasd.api import GenerateConfig
+from viasd.calibrate import OFF, calibrate, greedy_agreement, plot_curve, write_thresholds
+from viasd.cli import main
+
+
+def test_calibrate_chooses_fastest_feasible(tiny, tmp_path):
+    base = GenerateConfig(strategy="viasd", mode="tiered", k=3, max_new_tokens=16, draft="self", slim_layers=(0, 1, 3))
+    prompts = [[1, 2, 3, 4, 1, 2], [7, 8, 9, 7, 8]]
+    best, cands = calibrate(tiny, base, prompts, grid="small", min_agreement=0.9, progress=False)
+    all_full = next(c for c in cands if c.thresholds.accept == OFF and c.thresholds.slim == OFF)
+    assert all_full.agreement == 1.0  # plain SD: every token is the full model's greedy choice
+    assert best.agreement >= 0.9
+    assert best.tokens_per_s == max(c.tokens_per_s for c in cands if c.agreement >= 0.9)
+    path = write_thresholds(tmp_path / "r.thresholds.json", best, cands, {"model": "tiny"})
+    data = json.loads(path.read_text())
+    assert data["thresholds"] == best.thresholds.to_dict() and len(data["explored"]) == len(cands) == 16
+    png = plot_curve(tmp_path / "curve.png", best, cands, 0.9, "tiny")
+    assert png.read_bytes()[:4] == b"\x89PNG"
+    # the written file drives tiered decoding
+    out = generate(prompts[0], tiny, strategy="viasd", mode="tiered", slim_layers=(0, 1, 3), draft="self",
+                   thresholds=str(path), max_new_tokens=8)
+    assert out.config["tier_thresholds"] == best.thresholds.to_dict()
+
+
+def test_greedy_agreement_counts_full_model_choices(tiny):
+    prompt = [1, 2, 3]
+    ar = generate(prompt, tiny, strategy="ar", max_new_tokens=10).token_ids  # may stop early at EOS
+    assert len(ar) >= 6 and greedy_agreement(tiny, prompt, ar) == len(ar)
+    wrong = (ar[5] + 1) % 60
+    assert greedy_agreement(tiny, prompt, ar[:5] + [wrong] + ar[6:]) <= len(ar) - 1
+
+
+def test_calibrate_cli_rejects_bad_constraint(capsys):
+    assert main(["calibrate", "--min-agreement", "1.5"]) == 2
+    assert "--min-agreement must be in (0, 1]" in capsys.readouterr().err

@@ -1,0 +1,271 @@
+"""VIA-SD: lossless mode equals `ar`; tiered mode equals a cache-free reference of the same rules;
+the threshold limits reproduce `sd` and the routed model; tier counts add up; sampling is lossless.
+Also the speculative-cascades baseline."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from viasd import generate
+from viasd.api import default_slim_layers
+from viasd.decoding.acceptance import (
+    SamplingParams,
+    TierThresholds,
+    assign_tiers,
+    cascade_defer,
+    cascade_target,
+    confidence_signals,
+    greedy_accept,
+)
+from viasd.decoding.multitier import viasd_lossless_decode, viasd_tiered_decode
+from viasd.decoding.strategies import DecodeRequest, autoregressive_decode, speculative_decode
+from viasd.drafters import ModelDrafter, NgramDrafter, SelfDrafter, ngram_lookup
+from viasd.models.runtime import LayerMask
+
+GREEDY = SamplingParams()
+SLIM = [0, 1, 3]  # tiny model (4 layers): slim route
+DRAFT = [0, 3]  # tiny model: self-drafting route
+
+
+def ar(model, prompt, n, eos=frozenset()):
+    return autoregressive_decode(model.decoder, DecodeRequest(prompt, n, GREEDY, eos))
+
+
+def drafters(model, other):
+    n = model.config.n_layers
+    return {
+        "pld": lambda: NgramDrafter(),
+        "self": lambda: SelfDrafter(model.decoder, LayerMask.from_layers(n, DRAFT), GREEDY, None, None),
+        "model": lambda: ModelDrafter(other.decoder, GREEDY, None, None),
+        "same-model": lambda: ModelDrafter(model.decoder, GREEDY, None, None),
+    }
+
+
+def prompts(n=4):
+    g = torch.Generator().manual_seed(11)
+    out = []
+    for _ in range(n):
+        base = torch.randint(0, 61, (5,), generator=g).tolist()
+        out.append(base + base[:3] + torch.randint(0, 61, (3,), generator=g).tolist())  # repeats for pld
+    return out
+
+
+@pytest.mark.parametrize("k, full_block", [(2, 4), (4, 8), (6, 3)])
+def test_lossless_equals_ar_on_tiny_model(tiny, tiny_drafter, k, full_block):
+    slim = LayerMask.from_layers(tiny.config.n_layers, SLIM)
+    for prompt in prompts():
+        expected = ar(tiny, prompt, 40)
+        for name, make in drafters(tiny, tiny_drafter).items():
+            req = DecodeRequest(prompt, 40, GREEDY)
+            out = viasd_lossless_decode(tiny.decoder, make(), slim, req, k, full_block)
+            assert out == expected, name
+            s = req.stats.to_dict()
+            assert s["calls"]["full"] >= 3 and s["calls"]["slim"] >= 2, name  # prefill + >= 2 verifications
+            assert sum(s["tiers"].values()) == s["new_tokens"] == 40, name
+
+
+@pytest.mark.model
+@pytest.mark.parametrize("prompt", ["Write a short story about a robot learning to paint.",
+                                    "def fibonacci(n):\n    \"\"\"Return the n-th Fibonacci number.\"\"\"\n",
+                                    "List three facts about the Moon."])
+@pytest.mark.parametrize("draft", ["self", "pld"])
+def test_lossless_equals_ar_on_smollm2(smollm2, prompt, draft):
+    expected = generate(prompt, smollm2, strategy="ar", max_new_tokens=40)
+    got = generate(prompt, smollm2, strategy="viasd", mode="lossless", draft=draft, max_new_tokens=40)
+    assert got.token_ids == expected.token_ids
+    s = got.stats.to_dict()
+    assert s["calls"]["full"] >= 3  # prefill + >= 2 full verifications
+    assert sum(s["tiers"].values()) == s["new_tokens"]
+
+
+# --------------------------------------------------------------------------- tiered reference
+
+
+def fresh_logits(model, seq, n_full, route):
+    """Cache-free: logits at positions n_full.. of seq, positions < n_full by the full model."""
+    cache = model.decoder.new_cache(len(seq))
+    ids = torch.tensor(seq)
+    if n_full:
+        model.decoder.forward(ids[:n_full], 0, cache)
+    return model.decoder.forward(ids[n_full:], n_full, cache, route=route)
+
+
+def ref_draft(model, kind, tokens, n_full, k):
+    """Drafts recomputed from scratch: pld lookup, or greedy along the drafting route."""
+    if kind == "pld":
+        return ngram_lookup(np.array(tokens), k, 3, 1), None
+    route = LayerMask.from_layers(model.config.n_layers, DRAFT)
+    seq, probs = list(tokens), []
+    for _ in range(k):
+        row = fresh_logits(model, seq, min(n_full, len(seq) - 1), route)[-1]
+        probs.append(torch.softmax(row, -1))
+        seq.append(int(row.argmax()))
+    return seq[len(tokens):], torch.stack(probs) if probs else None
+
+
+def tiered_reference(model, kind, slim_layers, prompt, n_new, k, thr):
+    slim_route = LayerMask.from_layers(model.config.n_layers, slim_layers)
+    tokens, out, n_full = list(prompt), [], len(prompt) - 1
+    while len(out) < n_new:
+        budget = n_new - len(out)
+        drafts, q = ref_draft(model, kind, tokens, n_full, min(k, budget - 1)) if budget > 1 else ([], None)
+        kd = len(drafts)
+        slim = torch.softmax(fresh_logits(model, tokens + drafts, n_full, slim_route)[len(tokens) - 1 - n_full:], -1)
+        tiers = assign_tiers(confidence_signals(torch.tensor(drafts, dtype=torch.long), q, slim[:kd]), thr).tolist() if kd else []
+        tiers.append(2 if slim[kd].max() >= thr.slim else 3)
+        new, i = [], 0
+        while tiers[i] != 3:
+            if tiers[i] == 1:
+                new.append(drafts[i]); i += 1; continue
+            token = int(slim[i].argmax())
+            new.append(token)
+            if i == kd or token != drafts[i]:
+                break
+            i += 1
+        if tiers[i] == 3:
+            seq = tokens + new + drafts[i:]
+            rows = fresh_logits(model, seq, 0, None)[len(tokens + new) - 1:]
+            n, x = greedy_accept(torch.tensor(drafts[i:], dtype=torch.long), rows)
+            new += drafts[i:i + n] + [x]
+            n_full = len(seq)
+        new = new[:budget]
+        tokens += new
+        out += new
+        n_full = min(n_full, len(tokens) - 1)
+    return out
+
+
+@pytest.mark.parametrize("kind", ["pld", "self"])
+@pytest.mark.parametrize("thr", [TierThresholds(accept=0.5, accept_draft=0.0, slim=0.4),
+                                 TierThresholds(accept=0.3, accept_draft=0.3, slim=0.7),
+                                 TierThresholds(accept=0.8, accept_draft=0.0, accept_tv=0.5, slim=0.2)])
+def test_tiered_equals_cache_free_reference(tiny, kind, thr):
+    slim_route = LayerMask.from_layers(tiny.config.n_layers, SLIM)
+    seen = set()
+    for prompt in prompts(3):
+        expected = tiered_reference(tiny, kind, SLIM, prompt, 30, 4, thr)
+        make = drafters(tiny, None)[kind]
+        req = DecodeRequest(prompt, 30, GREEDY)
+        out = viasd_tiered_decode(tiny.decoder, make(), slim_route, req, 4, thr)
+        assert out == expected
+        s = req.stats.to_dict()
+        assert sum(s["tiers"].values()) == s["new_tokens"] == 30
+        seen |= {t for t, n in s["tiers"].items() if n}
+    assert len(seen) >= 2  # the thresholds mix tiers
+
+
+@pytest.mark.parametrize("kind", ["pld", "self", "model"])
+def test_tiered_with_every_token_to_full_is_sd(tiny, tiny_drafter, kind):
+    slim_route = LayerMask.from_layers(tiny.config.n_layers, SLIM)
+    never = TierThresholds(accept=2.0, slim=2.0)
+    for prompt in prompts(3):
+        make = drafters(tiny, tiny_drafter)[kind]
+        expected = speculative_decode(tiny.decoder, make(), DecodeRequest(prompt, 30, GREEDY), 4)
+        req = DecodeRequest(prompt, 30, GREEDY)
+        assert viasd_tiered_decode(tiny.decoder, make(), slim_route, req, 4, never) == expected
+        assert req.stats.to_dict()["tiers"] == {"accept": 0, "slim": 0, "full": 30}
+
+
+@pytest.mark.parametrize("kind", ["pld", "self"])
+def test_tiered_with_slim_settling_everything_is_the_routed_model(tiny, kind):
+    n = tiny.config.n_layers
+    slim_route = LayerMask.from_layers(n, SLIM)
+    for prompt in prompts(3):
+        # routed greedy decoding: the prompt by the full model, every new position along the route
+        cache = tiny.decoder.new_cache(64)
+        tiny.decoder.forward(torch.tensor(prompt[:-1]), 0, cache)
+        seq, expected = list(prompt), []
+        for _ in range(30):
+            logits = tiny.decoder.forward(torch.tensor(seq[-1:]), len(seq) - 1, cache, route=slim_route)[0]
+            expected.append(int(logits.argmax()))
+            seq.append(expected[-1])
+        req = DecodeRequest(prompt, 30, GREEDY)
+        out = viasd_tiered_decode(tiny.decoder, drafters(tiny, None)[kind](), slim_route, req, 4, TierThresholds(accept=2.0, slim=0.0))
+        assert out == expected
+        s = req.stats.to_dict()
+        assert s["calls"]["full"] == 1 and s["tiers"]["slim"] == 30 and s["settled_without_full"] == 1.0
+
+
+# ------------------------------------------------------------------------------ sampling
+
+
+def test_lossless_sampling_follows_the_verifier_distribution(tmp_path):
+    """N = 3000 sampled decodes of 3 tokens; first and second token marginals within TV 0.05 of exact."""
+    from conftest import save_tiny
+    from test_strategies import exact_marginals
+    from viasd.models.loading import load_model
+
+    words = [f"w{i}" for i in range(6)] + ["<eos>", "<unk>"]
+    model = load_model(str(save_tiny(tmp_path / "m", seed=5, words=words, scale=0.4)), progress=False)
+    params = SamplingParams(temperature=1.0)
+    prompt = [4, 0]
+    p1, p2 = exact_marginals(model, prompt, params)
+    slim = LayerMask.from_layers(4, SLIM)
+    g = torch.Generator().manual_seed(3)
+    counts = torch.zeros(2, 8)
+    n = 3000
+    for _ in range(n):
+        drafter = SelfDrafter(model.decoder, LayerMask.from_layers(4, DRAFT), params, g, None)
+        out = viasd_lossless_decode(model.decoder, drafter, slim, DecodeRequest(prompt, 3, params, generator=g), 2, 2)
+        counts[0, out[0]] += 1
+        counts[1, out[1]] += 1
+    for i, p in enumerate((p1, p2)):
+        assert 0.5 * (counts[i] / n - p).abs().sum() < 0.05, i
+
+
+# ------------------------------------------------------------------------------ signals, cascades
+
+
+def test_confidence_signals_and_tiers_on_hand_built_distributions():
+    slim = torch.tensor([[0.95, 0.05, 0.0], [0.5, 0.3, 0.2], [0.2, 0.2, 0.6]])
+    q = torch.tensor([[0.9, 0.1, 0.0], [0.2, 0.8, 0.0], [1.0, 0.0, 0.0]])
+    draft = torch.tensor([0, 1, 0])
+    s = confidence_signals(draft, q, slim)
+    assert torch.allclose(s["slim_prob"], torch.tensor([0.95, 0.3, 0.2]))
+    assert torch.allclose(s["draft_prob"], torch.tensor([0.9, 0.8, 1.0]))
+    assert torch.allclose(s["slim_top"], torch.tensor([0.95, 0.5, 0.6]))
+    assert torch.allclose(s["tv"], torch.tensor([0.05, 0.5, 0.8]))
+    assert assign_tiers(s, TierThresholds(accept=0.9, accept_draft=0.5, slim=0.55)).tolist() == [1, 3, 2]
+    assert assign_tiers(s, TierThresholds(accept=0.9, accept_draft=0.95, slim=0.55)).tolist() == [2, 3, 2]
+    assert assign_tiers(s, TierThresholds(accept=2, slim=2)).tolist() == [3, 3, 3]
+
+
+def test_cascade_deferral_rules():
+    q = torch.tensor([[0.9, 0.1], [0.6, 0.4]])
+    p = torch.tensor([[0.5, 0.5], [0.95, 0.05]])
+    assert cascade_defer(q, p, "chow", 0.2).tolist() == [True, False]  # max q >= 0.8
+    assert cascade_defer(q, p, "diff", 0.2).tolist() == [True, False]  # max q >= max p - 0.2
+    assert cascade_defer(q, p, "opt", 1.0).tolist() == [True, True]  # 0.6 >= 0.95 - 0.35
+    assert cascade_defer(q, p, "opt", 0.5).tolist() == [True, False]
+    pi = cascade_target(q, p, torch.tensor([True, False]))
+    assert torch.equal(pi, torch.tensor([[0.9, 0.1], [0.95, 0.05]]))
+
+
+def test_cascade_that_never_defers_equals_ar_and_always_deferring_keeps_every_draft(tiny, tiny_drafter):
+    for prompt in prompts(2):
+        expected = ar(tiny, prompt, 24)
+        never = generate(prompt, tiny, drafter=tiny_drafter, strategy="cascade", rule="chow", alpha=0.0, max_new_tokens=24)
+        assert never.token_ids == expected
+        always = generate(prompt, tiny, drafter=tiny_drafter, strategy="cascade", rule="chow", alpha=1.0, max_new_tokens=24)
+        s = always.stats.to_dict()
+        assert s["rejection_rate"] == 0.0 and s["accepted"] == s["drafted"] > 0
+
+
+def test_viasd_api_settings_and_errors(tiny, tmp_path):
+    out = generate([1, 2, 3], tiny, strategy="viasd", mode="tiered", slim_layers=tuple(SLIM), accept=2.0, slim=2.0, max_new_tokens=8)
+    assert out.config["tier_thresholds"]["accept"] == 2.0 and out.stats.to_dict()["tiers"]["full"] == 8
+    (tmp_path / "t.json").write_text('{"accept": 2.0, "slim": 0.0}')
+    out = generate([1, 2, 3], tiny, strategy="viasd", mode="tiered", slim_layers=tuple(SLIM), thresholds=str(tmp_path / "t.json"), max_new_tokens=8)
+    assert out.stats.to_dict()["tiers"]["slim"] == 8
+    (tmp_path / "bad.json").write_text('{"acept": 0.5}')
+    from viasd.errors import UsageError
+
+    with pytest.raises(UsageError, match="unknown threshold\\(s\\) acept"):
+        generate([1, 2, 3], tiny, strategy="viasd", mode="tiered", thresholds=str(tmp_path / "bad.json"), max_new_tokens=4)
+    with pytest.raises(UsageError, match="unknown mode 'fast'"):
+        generate([1, 2, 3], tiny, strategy="viasd", mode="fast")
+    with pytest.raises(UsageError, match="unknown setting\\(s\\): mdoe"):
+        generate([1, 2, 3], tiny, strategy="viasd", mdoe="tiered")
+    assert default_slim_layers(30) == tuple(i for i in range(30) if not (10 <= i < 20 and i % 2))
