@@ -15,5 +15,5 @@ test: install
 	$(PYTHON) -m pytest -q
 
 bench:
-	$(PIP) -e '.[test,bench]'
+	$(PIP) -e '.[test]'
 	$(PYTHON) benchmarks/core.py

@@ -191,6 +191,56 @@ def _add_calibrate(p: argparse.ArgumentParser) -> None:
     p.add_argument("--quiet", "-q", action="store_true")
 
 
+def _bench(args: argparse.Namespace) -> int:
+    from viasd.api import GenerateConfig
+    from viasd.bench import load_tasks, parse_methods, run_bench
+    from viasd.models.loading import load_model
+
+    methods = parse_methods(args.methods)
+    prompts = load_tasks(args.tasks, args.limit, args.turns)
+    base = GenerateConfig(max_new_tokens=args.max_new_tokens, k=args.k, seed=args.seed)
+    base.validate()
+    progress = not args.quiet
+    model = load_model(args.model, progress=progress)
+    drafter = load_model(args.drafter, progress=progress) if args.drafter else None
+    out = Path(args.out)
+    n = run_bench(model, drafter, methods, prompts, out, base, progress)
+    print(f"{out}: {n} new record(s); {len(prompts) * len(methods)} in the run")
+    return 0
+
+
+def _add_bench(p: argparse.ArgumentParser) -> None:
+    from viasd.bench import METHODS, TASKS
+    from viasd.models.zoo import DEFAULT_MODEL
+
+    p.add_argument("--model", "-m", default=DEFAULT_MODEL, help="(default: %(default)s)")
+    p.add_argument("--drafter", "-d", help="drafter model for sd (and cascade / viasd-*, which otherwise draft with a route or pld)")
+    p.add_argument("--methods", default="ar,pld,self-sd,cascade,viasd-lossless,viasd-tiered",
+                   help=f"comma-separated, from {', '.join(METHODS)}; cascade and viasd-* take :pld / :self / :model (default: %(default)s)")
+    p.add_argument("--tasks", default="spec_bench,human_eval", help=f"comma-separated, from {', '.join(TASKS)} (default: %(default)s)")
+    p.add_argument("--limit", type=int, default=5, help="prompts per task (default: %(default)s)")
+    p.add_argument("--turns", type=int, default=1, choices=(1, 2), help="MT-bench turns (default: %(default)s)")
+    p.add_argument("--max-new-tokens", "-n", type=int, default=128, help="(default: %(default)s)")
+    p.add_argument("--k", "-k", type=int, default=4)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--out", "-o", default="results.jsonl", help="JSONL results; rerunning skips records already there (default: %(default)s)")
+    p.add_argument("--quiet", "-q", action="store_true")
+
+
+def _report(args: argparse.Namespace) -> int:
+    from viasd.report import report
+
+    md, pngs = report(Path(args.results), Path(args.out))
+    print(md.read_text())
+    print("plots: " + ", ".join(str(p) for p in pngs))
+    return 0
+
+
+def _add_report(p: argparse.ArgumentParser) -> None:
+    p.add_argument("results", help="JSONL written by `viasd bench`")
+    p.add_argument("--out", "-o", default="report", help="directory for report.md and the plots (default: %(default)s)")
+
+
 def _add_generate(p: argparse.ArgumentParser) -> None:
     from viasd.api import DEFAULT_STRATEGY, DRAFT_KINDS, MODES, STRATEGIES
     from viasd.decoding.acceptance import DEFERRAL_RULES
@@ -247,6 +297,8 @@ COMMANDS: dict[str, tuple[str, Callable[[argparse.ArgumentParser], None], Callab
     "generate": ("generate text, streaming it, then print decoding statistics", _add_generate, _generate),
     "models": ("list zoo models and what is cached", _add_models, _models),
     "routes": ("inspect routes (layer masks of the verifier)", _add_routes, None),
+    "bench": ("run methods x tasks, one resumable JSONL record per (prompt, method)", _add_bench, _bench),
+    "report": ("Markdown table and plots from bench results", _add_report, _report),
     "calibrate": ("choose tiered-mode thresholds for speed under a quality constraint", _add_calibrate, _calibrate),
     "search": ("find a route by DIMR (random search, then Bayesian optimisation); resumable", _add_search, _search),
 }

@@ -1,0 +1,182 @@
+"""`viasd bench`: methods x tasks in one run, one JSONL record per (prompt, method), resumable.
+
+Methods run interleaved per prompt (after a warm-up), so machine drift hits all alike; every record
+carries the full configuration, the environment and all decode statistics, plus task quality.
+Rerunning the same command skips records already written; records are appended and flushed one at
+a time, so Ctrl-C loses nothing written.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import platform
+import sys
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+from viasd.api import GenerateConfig, generate
+from viasd.datasets import SPEC_BENCH_CATEGORIES, human_eval, spec_bench
+from viasd.errors import UsageError
+from viasd.metrics import humaneval_completion, score
+
+# method -> GenerateConfig settings; a suffix ":pld" / ":self" / ":model" picks the drafter kind
+METHODS: dict[str, dict] = {
+    "ar": {"strategy": "ar"},
+    "sd": {"strategy": "sd"},
+    "pld": {"strategy": "pld"},
+    "self-sd": {"strategy": "self-sd"},
+    "cascade": {"strategy": "cascade"},
+    "viasd-lossless": {"strategy": "viasd", "mode": "lossless"},
+    "viasd-tiered": {"strategy": "viasd", "mode": "tiered"},
+}
+TASKS = tuple(f"spec_bench:{c}" for c in SPEC_BENCH_CATEGORIES) + ("spec_bench", "human_eval", "file:PATH")
+
+
+@dataclass
+class Prompt:
+    task: str  # "spec_bench/translation", "human_eval", "file:my.jsonl"
+    id: str
+    text: str
+    chat: bool | None  # None: the model's chat template when it has one
+    reference: object = None
+    problem: dict | None = None  # HumanEval problem, for pass@1
+
+
+def parse_methods(spec: str) -> list[tuple[str, dict]]:
+    out = []
+    for name in [m.strip() for m in spec.split(",") if m.strip()]:
+        base, _, kind = name.partition(":")
+        if base not in METHODS:
+            raise UsageError(f"unknown method {name!r}: choose from {', '.join(METHODS)} (optionally :pld, :self or :model)")
+        settings = dict(METHODS[base])
+        if kind:
+            if kind not in ("pld", "self", "model") or base in ("ar", "sd", "pld", "self-sd"):
+                raise UsageError(f"method {name!r}: a drafter suffix (:pld, :self, :model) applies to cascade and viasd-* only")
+            settings["draft"] = kind
+        out.append((name, settings))
+    if not out:
+        raise UsageError("no methods given")
+    return out
+
+
+def load_tasks(spec: str, limit: int | None, turns: int = 1) -> list[Prompt]:
+    prompts: list[Prompt] = []
+    for task in [t.strip() for t in spec.split(",") if t.strip()]:
+        if task.startswith("spec_bench"):
+            _, _, category = task.partition(":")
+            cats = [category] if category else list(SPEC_BENCH_CATEGORIES)
+            for cat in cats:
+                if cat not in SPEC_BENCH_CATEGORIES:
+                    raise UsageError(f"unknown Spec-Bench category {cat!r}: choose from {', '.join(SPEC_BENCH_CATEGORIES)}")
+                for row in spec_bench(cat)[:limit]:
+                    text = "\n\n".join(row["turns"][:turns]) if cat == "mt_bench" else row["turns"][0]
+                    prompts.append(Prompt(f"spec_bench/{cat}", str(row["question_id"]), text, None, row.get("reference")))
+        elif task == "human_eval":
+            for p in human_eval()[:limit]:
+                prompts.append(Prompt("human_eval", p["task_id"], p["prompt"], False, problem=p))
+        elif task.startswith("file:"):
+            prompts += _file_prompts(Path(task[5:]), task, limit)
+        else:
+            raise UsageError(f"unknown task {task!r}: choose from {', '.join(TASKS)}")
+    if not prompts:
+        raise UsageError(f"no prompts in tasks {spec!r}")
+    return prompts
+
+
+def _file_prompts(path: Path, task: str, limit: int | None) -> list[Prompt]:
+    if not path.is_file():
+        raise UsageError(f"{task}: no such file")
+    out = []
+    for n, line in enumerate(path.read_text().splitlines(), 1):
+        if not line.strip():
+            continue
+        try:
+            row = json.loads(line)
+        except ValueError as e:
+            raise UsageError(f"{path}:{n}: not JSON ({e})") from None
+        if not isinstance(row, dict) or not isinstance(row.get("prompt"), str):
+            raise UsageError(f"{path}:{n}: each line needs a string field 'prompt' (and optionally 'reference')")
+        out.append(Prompt(task, str(row.get("id", n)), row["prompt"], None, row.get("reference")))
+    return out[:limit]
+
+
+def environment() -> dict:
+    import torch
+    import transformers
+
+    from viasd import __version__
+
+    cpu = platform.processor()
+    try:
+        cpu = next(line.split(":", 1)[1].strip() for line in open("/proc/cpuinfo") if line.startswith("model name"))
+    except (OSError, StopIteration):
+        pass
+    return {"viasd": __version__, "python": platform.python_version(), "torch": torch.__version__,
+            "transformers": transformers.__version__, "threads": torch.get_num_threads(), "cpu": cpu,
+            "cpu_count": os.cpu_count(), "platform": platform.platform()}
+
+
+def done_keys(out: Path) -> set[tuple[str, str, str]]:
+    keys = set()
+    if out.exists():
+        for line in out.read_text().splitlines():
+            try:
+                r = json.loads(line)
+                keys.add((r["task"], r["prompt_id"], r["method"]))
+            except (ValueError, KeyError):
+                continue  # a torn last line from a killed run is simply redone
+    return keys
+
+
+def run_bench(model, drafter, methods: list[tuple[str, dict]], prompts: list[Prompt], out: Path,
+              base: GenerateConfig, progress: bool = True) -> int:
+    """Run every (prompt, method) not yet in `out`; return how many records were written."""
+    from tqdm import tqdm
+
+    done = done_keys(out)
+    todo = [(p, m) for p in prompts for m in methods if (p.task, p.id, m[0]) not in done]
+    if not todo:
+        return 0
+    env = environment()
+    available = {}
+    for name, settings in methods:  # methods that cannot run here are reported, not faked
+        needs_model = settings.get("strategy") == "sd" or settings.get("draft") == "model"
+        available[name] = None if not needs_model or drafter is not None else "needs --drafter"
+    generate("Hello", model, config=GenerateConfig(strategy="ar", max_new_tokens=4), progress=False)  # warm-up
+    out.parent.mkdir(parents=True, exist_ok=True)
+    bar = tqdm(total=len(todo), desc="bench", disable=not progress, file=sys.stderr)
+    speedups: list[float] = []
+    ar_speed: dict[tuple[str, str], float] = {}
+    written = 0
+    torn = out.exists() and out.stat().st_size and not out.read_bytes().endswith(b"\n")
+    with open(out, "a") as f:
+        if torn:  # a killed run left half a line: start ours on a fresh one
+            f.write("\n")
+        for prompt, (name, settings) in todo:
+            bar.set_postfix_str(f"{name} on {prompt.task}/{prompt.id}" + (f", speed-up {sorted(speedups)[len(speedups) // 2]:.2f}x" if speedups else ""))
+            record = {"task": prompt.task, "prompt_id": prompt.id, "method": name, "time": time.strftime("%Y-%m-%dT%H:%M:%S")}
+            if available[name]:
+                record["unavailable"] = available[name]
+            else:
+                uses_drafter = settings.get("strategy") == "sd" or settings.get("draft") == "model" or (
+                    drafter is not None and settings.get("strategy") in ("cascade", "viasd") and "draft" not in settings)
+                config = GenerateConfig(**{**asdict(base), **settings, "chat": prompt.chat if prompt.chat is not None else base.chat})
+                r = generate(prompt.text, model, drafter=drafter if uses_drafter else None, config=config, progress=False)
+                text = humaneval_completion(r.text) if prompt.task == "human_eval" else r.text
+                record.update(text=text, token_ids=r.token_ids, stats=r.stats.to_dict(), config=r.config,
+                              quality=score(prompt.task, r.text, prompt.reference, prompt.problem))
+                tps = record["stats"]["tokens_per_s"]
+                if name == "ar":
+                    ar_speed[(prompt.task, prompt.id)] = tps
+                elif (prompt.task, prompt.id) in ar_speed and ar_speed[(prompt.task, prompt.id)] > 0:
+                    speedups.append(tps / ar_speed[(prompt.task, prompt.id)])
+            record["env"] = env
+            f.write(json.dumps(record) + "\n")
+            f.flush()
+            os.fsync(f.fileno())
+            written += 1
+            bar.update(1)
+    bar.close()
+    return written

@@ -1,0 +1,153 @@
+"""`viasd report`: a Markdown table and PNG plots from `viasd bench` JSONL records.
+
+Speed-ups are ratios within the same run: per prompt, the method's tokens/s over `ar`'s on the same
+prompt, then the median over prompts.
+"""
+
+from __future__ import annotations
+
+import json
+import statistics
+from collections import defaultdict
+from pathlib import Path
+
+from viasd.errors import UsageError
+
+
+def load_records(path: Path) -> list[dict]:
+    if not path.is_file():
+        raise UsageError(f"{path}: no such results file")
+    records = []
+    for n, line in enumerate(path.read_text().splitlines(), 1):
+        if not line.strip():
+            continue
+        try:
+            records.append(json.loads(line))
+        except ValueError:
+            raise UsageError(f"{path}:{n}: not a JSON record") from None
+    if not records or not all("method" in r and "task" in r for r in records):
+        raise UsageError(f"{path}: not `viasd bench` results (records need 'task' and 'method')")
+    return records
+
+
+def summarize(records: list[dict]) -> dict[tuple[str, str], dict]:
+    """(task or "overall", method) -> aggregated figures."""
+    ar = {(r["task"], r["prompt_id"]): r["stats"]["tokens_per_s"] for r in records if r["method"] == "ar" and "stats" in r}
+    groups: dict[tuple[str, str], list[dict]] = defaultdict(list)
+    for r in records:
+        groups[(r["task"], r["method"])].append(r)
+        groups[("overall", r["method"])].append(r)
+    out = {}
+    for key, rs in groups.items():
+        ok = [r for r in rs if "stats" in r]
+        if not ok:
+            out[key] = {"unavailable": rs[0].get("unavailable", "no records")}
+            continue
+        tokens = sum(r["stats"]["new_tokens"] for r in ok)
+        drafted = sum(r["stats"]["drafted"] for r in ok)
+        accepted = sum(r["stats"]["accepted"] for r in ok)
+        ratios = [r["stats"]["tokens_per_s"] / ar[(r["task"], r["prompt_id"])] for r in ok if ar.get((r["task"], r["prompt_id"]))]
+        tiers = defaultdict(int)
+        for r in ok:
+            for t, n in r["stats"].get("tiers", {}).items():
+                tiers[t] += n
+        quality = defaultdict(list)
+        for r in ok:
+            for m, v in r.get("quality", {}).items():
+                quality[m].append(v)
+        out[key] = {
+            "prompts": len(ok),
+            "speedup": statistics.median(ratios) if ratios else None,
+            "tokens_per_s": statistics.median(r["stats"]["tokens_per_s"] for r in ok),
+            "mean_accepted_length": sum(r["stats"]["mean_accepted_length"] for r in ok) / len(ok),
+            "rejection_rate": (drafted - accepted) / drafted if drafted else 0.0,
+            "full_calls_per_token": sum(r["stats"]["calls"].get("full", 0) for r in ok) / max(tokens, 1),
+            "layer_passes_per_token": sum(r["stats"]["verifier_layer_passes_per_token"] * r["stats"]["new_tokens"] for r in ok) / max(tokens, 1),
+            "tier_shares": {t: n / max(tokens, 1) for t, n in tiers.items()} if sum(tiers.values()) else {},
+            "quality": {m: sum(v) / len(v) for m, v in quality.items()},
+        }
+    return out
+
+
+def markdown(summary: dict[tuple[str, str], dict]) -> str:
+    tasks = sorted({t for t, _ in summary if t != "overall"}) + ["overall"]
+    methods = list(dict.fromkeys(m for _, m in summary))
+    lines = ["| task | method | speed-up vs ar | tok/s | mean acc. len | rejection | full calls/tok | layer-passes/tok | tiers (accept/slim/full) | quality |",
+             "|---|---|---|---|---|---|---|---|---|---|"]
+    for task in tasks:
+        for method in methods:
+            s = summary.get((task, method))
+            if s is None:
+                continue
+            if "unavailable" in s:
+                lines.append(f"| {task} | {method} | unavailable: {s['unavailable']} | | | | | | | |")
+                continue
+            tiers = "/".join(f"{s['tier_shares'].get(t, 0):.2f}" for t in ("accept", "slim", "full")) if s["tier_shares"] else "-"
+            quality = ", ".join(f"{m} {v:.3g}" for m, v in sorted(s["quality"].items())) or "-"
+            speedup = f"{s['speedup']:.2f}x" if s["speedup"] is not None else "-"
+            lines.append(f"| {task} | {method} | {speedup} | {s['tokens_per_s']:.1f} | {s['mean_accepted_length']:.2f} | "
+                         f"{s['rejection_rate']:.2f} | {s['full_calls_per_token']:.3f} | {s['layer_passes_per_token']:.3f} | {tiers} | {quality} |")
+    return "\n".join(lines) + "\n"
+
+
+def plots(summary: dict[tuple[str, str], dict], out: Path) -> list[Path]:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    tasks = sorted({t for t, _ in summary}, key=lambda t: (t == "overall", t))
+    methods = [m for m in dict.fromkeys(m for _, m in summary) if m != "ar"]
+    paths = []
+    fig, ax = plt.subplots(figsize=(max(6, 1.2 * len(tasks)), 4))
+    width = 0.8 / max(len(methods), 1)
+    for j, m in enumerate(methods):
+        ys = [summary.get((t, m), {}).get("speedup") or 0 for t in tasks]
+        ax.bar([i + j * width for i in range(len(tasks))], ys, width, label=m)
+    ax.axhline(1.0, color="gray", linestyle="--")
+    ax.set_xticks([i + 0.4 - width / 2 for i in range(len(tasks))], [t.split("/")[-1] for t in tasks], rotation=30)
+    ax.set(ylabel="speed-up vs ar (median)", title="speed-up per task")
+    ax.legend(fontsize=7)
+    fig.tight_layout()
+    paths.append(out / "speedup.png")
+    fig.savefig(paths[-1], dpi=110)
+    plt.close(fig)
+
+    tiered = [m for m in methods if any(summary.get((t, m), {}).get("tier_shares") for t in tasks)]
+    if tiered:
+        fig, axes = plt.subplots(1, len(tiered), figsize=(5 * len(tiered), 4), squeeze=False)
+        for ax, m in zip(axes[0], tiered):
+            bottom = [0.0] * len(tasks)
+            for tier in ("accept", "slim", "full"):
+                ys = [summary.get((t, m), {}).get("tier_shares", {}).get(tier, 0) for t in tasks]
+                ax.bar(range(len(tasks)), ys, bottom=bottom, label=tier)
+                bottom = [b + y for b, y in zip(bottom, ys)]
+            ax.set_xticks(range(len(tasks)), [t.split("/")[-1] for t in tasks], rotation=30)
+            ax.set(title=f"tier shares: {m}", ylabel="share of committed tokens")
+            ax.legend(fontsize=7)
+        fig.tight_layout()
+        paths.append(out / "tiers.png")
+        fig.savefig(paths[-1], dpi=110)
+        plt.close(fig)
+
+    fig, ax = plt.subplots(figsize=(6, 4))
+    for m in ["ar"] + methods:
+        s = summary.get(("overall", m), {})
+        q = s.get("quality", {})
+        if s.get("speedup") is not None and q:
+            ax.scatter(s["speedup"], sum(q.values()) / len(q), label=m)
+    ax.set(xlabel="speed-up vs ar (median, overall)", ylabel="mean task quality (mean of metrics)", title="quality against speed")
+    ax.legend(fontsize=7)
+    fig.tight_layout()
+    paths.append(out / "quality_speed.png")
+    fig.savefig(paths[-1], dpi=110)
+    plt.close(fig)
+    return paths
+
+
+def report(results: Path, out: Path) -> tuple[Path, list[Path]]:
+    summary = summarize(load_records(results))
+    out.mkdir(parents=True, exist_ok=True)
+    md = out / "report.md"
+    md.write_text(f"# viasd bench report: {results.name}\n\n" + markdown(summary))
+    return md, plots(summary, out)
