@@ -86,6 +86,8 @@ def viasd_lossless_decode(decoder: Decoder, drafter: Drafter, route: LayerMask, 
             ctx = tokens + block
             k_eff = min(k, budget - 2 - len(block))
             draft = drafter.propose(ctx, k_eff, stats) if k_eff > 0 else _NO_DRAFT
+            if not draft.tokens:
+                break  # nothing to settle: a slim pass would only add one token at most of a full pass' cost
             slim_logits = _slim_pass(decoder, cache, route, ctx, draft.tokens, stats)  # [k'+1, V]
             q_probs = draft.probs if not params.greedy else None
             n, x = _verify(draft.tokens, q_probs, slim_logits, params, req.generator)

@@ -196,13 +196,14 @@ def search_route(
     if trials > done:
         study.optimize(objective, n_trials=trials - done, callbacks=[report])
     bar.close()
+    completed = len(study.get_trials(deepcopy=False, states=(TrialState.COMPLETE,)))
     best = study.best_trial
     return Route.from_layers(
         fp,
         best.user_attrs["kept"],
         budget=budget,
         metrics={**best.user_attrs["metrics"], "cost": cost},
-        search={"method": "DIMR: random warm start + Optuna TPE", "seed": seed, "trials": trials,
+        search={"method": "DIMR: random warm start + Optuna TPE", "seed": seed, "trials": completed,
                 "random_trials": n_random, "pinned": pinned, "calibration": calib.description,
                 "time_s": round(time.perf_counter() - t0, 1), "study": name},
     )
