@@ -77,3 +77,32 @@ def test_route_file_drives_self_sd(tiny, tmp_path):
     wrong = Route.from_layers(SMOL, [0]).save(tmp_path / "smol.json")
     with pytest.raises(RouteError, match="cannot be used with"):
         generate([1, 2, 3], tiny, strategy="self-sd", draft_route=str(wrong), max_new_tokens=4)
+
+
+def test_shipped_routes_belong_to_zoo_models():
+    from pathlib import Path
+
+    import viasd.routing
+    from viasd.models.zoo import ZOO
+
+    shipped = sorted((Path(viasd.routing.__file__).parent / "shipped").glob("*.json"))
+    assert {p.name for p in shipped} >= {"smollm2-135m.slim.json", "smollm2-135m.draft.json"}
+    for path in shipped:
+        if path.name.endswith(".thresholds.json"):
+            continue
+        route = Route.load(path)
+        entry = ZOO[route.model.source]
+        assert route.model.sha256 == entry.sha256 and route.model.architecture == entry.architecture
+        assert route.search["trials"] >= 20 and "kl" in route.metrics
+
+
+@pytest.mark.model
+def test_shipped_routes_are_the_defaults(smollm2):
+    from viasd.api import draft_route
+    from viasd.routing import shipped_route
+
+    fp = ModelFingerprint.of(smollm2)
+    slim, draft = shipped_route(fp, "slim"), shipped_route(fp, "draft")
+    assert draft_route(smollm2, None) == draft.mask  # self-sd drafts with the shipped route
+    r = generate("Name a colour.", smollm2, strategy="viasd", max_new_tokens=4)
+    assert r.config["slim_fraction"] == round(slim.fraction, 4)
