@@ -328,6 +328,9 @@ def main(argv: list[str] | None = None) -> int:
     except KeyboardInterrupt:
         print("\nviasd: interrupted", file=sys.stderr)
         return 130
+    except BrokenPipeError:  # `viasd ... | head`
+        sys.stderr.close()
+        return 1
 
 
 if __name__ == "__main__":
