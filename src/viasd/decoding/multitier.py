@@ -109,10 +109,7 @@ def viasd_lossless_decode(decoder: Decoder, drafter: Drafter, route: LayerMask, 
         tiers = (origin[:n] + [3])[: len(new)]
         stats.observe_tiers(tiers)
         stats.accepted -= origin.count(1) - tiers.count(1)
-        out.extend(new)
-        stats.observe_tokens(len(new))
-        if req.on_tokens:
-            req.on_tokens(new)
+        req.emit(out, new)
         if finished:
             return out
         cache.rollback(len(tokens) - 1)
@@ -185,10 +182,7 @@ def viasd_tiered_decode(decoder: Decoder, drafter: Drafter, route: LayerMask, re
         new, finished = _commit(new, tokens, budget, req.eos)
         stats.observe_tiers(origin[: len(new)])
         stats.unchecked += sum(1 for t in origin[: len(new)] if t != 3)
-        out.extend(new)
-        stats.observe_tokens(len(new))
-        if req.on_tokens:
-            req.on_tokens(new)
+        req.emit(out, new)
         if finished:
             return out
         cache.rollback(len(tokens) - 1)

@@ -40,6 +40,13 @@ class DecodeRequest:
     generator: torch.Generator | None = None
     on_tokens: OnTokens | None = None  # called with each batch of newly committed ids
 
+    def emit(self, out: list[int], new: list[int]) -> None:
+        """Hand newly committed tokens to the output, the statistics and the stream."""
+        out.extend(new)
+        self.stats.observe_tokens(len(new))
+        if self.on_tokens:
+            self.on_tokens(new)
+
 
 def _commit(new: list[int], tokens: list[int], budget: int, eos: frozenset[int]) -> tuple[list[int], bool]:
     """Cut `new` at the token budget and after the first EOS. Returns (kept, finished)."""
@@ -86,11 +93,8 @@ def autoregressive_decode(decoder: Decoder, req: DecodeRequest) -> list[int]:
     while True:
         # 2. choose the next token and commit it
         token = _next_token(logits, params, req.generator)
-        out.append(token)
         stats.observe_round(0, 0)
-        stats.observe_tokens(1)
-        if req.on_tokens:
-            req.on_tokens([token])
+        req.emit(out, [token])
         if token in eos or len(out) >= max_new_tokens:
             return out
         # 3. one full call for the token just committed
@@ -144,10 +148,7 @@ def speculative_decode(
         stats.observe_round(len(drafted), n_acc)
         # 4. commit (cut at EOS and budget) and roll the cache back to "all committed but the last"
         new, finished = _commit(drafted[:n_acc] + [nxt], tokens, budget, eos)
-        out.extend(new)
-        stats.observe_tokens(len(new))
-        if req.on_tokens:
-            req.on_tokens(new)
+        req.emit(out, new)
         if finished:
             return out
         cache.rollback(len(tokens) - 1)

@@ -196,14 +196,15 @@ def search_route(
     if trials > done:
         study.optimize(objective, n_trials=trials - done, callbacks=[report])
     bar.close()
-    completed = len(study.get_trials(deepcopy=False, states=(TrialState.COMPLETE,)))
+    complete = study.get_trials(deepcopy=False, states=(TrialState.COMPLETE,))
+    study_s = sum((t.datetime_complete - t.datetime_start).total_seconds() for t in complete)
     best = study.best_trial
     return Route.from_layers(
         fp,
         best.user_attrs["kept"],
         budget=budget,
         metrics={**best.user_attrs["metrics"], "cost": cost},
-        search={"method": "DIMR: random warm start + Optuna TPE", "seed": seed, "trials": completed,
+        search={"method": "DIMR: random warm start + Optuna TPE", "seed": seed, "trials": len(complete),
                 "random_trials": n_random, "pinned": pinned, "calibration": calib.description,
-                "time_s": round(time.perf_counter() - t0, 1), "study": name},
+                "time_s": round(study_s, 1), "this_run_s": round(time.perf_counter() - t0, 1), "study": name},
     )
