@@ -3,8 +3,6 @@
 from __future__ import annotations
 
 import json
-import os
-import platform
 import statistics
 import subprocess
 import time
@@ -12,32 +10,14 @@ from pathlib import Path
 
 
 def environment() -> dict:
-    import torch
-    import transformers
+    """viasd's bench environment record plus the git commit of this checkout."""
+    from viasd.bench import environment as viasd_environment
 
-    import viasd
-
-    cpu = ""
-    try:
-        cpu = next(line.split(":", 1)[1].strip() for line in open("/proc/cpuinfo") if line.startswith("model name"))
-    except (OSError, StopIteration):
-        cpu = platform.processor()
     try:
         commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, cwd=Path(__file__).parent).stdout.strip()
     except OSError:
         commit = ""
-    return {
-        "viasd": viasd.__version__,
-        "git_commit": commit,
-        "python": platform.python_version(),
-        "torch": torch.__version__,
-        "transformers": transformers.__version__,
-        "threads": torch.get_num_threads(),
-        "cpu": cpu,
-        "cpu_count": os.cpu_count(),
-        "platform": platform.platform(),
-        "time": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
-    }
+    return {**viasd_environment(), "git_commit": commit, "time": time.strftime("%Y-%m-%dT%H:%M:%S%z")}
 
 
 class Records:

@@ -101,7 +101,7 @@ def part_b(rec: Records, reps: int) -> list[str]:
         times[t] = median(samples)
     rec.write(bench="core", part="b", config={"model": "smollm2-135m", "cache_tokens": 256, "reps": reps},
               median_ms={t: v * 1e3 for t, v in times.items()}, ratio_8_1=times[8] / times[1])
-    return [f"(b) forward after a 256-token cache, smollm2-135m: " + ", ".join(f"T{t} {v * 1e3:.1f} ms" for t, v in times.items())
+    return ["(b) forward after a 256-token cache, smollm2-135m: " + ", ".join(f"T{t} {v * 1e3:.1f} ms" for t, v in times.items())
             + f"; T8/T1 = {times[8] / times[1]:.2f} (target <= 1.3)"]
 
 

@@ -5,8 +5,6 @@ from __future__ import annotations
 
 import json
 
-import pytest
-
 from viasd import generate
 from viasd.api import GenerateConfig
 from viasd.calibrate import OFF, calibrate, greedy_agreement, plot_curve, write_thresholds
