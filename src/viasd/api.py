@@ -210,8 +210,19 @@ def _make_drafter(kind: str, verifier: LoadedModel, drafter: str | LoadedModel |
     return SelfDrafter(verifier.decoder, route, params, generator, config.draft_threshold)
 
 
+def check_messages(messages: Sequence[dict]) -> list[dict[str, str]]:
+    """A conversation as chat messages, checked: roles user/assistant/system, string contents,
+    ending with a user turn (the model answers it)."""
+    for i, m in enumerate(messages):
+        if set(m) != {"role", "content"} or m["role"] not in ("user", "assistant", "system") or not isinstance(m["content"], str):
+            raise UsageError(f"message {i}: expected {{'role': 'user'|'assistant'|'system', 'content': str}}, got {m!r}")
+    if messages[-1]["role"] != "user":
+        raise UsageError("a conversation must end with a user message for the model to answer")
+    return [dict(m) for m in messages]
+
+
 def generate(
-    prompt: str | Sequence[int],
+    prompt: str | Sequence[int] | list[dict[str, str]],
     model: str | LoadedModel = DEFAULT_MODEL,
     *,
     drafter: str | LoadedModel | None = None,
@@ -220,7 +231,9 @@ def generate(
     progress: bool = True,
     **settings,
 ) -> DecodeResult:
-    """Generate a continuation of `prompt` (text, or token ids used as they are).
+    """Generate a continuation of `prompt`: text (one user turn), a conversation as chat messages
+    (`[{"role": "user", "content": ...}, {"role": "assistant", ...}, {"role": "user", ...}]`), or
+    token ids used as they are.
 
     Settings are `GenerateConfig` fields, given as `config=` or as keywords (`strategy="viasd"`,
     `mode="tiered"`, `k=4`, `temperature=0.7`, ...). `on_text` receives the text as it is produced.
@@ -244,6 +257,8 @@ def generate(
         if not prompt.strip():
             raise UsageError("the prompt is empty")
         ids = verifier.encode(prompt, config.chat)
+    elif prompt and all(isinstance(m, dict) for m in prompt):
+        ids = verifier.encode(check_messages(prompt), config.chat)
     else:
         ids = [int(t) for t in prompt]
         if not ids:

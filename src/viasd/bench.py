@@ -42,6 +42,7 @@ class Prompt:
     chat: bool | None  # None: the model's chat template when it has one
     reference: object = None
     problem: dict | None = None  # HumanEval problem, for pass@1
+    follow_up: str | None = None  # MT-bench second question (--turns 2): asked after the model's answer
 
 
 def parse_methods(spec: str) -> list[tuple[str, dict]]:
@@ -71,8 +72,9 @@ def load_tasks(spec: str, limit: int | None, turns: int = 1) -> list[Prompt]:
                 if cat not in SPEC_BENCH_CATEGORIES:
                     raise UsageError(f"unknown Spec-Bench category {cat!r}: choose from {', '.join(SPEC_BENCH_CATEGORIES)}")
                 for row in spec_bench(cat)[:limit]:
-                    text = "\n\n".join(row["turns"][:turns]) if cat == "mt_bench" else row["turns"][0]
-                    prompts.append(Prompt(f"spec_bench/{cat}", str(row["question_id"]), text, None, row.get("reference")))
+                    follow_up = row["turns"][1] if cat == "mt_bench" and turns == 2 and len(row["turns"]) > 1 else None
+                    prompts.append(Prompt(f"spec_bench/{cat}", str(row["question_id"]), row["turns"][0], None,
+                                          row.get("reference"), follow_up=follow_up))
         elif task == "human_eval":
             for p in human_eval()[:limit]:
                 prompts.append(Prompt("human_eval", p["task_id"], p["prompt"], False, problem=p))
@@ -164,8 +166,16 @@ def run_bench(model, drafter, methods: list[tuple[str, dict]], prompts: list[Pro
                     drafter is not None and settings.get("strategy") in ("cascade", "viasd") and "draft" not in settings)
                 config = GenerateConfig(**{**asdict(base), **settings, "chat": prompt.chat if prompt.chat is not None else base.chat})
                 r = generate(prompt.text, model, drafter=drafter if uses_drafter else None, config=config, progress=False)
+                stats = r.stats
+                if prompt.follow_up is not None:  # the second turn answers after the model's own first answer
+                    turn1 = r
+                    conversation = [{"role": "user", "content": prompt.text}, {"role": "assistant", "content": turn1.text},
+                                    {"role": "user", "content": prompt.follow_up}]
+                    r = generate(conversation, model, drafter=drafter if uses_drafter else None, config=config, progress=False)
+                    stats = turn1.stats.merge(r.stats)
+                    record.update(turns=[{"text": t.text, "token_ids": t.token_ids, "stats": t.stats.to_dict()} for t in (turn1, r)])
                 text = humaneval_completion(r.text) if prompt.task == "human_eval" else r.text
-                record.update(text=text, token_ids=r.token_ids, stats=r.stats.to_dict(), config=r.config,
+                record.update(text=text, token_ids=r.token_ids, stats=stats.to_dict(), config=r.config,
                               quality=score(prompt.task, r.text, prompt.reference, prompt.problem))
                 tps = record["stats"]["tokens_per_s"]
                 if name == "ar":

@@ -220,7 +220,8 @@ def _add_bench(p: argparse.ArgumentParser) -> None:
     p.add_argument("--tasks", default="spec_bench,human_eval", help=f"comma-separated, from {', '.join(TASKS)} (default: %(default)s)")
     p.add_argument("--limit", type=int, default=5, help="prompts per task (default: %(default)s)")
     p.add_argument("--turns", type=int, default=1, choices=(1, 2),
-                   help="MT-bench: 1 = first question; 2 = both questions in one prompt (not yet a two-turn conversation) (default: %(default)s)")
+                   help="MT-bench: 1 = first question; 2 = a two-turn conversation (the second question follows the model's "
+                        "own first answer; statistics cover both turns) (default: %(default)s)")
     p.add_argument("--max-new-tokens", "-n", type=int, default=128, help="(default: %(default)s)")
     p.add_argument("--k", "-k", type=int, default=4)
     p.add_argument("--seed", type=int, default=0)

@@ -59,6 +59,21 @@ class DecodeStats:
             self.first_token_s = time.perf_counter() - self._t0
         self.new_tokens += n
 
+    def merge(self, other: "DecodeStats") -> "DecodeStats":
+        """The statistics of two decodes in sequence (e.g. the turns of a conversation): counters
+        and times add up, the first token is this decode's."""
+        pad = lambda xs, n: xs + [0] * (n - len(xs))  # noqa: E731
+        n = max(len(self.drafted_at), len(other.drafted_at))
+        return DecodeStats(
+            prompt_tokens=self.prompt_tokens + other.prompt_tokens, new_tokens=self.new_tokens + other.new_tokens,
+            wall_s=self.wall_s + other.wall_s, first_token_s=self.first_token_s, calls=self.calls + other.calls,
+            verifier_layer_passes=self.verifier_layer_passes + other.verifier_layer_passes,
+            rounds=self.rounds + other.rounds, drafted=self.drafted + other.drafted, accepted=self.accepted + other.accepted,
+            drafted_at=[a + b for a, b in zip(pad(self.drafted_at, n), pad(other.drafted_at, n))],
+            accepted_at=[a + b for a, b in zip(pad(self.accepted_at, n), pad(other.accepted_at, n))],
+            tiers=self.tiers + other.tiers, unchecked=self.unchecked + other.unchecked,
+        )
+
     def finish(self) -> None:
         self.wall_s = time.perf_counter() - self._t0
 

@@ -202,19 +202,24 @@ class LoadedModel:
     def has_chat_template(self) -> bool:
         return bool(getattr(self.tokenizer, "chat_template", None))
 
-    def encode(self, prompt: str, chat: bool | None = None) -> list[int]:
-        """Token ids for `prompt`; through the model's chat template when `chat` (default: if it has one)."""
+    def encode(self, prompt: str | list[dict[str, str]], chat: bool | None = None) -> list[int]:
+        """Token ids for `prompt`: a user message, or a conversation as chat messages
+        `[{"role": "user"|"assistant"|"system", "content": str}, ...]` ending with a user turn.
+
+        Through the model's chat template when `chat` (default: if it has one); without one, the
+        text (or the conversation's contents, separated by blank lines) is tokenized as it is.
+        """
+        messages = [{"role": "user", "content": prompt}] if isinstance(prompt, str) else prompt
         chat = self.has_chat_template if chat is None else chat
         if chat:
             if not self.has_chat_template:
                 raise ModelNotFoundError(f"{self.name} has no chat template; use --no-chat")
-            ids = self.tokenizer.apply_chat_template(
-                [{"role": "user", "content": prompt}], add_generation_prompt=True, tokenize=True
-            )
+            ids = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
             if hasattr(ids, "keys"):  # BatchEncoding in recent transformers
                 ids = ids["input_ids"]
             return list(ids)
-        return list(self.tokenizer(prompt, add_special_tokens=True)["input_ids"])
+        text = prompt if isinstance(prompt, str) else "\n\n".join(m["content"] for m in messages)
+        return list(self.tokenizer(text, add_special_tokens=True)["input_ids"])
 
     def decode(self, ids: list[int]) -> str:
         return self.tokenizer.decode(ids, skip_special_tokens=True)
