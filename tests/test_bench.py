@@ -114,7 +114,7 @@ def test_bench_resumes_and_report_renders(tiny, tmp_path):
     fixture.write_text("".join(json.dumps(r) + "\n" for r in records))
     md, pngs = report(fixture, tmp_path / "report")
     text = md.read_text()
-    assert "| overall | ar | 1.00x |" in text and "unavailable: needs --drafter" in text
+    assert "| overall | ar | 1.00x |" in text and "unavailable: needs --drafter" in text and "full-model rejection =" in text
     assert {p.name for p in pngs} == {"speedup.png", "tiers.png", "quality_speed.png"}
     assert all(p.read_bytes()[:4] == b"\x89PNG" for p in pngs)
     assert main(["report", str(fixture), "--out", str(tmp_path / "r2")]) == 0

@@ -66,6 +66,22 @@ def test_lossless_equals_ar_on_tiny_model(tiny, tiny_drafter, k, full_block):
             assert sum(s["tiers"].values()) == s["new_tokens"] == 40, name
 
 
+def test_full_model_rejections_are_counted(tiny, tiny_drafter):
+    """The full verifier's judged/kept counters: equal to drafted/accepted in SD; in lossless VIA-SD
+    a slim verifier that is the full model itself proposes blocks the full model never rejects."""
+    all_layers = LayerMask.from_layers(tiny.config.n_layers, range(tiny.config.n_layers))
+    for prompt in prompts(2):
+        req = DecodeRequest(prompt, 24, GREEDY)
+        speculative_decode(tiny.decoder, ModelDrafter(tiny_drafter.decoder, GREEDY, None, None), req, 4)
+        s = req.stats.to_dict()
+        assert (s["full_checked"], s["full_kept"]) == (s["drafted"], s["accepted"]) and s["full_rejection_rate"] > 0
+        req = DecodeRequest(prompt, 24, GREEDY)
+        viasd_lossless_decode(tiny.decoder, ModelDrafter(tiny_drafter.decoder, GREEDY, None, None), all_layers, req, 4, 8)
+        s = req.stats.to_dict()
+        assert s["full_checked"] > 0 and s["full_kept"] == s["full_checked"] and s["full_rejection_rate"] == 0.0
+        assert s["rejection_rate"] > 0  # the drafter's tokens are still rejected, by the slim stage
+
+
 @pytest.mark.model
 @pytest.mark.parametrize("prompt", ["Write a short story about a robot learning to paint.",
                                     "def fibonacci(n):\n    \"\"\"Return the n-th Fibonacci number.\"\"\"\n",

@@ -30,6 +30,18 @@ def load_records(path: Path) -> list[dict]:
     return records
 
 
+def _full_check(record: dict) -> tuple[int, int] | None:
+    """(proposed tokens the full verifier judged, kept) for a record. Records written before these
+    counters existed: in the SD loop every draft is judged by the full verifier, so they equal
+    (drafted, accepted); for VIA-SD they are unknown (None)."""
+    s = record["stats"]
+    if "full_checked" in s:
+        return s["full_checked"], s["full_kept"]
+    if record.get("config", {}).get("strategy") in ("ar", "sd", "pld", "self-sd", "cascade"):
+        return s["drafted"], s["accepted"]
+    return None
+
+
 def summarize(records: list[dict]) -> dict[tuple[str, str], dict]:
     """(task or "overall", method) -> aggregated figures."""
     ar = {(r["task"], r["prompt_id"]): r["stats"]["tokens_per_s"] for r in records if r["method"] == "ar" and "stats" in r}
@@ -51,6 +63,8 @@ def summarize(records: list[dict]) -> dict[tuple[str, str], dict]:
         for r in ok:
             for t, n in r["stats"].get("tiers", {}).items():
                 tiers[t] += n
+        checks = [_full_check(r) for r in ok]
+        checked = sum(c[0] for c in checks) if None not in checks else 0
         quality = defaultdict(list)
         for r in ok:
             for m, v in r.get("quality", {}).items():
@@ -61,6 +75,8 @@ def summarize(records: list[dict]) -> dict[tuple[str, str], dict]:
             "tokens_per_s": statistics.median(r["stats"]["tokens_per_s"] for r in ok),
             "mean_accepted_length": sum(r["stats"]["mean_accepted_length"] for r in ok) / len(ok),
             "rejection_rate": (drafted - accepted) / drafted if drafted else 0.0,
+            # share of the proposed tokens the full verifier judged that it rejected (None: nothing judged)
+            "full_rejection_rate": (checked - sum(c[1] for c in checks)) / checked if checked else None,
             "full_calls_per_token": sum(r["stats"]["calls"].get("full", 0) for r in ok) / max(tokens, 1),
             "layer_passes_per_token": sum(r["stats"]["verifier_layer_passes_per_token"] * r["stats"]["new_tokens"] for r in ok) / max(tokens, 1),
             "tier_shares": {t: n / max(tokens, 1) for t, n in tiers.items()} if sum(tiers.values()) else {},
@@ -72,21 +88,22 @@ def summarize(records: list[dict]) -> dict[tuple[str, str], dict]:
 def markdown(summary: dict[tuple[str, str], dict]) -> str:
     tasks = sorted({t for t, _ in summary if t != "overall"}) + ["overall"]
     methods = list(dict.fromkeys(m for _, m in summary))
-    lines = ["| task | method | speed-up vs ar | tok/s | mean acc. len | rejection | full calls/tok | layer-passes/tok | tiers (accept/slim/full) | quality |",
-             "|---|---|---|---|---|---|---|---|---|---|"]
+    lines = ["| task | method | speed-up vs ar | tok/s | mean acc. len | rejection | full-model rejection | full calls/tok | layer-passes/tok | tiers (accept/slim/full) | quality |",
+             "|---|---|---|---|---|---|---|---|---|---|---|"]
     for task in tasks:
         for method in methods:
             s = summary.get((task, method))
             if s is None:
                 continue
             if "unavailable" in s:
-                lines.append(f"| {task} | {method} | unavailable: {s['unavailable']} | | | | | | | |")
+                lines.append(f"| {task} | {method} | unavailable: {s['unavailable']} | | | | | | | | |")
                 continue
             tiers = "/".join(f"{s['tier_shares'].get(t, 0):.2f}" for t in ("accept", "slim", "full")) if s["tier_shares"] else "-"
             quality = ", ".join(f"{m} {v:.3g}" for m, v in sorted(s["quality"].items())) or "-"
             speedup = f"{s['speedup']:.2f}x" if s["speedup"] is not None else "-"
+            full_rej = f"{s['full_rejection_rate']:.2f}" if s["full_rejection_rate"] is not None else "-"
             lines.append(f"| {task} | {method} | {speedup} | {s['tokens_per_s']:.1f} | {s['mean_accepted_length']:.2f} | "
-                         f"{s['rejection_rate']:.2f} | {s['full_calls_per_token']:.3f} | {s['layer_passes_per_token']:.3f} | {tiers} | {quality} |")
+                         f"{s['rejection_rate']:.2f} | {full_rej} | {s['full_calls_per_token']:.3f} | {s['layer_passes_per_token']:.3f} | {tiers} | {quality} |")
     return "\n".join(lines) + "\n"
 
 
@@ -145,9 +162,21 @@ def plots(summary: dict[tuple[str, str], dict], out: Path) -> list[Path]:
     return paths
 
 
+COLUMNS = """
+Columns: speed-up = median over prompts of tok/s / `ar`'s tok/s on the same prompt (same run); tok/s =
+median; mean acc. len = committed tokens per verification round (bonus token included); rejection =
+drafter tokens not committed / drafter tokens; full-model rejection = of the proposed tokens the full
+verifier judged (drafts in SD, the slim-verified block in lossless VIA-SD, tier-3 drafts in tiered
+VIA-SD), the share it rejected; full calls/tok = full-model forward passes per committed token (prefill
+included); layer-passes/tok = verifier work per token, a routed pass counted by its share of layers;
+tiers = shares of committed tokens accepted as drafted / settled by the slim verifier / decided by the
+full model; quality = task metrics averaged over prompts.
+"""
+
+
 def report(results: Path, out: Path) -> tuple[Path, list[Path]]:
     summary = summarize(load_records(results))
     out.mkdir(parents=True, exist_ok=True)
     md = out / "report.md"
-    md.write_text(f"# viasd bench report: {results.name}\n\n" + markdown(summary))
+    md.write_text(f"# viasd bench report: {results.name}\n\n" + markdown(summary) + COLUMNS)
     return md, plots(summary, out)

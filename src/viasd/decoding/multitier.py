@@ -114,6 +114,7 @@ def viasd_lossless_decode(decoder: Decoder, drafter: Drafter, route: LayerMask, 
         stats.observe_call("full", verifier_share=1.0)
         n, x = _verify(block, torch.cat(block_q) if block_q else None, logits, params, req.generator)
         stats.observe_round(0, 0)
+        stats.observe_full_check(len(block), n)
         # 3. commit; drafter tokens the full model rejected no longer count as accepted
         new, finished = _commit(block[:n] + [x], tokens, budget, req.eos)
         tiers = (origin[:n] + [3])[: len(new)]
@@ -184,6 +185,7 @@ def viasd_tiered_decode(decoder: Decoder, drafter: Drafter, route: LayerMask, re
             rows = logits[len(seq) - 1 - start :]  # [kd - i + 1, V]
             q_rest = draft.probs[i:] if draft.probs is not None and not params.greedy else None
             n, x = _verify(draft.tokens[i:], q_rest, rows, params, req.generator)
+            stats.observe_full_check(kd - i, n)
             new += draft.tokens[i : i + n] + [x]
             origin += [3] * (n + 1)
         n_kept = next((j for j in range(min(kd, len(new))) if new[j] != draft.tokens[j]), min(kd, len(new)))

@@ -31,6 +31,10 @@ class DecodeStats:
     accepted_at: list[int] = field(default_factory=list)  # [k_max] drafts accepted at position i
     tiers: Counter = field(default_factory=Counter)  # committed tokens by tier: 1 accept, 2 slim, 3 full
     unchecked: int = 0  # committed tokens the full model never checked (tiered mode)
+    # proposed tokens the full verifier judged and kept: drafts in SD, the slim-verified block in
+    # lossless VIA-SD, tier-3 drafts in tiered VIA-SD (the paper's rejection rate is this one's)
+    full_checked: int = 0
+    full_kept: int = 0
     _t0: float = field(default_factory=time.perf_counter, repr=False)
 
     def observe_call(self, name: str, n: int = 1, verifier_share: float = 0.0) -> None:
@@ -50,6 +54,11 @@ class DecodeStats:
         for i in range(n_drafted):
             self.drafted_at[i] += 1
             self.accepted_at[i] += i < n_accepted
+
+    def observe_full_check(self, n_checked: int, n_kept: int) -> None:
+        """The full verifier judged n_checked proposed tokens and kept the first n_kept."""
+        self.full_checked += n_checked
+        self.full_kept += n_kept
 
     def observe_tiers(self, tiers: list[int]) -> None:
         self.tiers.update(tiers)
@@ -72,6 +81,7 @@ class DecodeStats:
             drafted_at=[a + b for a, b in zip(pad(self.drafted_at, n), pad(other.drafted_at, n))],
             accepted_at=[a + b for a, b in zip(pad(self.accepted_at, n), pad(other.accepted_at, n))],
             tiers=self.tiers + other.tiers, unchecked=self.unchecked + other.unchecked,
+            full_checked=self.full_checked + other.full_checked, full_kept=self.full_kept + other.full_kept,
         )
 
     def finish(self) -> None:
@@ -89,12 +99,16 @@ class DecodeStats:
             # as vLLM and Spec-Bench count it
             "mean_accepted_length": round(self.new_tokens / self.rounds, 4) if self.rounds else 0.0,
             "rejection_rate": round((self.drafted - self.accepted) / self.drafted, 4) if self.drafted else 0.0,
+            # of the proposed tokens the full verifier judged, the share it rejected
+            "full_rejection_rate": round((self.full_checked - self.full_kept) / self.full_checked, 4) if self.full_checked else 0.0,
             "calls": dict(self.calls),
             "tokens_per_full_call": round(self.new_tokens / full, 4) if full else 0.0,
             "verifier_layer_passes_per_token": round(self.verifier_layer_passes / self.new_tokens, 4) if self.new_tokens else 0.0,
             "rounds": self.rounds,
             "drafted": self.drafted,
             "accepted": self.accepted,
+            "full_checked": self.full_checked,
+            "full_kept": self.full_kept,
             "tiers": {"accept": self.tiers.get(1, 0), "slim": self.tiers.get(2, 0), "full": self.tiers.get(3, 0)},
             "settled_without_full": round(self.unchecked / self.new_tokens, 4) if self.new_tokens else 0.0,
             "acceptance_per_position": [round(a / d, 4) if d else 0.0 for a, d in zip(self.accepted_at, self.drafted_at)],

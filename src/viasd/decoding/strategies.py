@@ -146,6 +146,7 @@ def speculative_decode(
             p = logits_to_probs(logits, params)  # [k'+1, V]
             n_acc, nxt = speculative_sampling(torch.tensor(drafted, dtype=torch.long), draft.probs if draft else None, p, req.generator)
         stats.observe_round(len(drafted), n_acc)
+        stats.observe_full_check(len(drafted), n_acc)
         # 4. commit (cut at EOS and budget) and roll the cache back to "all committed but the last"
         new, finished = _commit(drafted[:n_acc] + [nxt], tokens, budget, eos)
         req.emit(out, new)
