@@ -104,7 +104,7 @@ def _quality_points(summary: dict, method: str) -> dict[str, float]:
 
 
 def _f(x) -> str:
-    return "-" if x is None else f"{x:.2f}"
+    return "-" if x is None else f"{x:.3f}"
 
 
 def main() -> int:
