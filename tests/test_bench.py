@@ -166,6 +166,8 @@ def test_conversation_prompts(tiny):
         generate(conversation[:2], tiny, chat=False, progress=False)
     with pytest.raises(UsageError, match="message 0"):
         generate([{"role": "robot", "content": "w1"}], tiny, chat=False, progress=False)
+    with pytest.raises(UsageError, match="message 1"):
+        generate([{"role": "user", "content": "w1"}, 5], tiny, chat=False, progress=False)
 
 
 def test_stats_merge_adds_up():

@@ -214,7 +214,7 @@ def check_messages(messages: Sequence[dict]) -> list[dict[str, str]]:
     """A conversation as chat messages, checked: roles user/assistant/system, string contents,
     ending with a user turn (the model answers it)."""
     for i, m in enumerate(messages):
-        if set(m) != {"role", "content"} or m["role"] not in ("user", "assistant", "system") or not isinstance(m["content"], str):
+        if not isinstance(m, dict) or set(m) != {"role", "content"} or m["role"] not in ("user", "assistant", "system") or not isinstance(m["content"], str):
             raise UsageError(f"message {i}: expected {{'role': 'user'|'assistant'|'system', 'content': str}}, got {m!r}")
     if messages[-1]["role"] != "user":
         raise UsageError("a conversation must end with a user message for the model to answer")
@@ -257,7 +257,7 @@ def generate(
         if not prompt.strip():
             raise UsageError("the prompt is empty")
         ids = verifier.encode(prompt, config.chat)
-    elif prompt and all(isinstance(m, dict) for m in prompt):
+    elif any(isinstance(m, dict) for m in prompt):
         ids = verifier.encode(check_messages(prompt), config.chat)
     else:
         ids = [int(t) for t in prompt]

@@ -165,13 +165,14 @@ def run_bench(model, drafter, methods: list[tuple[str, dict]], prompts: list[Pro
                 uses_drafter = settings.get("strategy") == "sd" or settings.get("draft") == "model" or (
                     drafter is not None and settings.get("strategy") in ("cascade", "viasd") and "draft" not in settings)
                 config = GenerateConfig(**{**asdict(base), **settings, "chat": prompt.chat if prompt.chat is not None else base.chat})
-                r = generate(prompt.text, model, drafter=drafter if uses_drafter else None, config=config, progress=False)
+                chosen = drafter if uses_drafter else None
+                r = generate(prompt.text, model, drafter=chosen, config=config, progress=False)
                 stats = r.stats
                 if prompt.follow_up is not None:  # the second turn answers after the model's own first answer
                     turn1 = r
                     conversation = [{"role": "user", "content": prompt.text}, {"role": "assistant", "content": turn1.text},
                                     {"role": "user", "content": prompt.follow_up}]
-                    r = generate(conversation, model, drafter=drafter if uses_drafter else None, config=config, progress=False)
+                    r = generate(conversation, model, drafter=chosen, config=config, progress=False)
                     stats = turn1.stats.merge(r.stats)
                     record.update(turns=[{"text": t.text, "token_ids": t.token_ids, "stats": t.stats.to_dict()} for t in (turn1, r)])
                 text = humaneval_completion(r.text) if prompt.task == "human_eval" else r.text
