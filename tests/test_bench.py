@@ -13,7 +13,7 @@ from viasd.cli import main
 from viasd.datasets import human_eval
 from viasd.decoding.stats import DecodeStats
 from viasd.errors import UsageError
-from viasd.metrics import (
+from viasd.quality import (
     answer_match,
     bleu,
     chrf,

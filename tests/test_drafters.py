@@ -5,7 +5,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from viasd.drafters import NgramDrafter, ngram_lookup
+from viasd.decoding.drafters import NgramDrafter, ngram_lookup
 
 
 @pytest.mark.parametrize(

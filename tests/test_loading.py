@@ -12,7 +12,9 @@ import pytest
 from viasd import generate
 from viasd.errors import (
     ChecksumError,
+    CorruptFileError,
     ModelNotFoundError,
+    NoChatTemplateError,
     UnknownModelError,
     UnsupportedArchitectureError,
     VocabularyMismatchError,
@@ -42,14 +44,14 @@ def test_missing_path():
 def test_not_a_gguf_file(tmp_path):
     f = tmp_path / "weights.gguf"
     f.write_bytes(b"PK\x03\x04 not a gguf")
-    with pytest.raises(ChecksumError, match="not a GGUF file"):
+    with pytest.raises(CorruptFileError, match="not a GGUF file"):
         load_model(str(f), progress=False)
 
 
 def test_truncated_gguf_file(tmp_path):
     f = tmp_path / "cut.gguf"
     f.write_bytes(b"GGUF\x03\x00\x00\x00\x10")  # header cut short
-    with pytest.raises(ChecksumError, match="corrupt or truncated GGUF file"):
+    with pytest.raises(CorruptFileError, match="corrupt or truncated GGUF file"):
         load_model(str(f), progress=False)
 
 
@@ -135,5 +137,5 @@ def test_transformers_directory_loads_with_its_tokenizer(tiny):
     assert tiny.config.architecture == "llama" and tiny.config.n_layers == 4
     assert tiny.eos_token_ids == {61}
     assert tiny.encode("w1 w2 w3", chat=False) == [1, 2, 3]
-    with pytest.raises(ModelNotFoundError, match="no chat template"):
+    with pytest.raises(NoChatTemplateError, match="no chat template"):
         tiny.encode("w1", chat=True)

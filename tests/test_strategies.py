@@ -10,7 +10,7 @@ from viasd import generate
 from viasd.api import default_draft_layers
 from viasd.decoding.acceptance import SamplingParams, logits_to_probs
 from viasd.decoding.strategies import DecodeRequest, autoregressive_decode, speculative_decode
-from viasd.drafters import Draft, ModelDrafter, NgramDrafter, SelfDrafter
+from viasd.decoding.drafters import Draft, ModelDrafter, NgramDrafter, SelfDrafter
 from viasd.models.loading import load_model
 from viasd.models.runtime import LayerMask
 

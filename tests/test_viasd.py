@@ -21,7 +21,7 @@ from viasd.decoding.acceptance import (
 )
 from viasd.decoding.multitier import viasd_lossless_decode, viasd_tiered_decode
 from viasd.decoding.strategies import DecodeRequest, autoregressive_decode, speculative_decode
-from viasd.drafters import ModelDrafter, NgramDrafter, SelfDrafter, ngram_lookup
+from viasd.decoding.drafters import ModelDrafter, NgramDrafter, SelfDrafter, ngram_lookup
 from viasd.models.runtime import LayerMask
 
 GREEDY = SamplingParams()

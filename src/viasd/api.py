@@ -18,7 +18,7 @@ from viasd.decoding.acceptance import DEFERRAL_RULES, SamplingParams, TierThresh
 from viasd.decoding.multitier import viasd_lossless_decode, viasd_tiered_decode
 from viasd.decoding.stats import DecodeResult, DecodeStats
 from viasd.decoding.strategies import DecodeRequest, autoregressive_decode, speculative_decode
-from viasd.drafters import Drafter, ModelDrafter, NgramDrafter, SelfDrafter
+from viasd.decoding.drafters import Drafter, ModelDrafter, NgramDrafter, SelfDrafter
 from viasd.errors import UsageError
 from viasd.models.loading import LoadedModel, check_same_vocabulary, load_model
 from viasd.models.runtime import LayerMask

@@ -19,7 +19,7 @@ from pathlib import Path
 from viasd.api import GenerateConfig, generate
 from viasd.datasets import SPEC_BENCH_CATEGORIES, human_eval, spec_bench
 from viasd.errors import UsageError
-from viasd.metrics import humaneval_completion, score
+from viasd.quality import humaneval_completion, score
 
 # method -> GenerateConfig settings; a suffix ":pld" / ":self" / ":model" picks the drafter kind
 METHODS: dict[str, dict] = {

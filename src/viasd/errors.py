@@ -23,8 +23,16 @@ class ModelNotFoundError(UsageError):
     pass
 
 
-class ChecksumError(UsageError):
-    pass
+class CorruptFileError(UsageError):
+    """A model or cache file that exists but cannot be read as what it claims to be."""
+
+
+class ChecksumError(CorruptFileError):
+    """A file whose sha256 differs from the recorded one."""
+
+
+class NoChatTemplateError(UsageError):
+    """Chat formatting was asked of a model without a chat template."""
 
 
 class UnsupportedArchitectureError(UsageError):

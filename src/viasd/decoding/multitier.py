@@ -32,7 +32,7 @@ from viasd.decoding.acceptance import (
 )
 from viasd.decoding.stats import DecodeStats
 from viasd.decoding.strategies import DecodeRequest, _commit
-from viasd.drafters import Draft, Drafter, SelfDrafter
+from viasd.decoding.drafters import Draft, Drafter, SelfDrafter
 from viasd.models.runtime import Decoder, KVCache, LayerMask
 
 _NO_DRAFT = Draft([], None)

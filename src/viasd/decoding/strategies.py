@@ -22,7 +22,7 @@ from viasd.decoding.acceptance import (
     speculative_sampling,
 )
 from viasd.decoding.stats import DecodeStats
-from viasd.drafters import Drafter, SelfDrafter
+from viasd.decoding.drafters import Drafter, SelfDrafter
 from viasd.models.runtime import Decoder, KVCache
 
 OnTokens = Callable[[list[int]], None]

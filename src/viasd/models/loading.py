@@ -28,8 +28,10 @@ import torch
 
 from viasd.errors import (
     ChecksumError,
+    CorruptFileError,
     FetchError,
     ModelNotFoundError,
+    NoChatTemplateError,
     UnknownModelError,
     UnsupportedArchitectureError,
     VocabularyMismatchError,
@@ -122,14 +124,14 @@ def gguf_architecture(path: Path) -> str:
     """Read `general.architecture` from a GGUF header; clear error for files that are not GGUF."""
     with open(path, "rb") as f:
         if f.read(4) != b"GGUF":
-            raise ChecksumError(f"{path}: not a GGUF file (bad magic bytes)")
+            raise CorruptFileError(f"{path}: not a GGUF file (bad magic bytes)")
     try:
         from gguf import GGUFReader
 
         field_ = GGUFReader(path).fields["general.architecture"]
         return bytes(field_.parts[field_.data[0]]).decode()
     except Exception as e:  # gguf raises assorted errors on truncated files
-        raise ChecksumError(f"{path}: corrupt or truncated GGUF file ({type(e).__name__}: {e})") from None
+        raise CorruptFileError(f"{path}: corrupt or truncated GGUF file ({type(e).__name__}: {e})") from None
 
 
 def convert_gguf(gguf: Path, out_dir: Path, meta: dict, progress: bool = True) -> Path:
@@ -150,7 +152,7 @@ def convert_gguf(gguf: Path, out_dir: Path, meta: dict, progress: bool = True) -
         tok = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
         model = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32)
     except Exception as e:
-        raise ChecksumError(f"{gguf}: transformers could not read this GGUF file ({type(e).__name__}: {e})") from None
+        raise CorruptFileError(f"{gguf}: transformers could not read this GGUF file ({type(e).__name__}: {e})") from None
     out_dir.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(dir=out_dir.parent, prefix=".convert-"))
     try:
@@ -213,7 +215,7 @@ class LoadedModel:
         chat = self.has_chat_template if chat is None else chat
         if chat:
             if not self.has_chat_template:
-                raise ModelNotFoundError(f"{self.name} has no chat template; use --no-chat")
+                raise NoChatTemplateError(f"{self.name} has no chat template; use --no-chat")
             ids = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
             if hasattr(ids, "keys"):  # BatchEncoding in recent transformers
                 ids = ids["input_ids"]
