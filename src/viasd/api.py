@@ -7,55 +7,55 @@
 
 from __future__ import annotations
 
-import json
+import dataclasses
 from collections.abc import Callable, Sequence
-from dataclasses import asdict, dataclass, fields
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
 
-from viasd.decoding.acceptance import DEFERRAL_RULES, SamplingParams, TierThresholds
-from viasd.decoding.multitier import viasd_lossless_decode, viasd_tiered_decode
-from viasd.decoding.stats import DecodeResult, DecodeStats
-from viasd.decoding.strategies import DecodeRequest, autoregressive_decode, speculative_decode
+from viasd.decoding.acceptance import DEFERRAL_RULES, DeferralRule, SamplingParams
 from viasd.decoding.drafters import Drafter, ModelDrafter, NgramDrafter, SelfDrafter
+from viasd.decoding.registry import DEFAULT_STRATEGY, STRATEGIES, DraftKind, LoopArgs, Mode, Strategy, strategy
+from viasd.decoding.stats import DecodeResult, DecodeStats
+from viasd.decoding.tiers import TierThresholds
+from viasd.decoding.verifier import DecodeRequest
 from viasd.errors import UsageError
 from viasd.models.loading import LoadedModel, check_same_vocabulary, load_model
-from viasd.models.runtime import LayerMask
 from viasd.models.zoo import DEFAULT_MODEL
+from viasd.routing.resolve import draft_route, resolve_route
 
-STRATEGIES = {
-    "ar": "autoregressive decoding (the baseline)",
-    "sd": "speculative decoding with a separate drafter model (--drafter)",
-    "pld": "speculative decoding with prompt-lookup n-gram drafts (no drafter model)",
-    "self-sd": "speculative decoding drafting with a route of the verifier's own layers",
-    "cascade": "speculative cascades (Narasimhan et al. 2024): Chow / Diff / OPT deferral, then SD (lossy)",
-    "viasd": "VIA-SD: drafter -> slim verifier (a route) -> full verifier; --mode lossless or tiered",
-}
-DEFAULT_STRATEGY = "pld"
-MODES = ("lossless", "tiered")
-DRAFT_KINDS = ("auto", "model", "pld", "self")
+MODES = tuple(m.value for m in Mode)
+DRAFT_KINDS = tuple(k.value for k in DraftKind)
 
 
 @dataclass(frozen=True)
-class GenerateConfig:
-    """Every setting of one request (echoed into the result record)."""
+class DraftOptions:
+    """How drafts are made (every strategy with a drafter)."""
 
-    strategy: str = DEFAULT_STRATEGY
-    k: int = 4  # draft tokens per verification round (the most, with draft_threshold)
-    max_new_tokens: int = 128
-    temperature: float = 0.0  # 0 = greedy
-    top_p: float = 1.0
-    seed: int = 0
-    chat: bool | None = None  # None: use the chat template when the model has one
+    draft: str = DraftKind.AUTO.value  # drafter kind for viasd / cascade: model (--drafter), pld, self; auto picks
     draft_threshold: float | None = None  # adaptive drafting: stop below this top probability
-    draft: str = "auto"  # drafter kind for viasd / cascade: model (--drafter), pld, self; auto picks
     draft_layers: tuple[int, ...] | None = None  # self drafting: verifier layers the drafter keeps
     draft_route: str | None = None  # self drafting: a route JSON file (instead of draft_layers)
-    max_ngram: int = 3
+    max_ngram: int = 3  # prompt lookup
     min_ngram: int = 1
-    # viasd
-    mode: str = "lossless"
+
+    def validate(self) -> None:
+        if self.draft not in DRAFT_KINDS:
+            raise UsageError(f"unknown drafter kind {self.draft!r}: choose from {', '.join(DRAFT_KINDS)}")
+        if self.draft_threshold is not None and not 0 <= self.draft_threshold <= 1:
+            raise UsageError(f"draft_threshold must be in [0, 1], got {self.draft_threshold}")
+        if self.draft_layers is not None and self.draft_route is not None:
+            raise UsageError("give either draft_layers or draft_route, not both")
+        if not 1 <= self.min_ngram <= self.max_ngram:
+            raise UsageError(f"need 1 <= min_ngram <= max_ngram, got {self.min_ngram} and {self.max_ngram}")
+
+
+@dataclass(frozen=True)
+class ViasdOptions:
+    """VIA-SD (`strategy="viasd"`): the slim verifier and the tier rules."""
+
+    mode: str = Mode.LOSSLESS.value
     slim_layers: tuple[int, ...] | None = None  # slim verifier: kept layers (default: shipped route)
     slim_route: str | None = None  # slim verifier: a route JSON file
     full_block: int = 8  # lossless: slim-verified tokens per full-model check
@@ -65,13 +65,91 @@ class GenerateConfig:
     accept_tv: float | None = None
     slim: float | None = None
     slim_entropy: float | None = None
-    # cascade
-    rule: str = "opt"
+
+    def validate(self) -> None:
+        if self.mode not in MODES:
+            raise UsageError(f"unknown mode {self.mode!r}: choose from {', '.join(MODES)}")
+        if self.slim_layers is not None and self.slim_route is not None:
+            raise UsageError("give either slim_layers or slim_route, not both")
+        if self.full_block < 1:
+            raise UsageError(f"full_block must be >= 1, got {self.full_block}")
+
+    def tier_thresholds(self, beside: Path | None = None) -> TierThresholds:
+        """Defaults <- a thresholds file (given, or found beside the slim route) <- explicit overrides."""
+        values = TierThresholds().to_dict()
+        path = Path(self.thresholds) if self.thresholds else beside
+        if path is not None and (self.thresholds or path.exists()):
+            values.update(TierThresholds.load(path))
+        for name in values:
+            if getattr(self, name) is not None:
+                values[name] = getattr(self, name)
+        return TierThresholds(**values)
+
+
+@dataclass(frozen=True)
+class CascadeOptions:
+    """Speculative cascades (`strategy="cascade"`)."""
+
+    rule: str = DeferralRule.OPT.value
     alpha: float = 0.1
 
     def validate(self) -> None:
-        if self.strategy not in STRATEGIES:
-            raise UsageError(f"unknown strategy {self.strategy!r}: choose from {', '.join(STRATEGIES)}")
+        if self.rule not in DEFERRAL_RULES:
+            raise UsageError(f"unknown deferral rule {self.rule!r}: choose from {', '.join(DEFERRAL_RULES)}")
+
+
+_GROUPS = {"drafting": DraftOptions, "viasd": ViasdOptions, "cascade": CascadeOptions}
+_GROUP_OF = {f.name: group for group, cls in _GROUPS.items() for f in dataclasses.fields(cls)}
+
+
+@dataclass(frozen=True)
+class GenerateConfig:
+    """Every setting of one request: the common ones, and one option group per kind of strategy.
+
+    Settings are set by their flat names, whatever group holds them:
+    `GenerateConfig.from_settings(strategy="viasd", mode="tiered", k=4)`; `settings()` gives them back
+    flat (as result records and the CLI use them).
+    """
+
+    strategy: str = DEFAULT_STRATEGY
+    k: int = 4  # draft tokens per verification round (the most, with draft_threshold)
+    max_new_tokens: int = 128
+    temperature: float = 0.0  # 0 = greedy
+    top_p: float = 1.0
+    seed: int = 0
+    chat: bool | None = None  # None: use the chat template when the model has one
+    drafting: DraftOptions = field(default_factory=DraftOptions)
+    viasd: ViasdOptions = field(default_factory=ViasdOptions)
+    cascade: CascadeOptions = field(default_factory=CascadeOptions)
+
+    @classmethod
+    def setting_names(cls) -> list[str]:
+        return [f.name for f in dataclasses.fields(cls) if f.name not in _GROUPS] + list(_GROUP_OF)
+
+    @classmethod
+    def from_settings(cls, **settings) -> GenerateConfig:
+        return cls().replace(**settings)
+
+    def replace(self, **settings) -> GenerateConfig:
+        """A copy with settings changed, by their flat names."""
+        unknown = sorted(set(settings) - set(self.setting_names()))
+        if unknown:
+            raise UsageError(f"unknown setting(s): {', '.join(unknown)}")
+        common = {k: v for k, v in settings.items() if k not in _GROUP_OF}
+        groups = {g: dataclasses.replace(getattr(self, g), **{k: v for k, v in settings.items() if _GROUP_OF.get(k) == g})
+                  for g in _GROUPS}
+        return dataclasses.replace(self, **common, **groups)
+
+    def settings(self) -> dict:
+        """Every setting by its flat name (the record echoed with each result)."""
+        return {name: getattr(getattr(self, _GROUP_OF[name]) if name in _GROUP_OF else self, name) for name in self.setting_names()}
+
+    @property
+    def spec(self) -> Strategy:
+        return strategy(self.strategy)
+
+    def validate(self) -> None:
+        strategy(self.strategy)
         if not 0 <= self.k <= 64:
             raise UsageError(f"k must be between 0 and 64, got {self.k}")
         if self.max_new_tokens < 1:
@@ -80,87 +158,8 @@ class GenerateConfig:
             raise UsageError(f"temperature must be >= 0 (0 = greedy), got {self.temperature}")
         if not 0 < self.top_p <= 1:
             raise UsageError(f"top_p must be in (0, 1], got {self.top_p}")
-        if self.draft_threshold is not None and not 0 <= self.draft_threshold <= 1:
-            raise UsageError(f"draft_threshold must be in [0, 1], got {self.draft_threshold}")
-        if self.draft_layers is not None and self.draft_route is not None:
-            raise UsageError("give either draft_layers or draft_route, not both")
-        if self.slim_layers is not None and self.slim_route is not None:
-            raise UsageError("give either slim_layers or slim_route, not both")
-        if self.draft not in DRAFT_KINDS:
-            raise UsageError(f"unknown drafter kind {self.draft!r}: choose from {', '.join(DRAFT_KINDS)}")
-        if self.mode not in MODES:
-            raise UsageError(f"unknown mode {self.mode!r}: choose from {', '.join(MODES)}")
-        if self.rule not in DEFERRAL_RULES:
-            raise UsageError(f"unknown deferral rule {self.rule!r}: choose from {', '.join(DEFERRAL_RULES)}")
-        if self.full_block < 1:
-            raise UsageError(f"full_block must be >= 1, got {self.full_block}")
-        if not 1 <= self.min_ngram <= self.max_ngram:
-            raise UsageError(f"need 1 <= min_ngram <= max_ngram, got {self.min_ngram} and {self.max_ngram}")
-
-    def tier_thresholds(self, beside: Path | None = None) -> TierThresholds:
-        """Defaults <- a thresholds file (given, or found beside the slim route) <- explicit overrides."""
-        values = TierThresholds().to_dict()
-        path = Path(self.thresholds) if self.thresholds else beside
-        if path is not None and (self.thresholds or path.exists()):
-            values.update(load_thresholds(path))
-        for name in values:
-            if getattr(self, name) is not None:
-                values[name] = getattr(self, name)
-        return TierThresholds(**values)
-
-
-def load_thresholds(path: Path) -> dict:
-    try:
-        data = json.loads(Path(path).read_text())
-    except FileNotFoundError:
-        raise UsageError(f"{path}: no such thresholds file") from None
-    except ValueError as e:
-        raise UsageError(f"{path}: not valid JSON ({e})") from None
-    data = data.get("thresholds", data)
-    known = TierThresholds().to_dict()
-    unknown = sorted(set(data) - set(known))
-    if unknown:
-        raise UsageError(f"{path}: unknown threshold(s) {', '.join(unknown)}; known: {', '.join(known)}")
-    return {k: float(v) for k, v in data.items()}
-
-
-def default_draft_layers(n_layers: int) -> tuple[int, ...]:
-    """Drafting route until a searched one is given or shipped: the first half of the layers plus
-    the last one (early exit as LayerSkip drafts, with the last layer so the head sees a final state)."""
-    return tuple(range(n_layers // 2)) + (n_layers - 1,)
-
-
-def default_slim_layers(n_layers: int) -> tuple[int, ...]:
-    """Slim route until a searched one is given or shipped: every layer but the odd ones of the middle third."""
-    return tuple(i for i in range(n_layers) if not (n_layers // 3 <= i < 2 * n_layers // 3 and i % 2))
-
-
-def resolve_route(model: LoadedModel, role: str, layers: Sequence[int] | None, route_file: str | None) -> tuple[LayerMask, Path | None]:
-    """(mask, route file) for role "draft" or "slim": given layers, a route file, else the shipped
-    searched route for this model, else the default layers."""
-    from viasd.routing import ModelFingerprint, Route
-    from viasd.routing.route import shipped_route_path
-
-    n = model.config.n_layers
-    fingerprint = ModelFingerprint.of(model)
-    if route_file is not None:
-        return Route.load(route_file, fingerprint).mask, Path(route_file)
-    if layers is None:
-        shipped = shipped_route_path(fingerprint, role)
-        if shipped is not None:
-            return Route.load(shipped).mask, shipped
-        layers = default_draft_layers(n) if role == "draft" else default_slim_layers(n)
-    layers = tuple(layers)
-    bad = [i for i in layers if not 0 <= i < n]
-    if bad:
-        raise UsageError(f"{role} layers {bad} out of range: {model.name} has layers 0..{n - 1}")
-    if not layers:
-        raise UsageError(f"a {role} route must keep at least one layer")
-    return LayerMask.from_layers(n, layers), None
-
-
-def draft_route(model: LoadedModel, layers: Sequence[int] | None, route_file: str | None = None) -> LayerMask:
-    return resolve_route(model, "draft", layers, route_file)[0]
+        for group in _GROUPS:
+            getattr(self, group).validate()
 
 
 def _as_model(model: str | LoadedModel, progress: bool) -> LoadedModel:
@@ -185,29 +184,30 @@ class TextStream:
             self.sent = len(text)
 
 
-def _draft_kind(config: GenerateConfig, has_model: bool) -> str:
-    fixed = {"sd": "model", "pld": "pld", "self-sd": "self"}
-    if config.strategy in fixed:
-        if config.draft not in ("auto", fixed[config.strategy]):
-            raise UsageError(f"strategy {config.strategy!r} drafts with {fixed[config.strategy]!r}, not {config.draft!r}")
-        return fixed[config.strategy]
-    if config.draft != "auto":
-        return config.draft
-    if has_model:
-        return "model"
-    return "self" if config.strategy == "cascade" else "pld"
-
-
-def _make_drafter(kind: str, verifier: LoadedModel, drafter: str | LoadedModel | None, config: GenerateConfig,
+def _make_drafter(kind: DraftKind, verifier: LoadedModel, drafter: str | LoadedModel | None, opts: DraftOptions,
                   params: SamplingParams, generator: torch.Generator, progress: bool) -> Drafter:
-    if kind == "model":
+    if kind is DraftKind.MODEL:
         draft_model = _as_model(drafter, progress)
         check_same_vocabulary(verifier, draft_model)
-        return ModelDrafter(draft_model.decoder, params, generator, config.draft_threshold)
-    if kind == "pld":
-        return NgramDrafter(config.max_ngram, config.min_ngram)
-    route = draft_route(verifier, config.draft_layers, config.draft_route)
-    return SelfDrafter(verifier.decoder, route, params, generator, config.draft_threshold)
+        return ModelDrafter(draft_model.decoder, params, generator, opts.draft_threshold)
+    if kind is DraftKind.PLD:
+        return NgramDrafter(opts.max_ngram, opts.min_ngram)
+    route = draft_route(verifier, opts.draft_layers, opts.draft_route)
+    return SelfDrafter(verifier.decoder, route, params, generator, opts.draft_threshold)
+
+
+def _loop_args(spec: Strategy, config: GenerateConfig, verifier: LoadedModel) -> tuple[LoopArgs, dict]:
+    """The loop's arguments, and what they add to the result record."""
+    v, extra = config.viasd, {}
+    slim = thresholds = None
+    if spec.multitier:
+        slim, slim_file = resolve_route(verifier, "slim", v.slim_layers, v.slim_route)
+        extra["slim_fraction"] = round(slim.fraction, 4)
+        if Mode(v.mode) is Mode.TIERED:
+            thresholds = v.tier_thresholds(slim_file.with_suffix(".thresholds.json") if slim_file else None)
+            extra["tier_thresholds"] = thresholds.to_dict()
+    cascade = (DeferralRule(config.cascade.rule), config.cascade.alpha)
+    return LoopArgs(config.k, Mode(v.mode), v.full_block, slim, thresholds, cascade), extra
 
 
 def check_messages(messages: Sequence[dict]) -> list[dict[str, str]]:
@@ -238,32 +238,22 @@ def generate(
     Settings are `GenerateConfig` fields, given as `config=` or as keywords (`strategy="viasd"`,
     `mode="tiered"`, `k=4`, `temperature=0.7`, ...). `on_text` receives the text as it is produced.
     """
-    unknown = set(settings) - {f.name for f in fields(GenerateConfig)}
-    if unknown:
-        raise UsageError(f"unknown setting(s): {', '.join(sorted(unknown))}")
-    config = config or GenerateConfig(**settings)
+    config = (config or GenerateConfig()).replace(**settings)
     config.validate()
-    if config.strategy == "ar" and drafter is not None:
-        raise UsageError("strategy 'ar' uses no drafter")
-    kind = _draft_kind(config, drafter is not None) if config.strategy != "ar" else None
-    if kind == "model" and drafter is None:
-        raise UsageError(f"strategy {config.strategy!r} needs a drafter model (--drafter), "
+    spec = config.spec
+    if spec.drafter is None and drafter is not None:
+        raise UsageError(f"strategy {spec.name!r} uses no drafter")
+    kind = spec.draft_kind(config.drafting.draft, drafter is not None)
+    if kind is DraftKind.MODEL and drafter is None:
+        raise UsageError(f"strategy {spec.name!r} needs a drafter model (--drafter), "
                          "e.g. qwen2.5-coder-0.5b for qwen2.5-coder-1.5b")
-    if kind not in (None, "model") and drafter is not None:
-        raise UsageError(f"a drafter model is only used with model drafting (--draft model), not {kind!r} "
-                         f"drafting (strategy {config.strategy!r})")
+    if kind not in (None, DraftKind.MODEL) and drafter is not None:
+        raise UsageError(f"a drafter model is only used with model drafting (--draft model), not {kind.value!r} "
+                         f"drafting (strategy {spec.name!r})")
     verifier = _as_model(model, progress)
-    if isinstance(prompt, str):
-        if not prompt.strip():
-            raise UsageError("the prompt is empty")
-        ids = verifier.encode(prompt, config.chat)
-    elif any(isinstance(m, dict) for m in prompt):
-        ids = verifier.encode(check_messages(prompt), config.chat)
-    else:
-        ids = [int(t) for t in prompt]
-        if not ids:
-            raise UsageError("the prompt is empty")
-    if len(ids) + config.max_new_tokens + config.k + config.full_block + 2 > verifier.config.max_positions:
+    ids = _prompt_ids(prompt, verifier, config.chat)
+    v = config.viasd
+    if len(ids) + config.max_new_tokens + config.k + v.full_block + 2 > verifier.config.max_positions:
         raise UsageError(
             f"prompt ({len(ids)} tokens) + max_new_tokens ({config.max_new_tokens}) exceeds the "
             f"model's {verifier.config.max_positions} positions"
@@ -273,23 +263,23 @@ def generate(
     stats = DecodeStats(prompt_tokens=len(ids))
     stream = TextStream(verifier, on_text) if on_text else None
     req = DecodeRequest(ids, config.max_new_tokens, params, verifier.eos_token_ids, stats, generator, stream)
-    record = {"model": verifier.name, "drafter": getattr(drafter, "name", drafter), **asdict(config), "draft": kind}
-    if config.strategy == "ar":
-        out = autoregressive_decode(verifier.decoder, req)
-    else:
-        chosen = _make_drafter(kind, verifier, drafter, config, params, generator, progress)
-        if config.strategy == "viasd":
-            slim, slim_file = resolve_route(verifier, "slim", config.slim_layers, config.slim_route)
-            record["slim_fraction"] = round(slim.fraction, 4)
-            if config.mode == "lossless":
-                out = viasd_lossless_decode(verifier.decoder, chosen, slim, req, config.k, config.full_block)
-            else:
-                beside = slim_file.with_suffix(".thresholds.json") if slim_file else None
-                thresholds = config.tier_thresholds(beside)
-                record["tier_thresholds"] = thresholds.to_dict()
-                out = viasd_tiered_decode(verifier.decoder, chosen, slim, req, config.k, thresholds)
-        else:
-            cascade = (config.rule, config.alpha) if config.strategy == "cascade" else None
-            out = speculative_decode(verifier.decoder, chosen, req, config.k, cascade)
+    args, extra = _loop_args(spec, config, verifier)
+    chosen = _make_drafter(kind, verifier, drafter, config.drafting, params, generator, progress) if kind else None
+    record = {"model": verifier.name, "drafter": getattr(drafter, "name", drafter), **config.settings(),
+              "draft": kind.value if kind else None, **extra}
+    out = spec.loop(verifier.decoder, chosen, req, args)
     stats.finish()
     return DecodeResult(text=verifier.decode(out), token_ids=out, stats=stats, config=record)
+
+
+def _prompt_ids(prompt: str | Sequence[int] | list[dict[str, str]], verifier: LoadedModel, chat: bool | None) -> list[int]:
+    if isinstance(prompt, str):
+        if not prompt.strip():
+            raise UsageError("the prompt is empty")
+        return verifier.encode(prompt, chat)
+    if any(isinstance(m, dict) for m in prompt):
+        return verifier.encode(check_messages(prompt), chat)
+    ids = [int(t) for t in prompt]
+    if not ids:
+        raise UsageError("the prompt is empty")
+    return ids

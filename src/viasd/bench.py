@@ -13,23 +13,20 @@ import os
 import platform
 import sys
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 from pathlib import Path
 
 from viasd.api import GenerateConfig, generate
+from viasd.decoding.registry import BASELINE, STRATEGIES, DraftKind, Mode
 from viasd.datasets import SPEC_BENCH_CATEGORIES, human_eval, spec_bench
 from viasd.errors import UsageError
 from viasd.quality import humaneval_completion, score
 
-# method -> GenerateConfig settings; a suffix ":pld" / ":self" / ":model" picks the drafter kind
+# method -> GenerateConfig settings: each strategy by its name, VIA-SD once per mode; a suffix
+# ":pld" / ":self" / ":model" picks the drafter kind of strategies that let --draft choose
 METHODS: dict[str, dict] = {
-    "ar": {"strategy": "ar"},
-    "sd": {"strategy": "sd"},
-    "pld": {"strategy": "pld"},
-    "self-sd": {"strategy": "self-sd"},
-    "cascade": {"strategy": "cascade"},
-    "viasd-lossless": {"strategy": "viasd", "mode": "lossless"},
-    "viasd-tiered": {"strategy": "viasd", "mode": "tiered"},
+    name + (f"-{mode.value}" if spec.multitier else ""): {"strategy": name, **({"mode": mode.value} if spec.multitier else {})}
+    for name, spec in STRATEGIES.items() for mode in (Mode if spec.multitier else [Mode.LOSSLESS])
 }
 TASKS = tuple(f"spec_bench:{c}" for c in SPEC_BENCH_CATEGORIES) + ("spec_bench", "human_eval", "file:PATH")
 
@@ -53,13 +50,17 @@ def parse_methods(spec: str) -> list[tuple[str, dict]]:
             raise UsageError(f"unknown method {name!r}: choose from {', '.join(METHODS)} (optionally :pld, :self or :model)")
         settings = dict(METHODS[base])
         if kind:
-            if kind not in ("pld", "self", "model") or base in ("ar", "sd", "pld", "self-sd"):
+            if kind not in (DraftKind.PLD, DraftKind.SELF, DraftKind.MODEL) or STRATEGIES[settings["strategy"]].drafter is not DraftKind.AUTO:
                 raise UsageError(f"method {name!r}: a drafter suffix (:pld, :self, :model) applies to cascade and viasd-* only")
             settings["draft"] = kind
         out.append((name, settings))
     if not out:
         raise UsageError("no methods given")
     return out
+
+
+def _draft_kind(settings: dict, has_model: bool) -> DraftKind | None:
+    return STRATEGIES[settings["strategy"]].draft_kind(settings.get("draft", DraftKind.AUTO), has_model)
 
 
 def load_tasks(spec: str, limit: int | None, turns: int = 1) -> list[Prompt]:
@@ -144,9 +145,9 @@ def run_bench(model, drafter, methods: list[tuple[str, dict]], prompts: list[Pro
     env = environment()
     available = {}
     for name, settings in methods:  # methods that cannot run here are reported, not faked
-        needs_model = settings.get("strategy") == "sd" or settings.get("draft") == "model"
+        needs_model = _draft_kind(settings, drafter is not None) is DraftKind.MODEL
         available[name] = None if not needs_model or drafter is not None else "needs --drafter"
-    generate("Hello", model, config=GenerateConfig(strategy="ar", max_new_tokens=4), progress=False)  # warm-up
+    generate("Hello", model, strategy=BASELINE, max_new_tokens=4, progress=False)  # warm-up
     out.parent.mkdir(parents=True, exist_ok=True)
     bar = tqdm(total=len(todo), desc="bench", disable=not progress, file=sys.stderr)
     speedups: list[float] = []
@@ -162,9 +163,8 @@ def run_bench(model, drafter, methods: list[tuple[str, dict]], prompts: list[Pro
             if available[name]:
                 record["unavailable"] = available[name]
             else:
-                uses_drafter = settings.get("strategy") == "sd" or settings.get("draft") == "model" or (
-                    drafter is not None and settings.get("strategy") in ("cascade", "viasd") and "draft" not in settings)
-                config = GenerateConfig(**{**asdict(base), **settings, "chat": prompt.chat if prompt.chat is not None else base.chat})
+                uses_drafter = _draft_kind(settings, drafter is not None) is DraftKind.MODEL
+                config = base.replace(**settings, chat=prompt.chat if prompt.chat is not None else base.chat)
                 chosen = drafter if uses_drafter else None
                 r = generate(prompt.text, model, drafter=chosen, config=config, progress=False)
                 stats = r.stats
@@ -179,7 +179,7 @@ def run_bench(model, drafter, methods: list[tuple[str, dict]], prompts: list[Pro
                 record.update(text=text, token_ids=r.token_ids, stats=stats.to_dict(), config=r.config,
                               quality=score(prompt.task, r.text, prompt.reference, prompt.problem))
                 tps = record["stats"]["tokens_per_s"]
-                if name == "ar":
+                if name == BASELINE:
                     ar_speed[(prompt.task, prompt.id)] = tps
                 elif (prompt.task, prompt.id) in ar_speed and ar_speed[(prompt.task, prompt.id)] > 0:
                     speedups.append(tps / ar_speed[(prompt.task, prompt.id)])

@@ -21,7 +21,7 @@ from pathlib import Path
 import torch
 
 from viasd.api import GenerateConfig, generate
-from viasd.decoding.acceptance import TierThresholds
+from viasd.decoding.tiers import TierThresholds
 from viasd.models.loading import LoadedModel
 
 OFF = 2.0  # a threshold above 1 switches its tier off
@@ -78,7 +78,7 @@ def calibrate(model: LoadedModel, base: GenerateConfig, prompts: list[list[int]]
     bar = tqdm(total=len(cands) * len(prompts), desc="calibrating thresholds", disable=not progress, file=sys.stderr)
     for ids in prompts:
         for c in cands:
-            config = GenerateConfig(**{**base.__dict__, **c.thresholds.to_dict(), "thresholds": None})
+            config = base.replace(**c.thresholds.to_dict(), thresholds=None)
             r = generate(ids, model, drafter=drafter, config=config, progress=False)
             s = r.stats.to_dict()
             c.tokens += s["new_tokens"]
@@ -104,12 +104,10 @@ def write_thresholds(path: Path, best: Candidate, cands: list[Candidate], meta: 
 
 
 def plot_curve(path: Path, best: Candidate, cands: list[Candidate], min_agreement: float, title: str) -> Path:
-    import matplotlib
+    from matplotlib.figure import Figure  # no pyplot: no global backend or figure state
 
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, ax = plt.subplots(figsize=(6, 4))
+    fig = Figure(figsize=(6, 4))
+    ax = fig.subplots()
     ax.scatter([c.agreement for c in cands], [c.tokens_per_s for c in cands], s=18, label="candidate thresholds")
     ax.scatter([best.agreement], [best.tokens_per_s], s=80, marker="*", color="red", label="chosen")
     ax.axvline(min_agreement, color="gray", linestyle="--", label=f"constraint {min_agreement:.0%}")
@@ -117,5 +115,4 @@ def plot_curve(path: Path, best: Candidate, cands: list[Candidate], min_agreemen
     ax.legend(fontsize=8)
     fig.tight_layout()
     fig.savefig(path, dpi=120)
-    plt.close(fig)
     return path

@@ -15,19 +15,17 @@ DTYPES = ("float32", "bfloat16")
 
 
 def _generate(args: argparse.Namespace) -> int:
-    from dataclasses import fields
-
     from viasd.api import GenerateConfig, generate
     from viasd.models.loading import load_model
 
     prompt = DEMO_PROMPT if args.prompt is None else args.prompt
     if prompt == "-":
         prompt = sys.stdin.read()
-    settings = {f.name: getattr(args, f.name) for f in fields(GenerateConfig) if hasattr(args, f.name)}
+    settings = {name: getattr(args, name) for name in GenerateConfig.setting_names() if hasattr(args, name)}
     for name in ("draft_layers", "slim_layers"):
         if settings[name] is not None:
             settings[name] = tuple(settings[name])
-    config = GenerateConfig(**settings)
+    config = GenerateConfig.from_settings(**settings)
     config.validate()  # before any model is fetched
     progress = not args.quiet
     import torch
@@ -48,7 +46,7 @@ def _generate(args: argparse.Namespace) -> int:
     print()
     calls = ", ".join(f"{k} {v}" for k, v in s["calls"].items())
     print(
-        f"[{config.strategy}{'/' + config.mode if config.strategy == 'viasd' else ''}] {s['new_tokens']} tokens in {s['wall_s']:.2f} s ({s['tokens_per_s']:.1f} tok/s), "
+        f"[{config.spec.label(config.viasd.mode)}] {s['new_tokens']} tokens in {s['wall_s']:.2f} s ({s['tokens_per_s']:.1f} tok/s), "
         f"mean accepted length {s['mean_accepted_length']:.2f}, rejection rate {s['rejection_rate']:.2f}, calls: {calls}",
         file=sys.stderr,
     )
@@ -139,13 +137,14 @@ def _add_search(p: argparse.ArgumentParser) -> None:
 
 
 def _calibrate(args: argparse.Namespace) -> int:
-    from viasd.api import GenerateConfig, resolve_route
+    from viasd.api import GenerateConfig
+    from viasd.routing.resolve import resolve_route
     from viasd.calibrate import calibrate, plot_curve, write_thresholds
     from viasd.models.loading import load_model
     from viasd.routing.search import dev_prompts
 
     progress = not args.quiet
-    base = GenerateConfig(strategy="viasd", mode="tiered", k=args.k, max_new_tokens=args.max_new_tokens,
+    base = GenerateConfig.from_settings(strategy="viasd", mode="tiered", k=args.k, max_new_tokens=args.max_new_tokens,
                           draft=args.draft, slim_route=args.route, draft_route=args.draft_route)
     base.validate()
     if not 0 < args.min_agreement <= 1:
@@ -161,7 +160,7 @@ def _calibrate(args: argparse.Namespace) -> int:
         out = Path(f"{Path(args.model).name}.slim.thresholds.json")
     prompts = dev_prompts(model, args.prompts)
     best, cands = calibrate(model, base, prompts, drafter, args.grid, args.min_agreement, progress)
-    meta = {"model": args.model, "drafter": args.drafter or base.draft, "route": str(route_file) if route_file else "default",
+    meta = {"model": args.model, "drafter": args.drafter or base.drafting.draft, "route": str(route_file) if route_file else "default",
             "min_agreement": args.min_agreement, "prompts": len(prompts), "max_new_tokens": args.max_new_tokens, "k": args.k}
     write_thresholds(out, best, cands, meta)
     png = plot_curve(out.with_suffix(".png"), best, cands, args.min_agreement, f"{args.model}: tiered thresholds")
@@ -244,15 +243,16 @@ def _add_report(p: argparse.ArgumentParser) -> None:
 
 
 def _add_generate(p: argparse.ArgumentParser) -> None:
-    from viasd.api import DEFAULT_STRATEGY, DRAFT_KINDS, MODES, STRATEGIES
+    from viasd.api import DRAFT_KINDS, MODES
     from viasd.decoding.acceptance import DEFERRAL_RULES
+    from viasd.decoding.registry import DEFAULT_STRATEGY, STRATEGIES
     from viasd.models.zoo import DEFAULT_MODEL
 
     p.add_argument("prompt", nargs="?", help=f"text to continue; - reads stdin (default: {DEMO_PROMPT!r})")
     p.add_argument("--model", "-m", default=DEFAULT_MODEL, help="zoo alias, GGUF file, transformers directory or hub id (default: %(default)s)")
     p.add_argument("--drafter", "-d", help="drafter model for --strategy sd (same vocabulary as --model)")
     p.add_argument("--strategy", "-s", default=DEFAULT_STRATEGY, choices=list(STRATEGIES),
-                   help="; ".join(f"{k}: {v}" for k, v in STRATEGIES.items()) + " (default: %(default)s)")
+                   help="; ".join(f"{k}: {v.help}" for k, v in STRATEGIES.items()) + " (default: %(default)s)")
     p.add_argument("--k", "-k", type=int, default=4, help="draft tokens per verification round (default: %(default)s)")
     p.add_argument("--draft-threshold", type=float, help="adaptive drafting: stop when the drafter's top probability falls below this")
     p.add_argument("--draft-layers", type=int, nargs="+", metavar="L", help="self drafting: verifier layers the drafting route keeps")
@@ -273,7 +273,7 @@ def _add_generate(p: argparse.ArgumentParser) -> None:
     v.add_argument("--slim", type=float, help="tiered: tier 2 when the slim top prob is >= this, else tier 3 (full)")
     v.add_argument("--slim-entropy", type=float, help="tiered: ... and the slim entropy is <= this")
     c = p.add_argument_group("cascade (--strategy cascade)")
-    c.add_argument("--rule", default="opt", choices=DEFERRAL_RULES, help="deferral rule (default: %(default)s)")
+    c.add_argument("--rule", default="opt", choices=[str(r) for r in DEFERRAL_RULES], help="deferral rule (default: %(default)s)")
     c.add_argument("--alpha", type=float, default=0.1, help="deferral rule parameter (default: %(default)s)")
     p.add_argument("--max-new-tokens", "-n", type=int, default=128, help="(default: %(default)s)")
     p.add_argument("--temperature", "-t", type=float, default=0.0, help="0 = greedy (default: %(default)s)")

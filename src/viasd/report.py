@@ -11,6 +11,7 @@ import statistics
 from collections import defaultdict
 from pathlib import Path
 
+from viasd.decoding.registry import BASELINE, STRATEGIES
 from viasd.errors import UsageError
 
 
@@ -37,14 +38,15 @@ def _full_check(record: dict) -> tuple[int, int] | None:
     s = record["stats"]
     if "full_checked" in s:
         return s["full_checked"], s["full_kept"]
-    if record.get("config", {}).get("strategy") in ("ar", "sd", "pld", "self-sd", "cascade"):
+    spec = STRATEGIES.get(record.get("config", {}).get("strategy"))
+    if spec is not None and spec.full_checks_every_draft:
         return s["drafted"], s["accepted"]
     return None
 
 
 def summarize(records: list[dict]) -> dict[tuple[str, str], dict]:
     """(task or "overall", method) -> aggregated figures."""
-    ar = {(r["task"], r["prompt_id"]): r["stats"]["tokens_per_s"] for r in records if r["method"] == "ar" and "stats" in r}
+    ar = {(r["task"], r["prompt_id"]): r["stats"]["tokens_per_s"] for r in records if r["method"] == BASELINE and "stats" in r}
     groups: dict[tuple[str, str], list[dict]] = defaultdict(list)
     for r in records:
         groups[(r["task"], r["method"])].append(r)
@@ -108,15 +110,13 @@ def markdown(summary: dict[tuple[str, str], dict]) -> str:
 
 
 def plots(summary: dict[tuple[str, str], dict], out: Path) -> list[Path]:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    from matplotlib.figure import Figure  # no pyplot: no global backend or figure state
 
     tasks = sorted({t for t, _ in summary}, key=lambda t: (t == "overall", t))
-    methods = [m for m in dict.fromkeys(m for _, m in summary) if m != "ar"]
+    methods = [m for m in dict.fromkeys(m for _, m in summary) if m != BASELINE]
     paths = []
-    fig, ax = plt.subplots(figsize=(max(6, 1.2 * len(tasks)), 4))
+    fig = Figure(figsize=(max(6, 1.2 * len(tasks)), 4))
+    ax = fig.subplots()
     width = 0.8 / max(len(methods), 1)
     for j, m in enumerate(methods):
         ys = [summary.get((t, m), {}).get("speedup") or 0 for t in tasks]
@@ -128,11 +128,11 @@ def plots(summary: dict[tuple[str, str], dict], out: Path) -> list[Path]:
     fig.tight_layout()
     paths.append(out / "speedup.png")
     fig.savefig(paths[-1], dpi=110)
-    plt.close(fig)
 
     tiered = [m for m in methods if any(summary.get((t, m), {}).get("tier_shares") for t in tasks)]
     if tiered:
-        fig, axes = plt.subplots(1, len(tiered), figsize=(5 * len(tiered), 4), squeeze=False)
+        fig = Figure(figsize=(5 * len(tiered), 4))
+        axes = fig.subplots(1, len(tiered), squeeze=False)
         for ax, m in zip(axes[0], tiered):
             bottom = [0.0] * len(tasks)
             for tier in ("accept", "slim", "full"):
@@ -145,10 +145,10 @@ def plots(summary: dict[tuple[str, str], dict], out: Path) -> list[Path]:
         fig.tight_layout()
         paths.append(out / "tiers.png")
         fig.savefig(paths[-1], dpi=110)
-        plt.close(fig)
 
-    fig, ax = plt.subplots(figsize=(6, 4))
-    for m in ["ar"] + methods:
+    fig = Figure(figsize=(6, 4))
+    ax = fig.subplots()
+    for m in [BASELINE] + methods:
         s = summary.get(("overall", m), {})
         q = s.get("quality", {})
         if s.get("speedup") is not None and q:
@@ -158,7 +158,6 @@ def plots(summary: dict[tuple[str, str], dict], out: Path) -> list[Path]:
     fig.tight_layout()
     paths.append(out / "quality_speed.png")
     fig.savefig(paths[-1], dpi=110)
-    plt.close(fig)
     return paths
 
 

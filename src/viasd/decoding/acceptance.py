@@ -14,6 +14,7 @@ Each verification round commits `n_accepted` draft tokens plus exactly one recov
 from __future__ import annotations
 
 from dataclasses import dataclass
+from enum import StrEnum
 
 import torch
 
@@ -26,6 +27,23 @@ class SamplingParams:
     @property
     def greedy(self) -> bool:
         return self.temperature <= 0.0
+
+    def probs(self, logits: torch.Tensor) -> torch.Tensor:
+        """[..., V] logits -> the distribution decoding samples from (`logits_to_probs`)."""
+        return logits_to_probs(logits, self)
+
+    def confidence(self, logits: torch.Tensor) -> torch.Tensor:
+        """[..., V] logits -> a model's distribution as its confidence: the raw softmax when greedy (a
+        one-hot would say nothing), else the sampling distribution."""
+        return torch.softmax(logits.float(), -1) if self.greedy else self.probs(logits)
+
+    def draw(self, probs: torch.Tensor, generator: torch.Generator | None) -> int:
+        """One token from probs [V]: the argmax when greedy, else a sample."""
+        return int(probs.argmax()) if self.greedy else sample(probs, generator)
+
+    def next_token(self, logits: torch.Tensor, generator: torch.Generator | None) -> int:
+        """The token plain decoding picks from logits [V]."""
+        return int(logits.argmax()) if self.greedy else sample(self.probs(logits), generator)
 
 
 def logits_to_probs(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
@@ -87,87 +105,98 @@ def speculative_sampling(
         return k, sample(p[k], generator)  # bonus token
     n = int(rejected[0])
     q_n = q[n] if q is not None else torch.nn.functional.one_hot(draft[n], p.shape[-1]).float()
-    residual = (p[n] - q_n).clamp_min(0.0)  # p'(x) = norm(max(0, p(x) - q(x)))
+    return n, _residual_sample(p[n], q_n, generator)
+
+
+def _residual_sample(p: torch.Tensor, q: torch.Tensor, generator: torch.Generator | None) -> int:
+    """The recovered token: a sample of p'(x) = norm(max(0, p(x) - q(x))). p, q: [V]."""
+    residual = (p - q).clamp_min(0.0)
     total = residual.sum()
     if total <= 0:  # p == q up to rounding: the rejection had probability ~0; fall back to p
-        residual, total = p[n], p[n].sum()
-    return n, sample(residual / total, generator)
+        residual, total = p, p.sum()
+    return sample(residual / total, generator)
 
 
-# ------------------------------------------------------------------------ VIA-SD tier assignment
+def accept(
+    draft: list[int] | torch.Tensor,
+    q: torch.Tensor | None,
+    target_logits: torch.Tensor,
+    params: SamplingParams,
+    generator: torch.Generator | None,
+    target_probs: torch.Tensor | None = None,
+) -> tuple[int, int]:
+    """The one acceptance entry point of every loop: keep a prefix of `draft`, plus one recovered or
+    bonus token. Greedy: `greedy_accept`; sampling: `speculative_sampling` (lossless).
 
-
-@dataclass(frozen=True)
-class TierThresholds:
-    """Tiered mode's rules (VIA-SD), per draft position, in order:
-
-    tier 1 (accept): slim prob of the draft >= `accept`, drafter prob of its token >= `accept_draft`
-        and TV(drafter, slim) <= `accept_tv`: kept with no further check;
-    tier 2 (slim): slim top prob >= `slim` and slim entropy <= `slim_entropy`: the slim verifier
-        settles the token (keeps the draft if it is the slim's choice, else replaces it);
-    tier 3 (full): everything else goes to the full verifier.
-    Thresholds above 1 switch a tier off: `accept=2, slim=2` is plain SD; `accept=2, slim=0` lets
-    the slim verifier settle everything.
+    draft: [k] ids; q: [k, V] the drafts' proposal distribution (None: deterministic; unused when
+    greedy); target_logits: [k+1, V]; target_probs: [k+1, V] a target other than the verifier's own
+    distribution (speculative cascades' pi), replacing the one derived from target_logits.
+    Returns (n_accepted, next_token).
     """
-
-    accept: float = 0.9
-    accept_draft: float = 0.5
-    accept_tv: float = 1.0
-    slim: float = 0.6
-    slim_entropy: float = float("inf")
-
-    def to_dict(self) -> dict:
-        return {k: getattr(self, k) for k in ("accept", "accept_draft", "accept_tv", "slim", "slim_entropy")}
+    draft = torch.as_tensor(draft, dtype=torch.long)
+    if params.greedy:
+        return greedy_accept(draft, target_logits if target_probs is None else target_probs)
+    p = params.probs(target_logits) if target_probs is None else target_probs
+    return speculative_sampling(draft, q, p, generator)
 
 
-def confidence_signals(draft: torch.Tensor, q: torch.Tensor | None, slim: torch.Tensor) -> dict[str, torch.Tensor]:
-    """Per-position confidence signals.
-
-    draft: [k]; q: [k, V] drafter probabilities (None: deterministic drafter, q(x) = 1);
-    slim: [k, V] slim-verifier probabilities at the draft positions. Returns [k] tensors.
-    """
-    k = draft.shape[0]
-    idx = torch.arange(k)
-    top2 = slim.topk(2, dim=-1).values if slim.shape[-1] > 1 else torch.cat([slim, torch.zeros_like(slim)], -1)
-    q_full = q if q is not None else torch.nn.functional.one_hot(draft, slim.shape[-1]).float()
-    return {
-        "draft_prob": q_full[idx, draft],
-        "slim_prob": slim[idx, draft],
-        "slim_top": top2[:, 0],
-        "slim_margin": top2[:, 0] - top2[:, 1],
-        "slim_entropy": -(slim * slim.clamp_min(1e-12).log()).sum(-1),
-        "tv": 0.5 * (q_full - slim).abs().sum(-1),
-    }
-
-
-def assign_tiers(signals: dict[str, torch.Tensor], t: TierThresholds) -> torch.Tensor:
-    """[k] tier of each draft position (1 accept, 2 slim, 3 full) from `confidence_signals`."""
-    tier1 = (signals["slim_prob"] >= t.accept) & (signals["draft_prob"] >= t.accept_draft) & (signals["tv"] <= t.accept_tv)
-    tier2 = (signals["slim_top"] >= t.slim) & (signals["slim_entropy"] <= t.slim_entropy)
-    return torch.where(tier1, 1, torch.where(tier2, 2, 3))
+def settle(draft_token: int | None, q_row: torch.Tensor | None, p: torch.Tensor, params: SamplingParams,
+           generator: torch.Generator | None) -> int:
+    """One position settled against target probabilities p [V] (VIA-SD's tier 2, the slim verifier's
+    p): greedy takes p's argmax; sampling keeps the draft with probability min(1, p(x)/q(x)), else
+    samples the residual, and samples p where there is no draft. Lossless for that position."""
+    if params.greedy:
+        return int(p.argmax())
+    if draft_token is None:
+        return sample(p, generator)
+    q_x = float(q_row[draft_token]) if q_row is not None else 1.0
+    if float(torch.rand(1, generator=generator)) * q_x <= float(p[draft_token]):
+        return draft_token
+    q_n = q_row if q_row is not None else torch.nn.functional.one_hot(torch.tensor(draft_token), p.shape[-1]).float()
+    return _residual_sample(p, q_n, generator)
 
 
 # ------------------------------------------------------------------ speculative cascades (baseline)
 
-DEFERRAL_RULES = ("chow", "diff", "opt")
+class DeferralRule(StrEnum):
+    CHOW = "chow"
+    DIFF = "diff"
+    OPT = "opt"
 
 
-def cascade_defer(q: torch.Tensor, p: torch.Tensor, rule: str, alpha: float) -> torch.Tensor:
+DEFERRAL_RULES = tuple(DeferralRule)
+
+
+def cascade_defer(q: torch.Tensor, p: torch.Tensor, rule: DeferralRule | str, alpha: float) -> torch.Tensor:
     """Speculative cascades (Narasimhan et al. 2024): defer to the small model at each position?
 
     q: [k, V] drafter distribution, p: [k, V] full model's. Returns [k] bool.
     Chow: max q >= 1 - alpha;  Diff: max q >= max p - alpha;  OPT: max q >= max p - alpha * TV(p, q).
     """
     q_max, p_max = q.max(-1).values, p.max(-1).values
-    if rule == "chow":
-        return q_max >= 1 - alpha
-    if rule == "diff":
-        return q_max >= p_max - alpha
-    if rule == "opt":
-        return q_max >= p_max - alpha * 0.5 * (p - q).abs().sum(-1)
-    raise ValueError(f"unknown deferral rule {rule!r}: {', '.join(DEFERRAL_RULES)}")
+    match DeferralRule(rule):
+        case DeferralRule.CHOW:
+            return q_max >= 1 - alpha
+        case DeferralRule.DIFF:
+            return q_max >= p_max - alpha
+        case DeferralRule.OPT:
+            return q_max >= p_max - alpha * 0.5 * (p - q).abs().sum(-1)
 
 
 def cascade_target(q: torch.Tensor, p: torch.Tensor, defer: torch.Tensor) -> torch.Tensor:
     """pi = q where deferred to the small model, else p. q, p: [k, V]; defer: [k] -> [k, V]."""
     return torch.where(defer[:, None], q, p)
+
+
+def cascade_target_probs(q: torch.Tensor | None, target_logits: torch.Tensor, params: SamplingParams,
+                         rule: DeferralRule | str, alpha: float) -> torch.Tensor:
+    """The cascade's target for a verification block: pi at the k draft positions, p at the bonus one.
+
+    q: [k, V] drafter probabilities; target_logits: [k+1, V] -> pi [k+1, V]. The rule compares the
+    models' own confidences (greedy: raw softmax; sampling: the processed p).
+    """
+    if q is None:
+        raise ValueError("speculative cascades need a drafter with probabilities (a model or a self route)")
+    k = q.shape[0]
+    p = params.confidence(target_logits)  # [k+1, V]
+    return torch.cat([cascade_target(q, p[:k], cascade_defer(q, p[:k], rule, alpha)), p[k:]])

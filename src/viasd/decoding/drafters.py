@@ -1,9 +1,10 @@
-"""Drafters: one small protocol, three kinds.
+"""Drafters: one small protocol of two methods, three kinds.
 
-`propose(context, k, stats) -> Draft` returns up to k next tokens for the committed `context`
-(+ their draft probabilities q, or None for deterministic drafters). Drafters keep whatever state
-they need (their own KV cache) and resynchronise with `context` at every call, so a verification
-round needs no separate `update`.
+`begin(max_len, verifier)` starts a request (a self drafter takes the verifier's KV cache, every
+drafter its statistics); `propose(context, k) -> Draft` returns up to k next tokens for the
+committed `context` (+ their draft probabilities q, or None for deterministic drafters). Drafters
+keep whatever state they need (their own KV cache) and resynchronise with `context` at every call,
+so a verification round needs no separate `update`.
 """
 
 from __future__ import annotations
@@ -14,8 +15,9 @@ from typing import Protocol
 import numpy as np
 import torch
 
-from viasd.decoding.acceptance import SamplingParams, logits_to_probs, sample
+from viasd.decoding.acceptance import SamplingParams
 from viasd.decoding.stats import DecodeStats
+from viasd.decoding.verifier import CallKind, Verifier
 from viasd.models.runtime import Decoder, KVCache, LayerMask
 
 
@@ -30,11 +32,14 @@ class Draft:
         return len(self.tokens)
 
 
-class Drafter(Protocol):
-    def begin(self, max_len: int) -> None:
-        """Start a new request whose sequences stay below `max_len` positions."""
+NO_DRAFT = Draft([], None)
 
-    def propose(self, context: list[int], k: int, stats: DecodeStats) -> Draft:
+
+class Drafter(Protocol):
+    def begin(self, max_len: int, verifier: Verifier) -> None:
+        """Start a new request of `verifier` whose sequences stay below `max_len` positions."""
+
+    def propose(self, context: list[int], k: int) -> Draft:
         """Up to k draft tokens continuing `context` (every committed token, prompt included)."""
 
 
@@ -46,13 +51,12 @@ class _AutoregressiveDrafter:
     below it (Draft&Verify; transformers' `assistant_confidence_threshold`).
     """
 
-    stat_name = "draft"
-
     def __init__(self, decoder: Decoder, params: SamplingParams, generator: torch.Generator | None, threshold: float | None):
         self.decoder = decoder
         self.params = params
         self.generator = generator
         self.threshold = threshold
+        self.stats = DecodeStats()
 
     route: LayerMask | None = None
     verifier_share = 0.0
@@ -60,7 +64,10 @@ class _AutoregressiveDrafter:
     def _sync(self, context: list[int]) -> tuple[KVCache, int]:
         raise NotImplementedError
 
-    def propose(self, context: list[int], k: int, stats: DecodeStats) -> Draft:
+    def begin(self, max_len: int, verifier: Verifier) -> None:
+        self.stats = verifier.stats
+
+    def propose(self, context: list[int], k: int) -> Draft:
         cache, start = self._sync(context)
         start = min(start, len(context) - 1)  # always recompute the last token to get its logits
         feed = torch.tensor(context[start:])
@@ -68,14 +75,10 @@ class _AutoregressiveDrafter:
         probs: list[torch.Tensor] = []
         for _ in range(k):
             logits = self.decoder.forward(feed, start, cache, route=self.route, last_only=True)[0]  # [V]
-            stats.observe_call(self.stat_name, verifier_share=self.verifier_share)
+            self.stats.observe_call(CallKind.DRAFT, verifier_share=self.verifier_share)
             start += feed.shape[0]
-            if self.params.greedy:
-                q = torch.softmax(logits, -1)
-                token = int(logits.argmax())
-            else:
-                q = logits_to_probs(logits, self.params)
-                token = sample(q, self.generator)
+            q = self.params.confidence(logits)  # [V]
+            token = self.params.draw(q, self.generator)
             probs.append(q)
             top = float(q.max())
             tokens.append(token)
@@ -92,7 +95,8 @@ class _AutoregressiveDrafter:
 class ModelDrafter(_AutoregressiveDrafter):
     """A separate, smaller model with the verifier's vocabulary, and its own KV cache."""
 
-    def begin(self, max_len: int) -> None:
+    def begin(self, max_len: int, verifier: Verifier) -> None:
+        super().begin(max_len, verifier)
         self.cache = self.decoder.new_cache(max_len)
         self.cached_ids: list[int] = []  # token ids at cache positions 0 .. n_full-1
 
@@ -120,13 +124,9 @@ class SelfDrafter(_AutoregressiveDrafter):
         self.verifier_share = route.fraction
         self.cache: KVCache | None = None
 
-    def attach(self, cache: KVCache) -> None:
-        """Share the verifier's cache for this request."""
-        self.cache = cache
-
-    def begin(self, max_len: int) -> None:
-        if self.cache is None:
-            raise RuntimeError("SelfDrafter.attach(verifier_cache) must precede begin()")
+    def begin(self, max_len: int, verifier: Verifier) -> None:
+        super().begin(max_len, verifier)
+        self.cache = verifier.cache  # shared for this request
 
     def _sync(self, context: list[int]) -> tuple[KVCache, int]:
         # routed entries past n_full belong to an earlier draft: restart drafting at n_full
@@ -144,10 +144,10 @@ class NgramDrafter:
         self.max_ngram = max_ngram
         self.min_ngram = min_ngram
 
-    def begin(self, max_len: int) -> None:
+    def begin(self, max_len: int, verifier: Verifier) -> None:
         pass
 
-    def propose(self, context: list[int], k: int, stats: DecodeStats | None = None) -> Draft:
+    def propose(self, context: list[int], k: int) -> Draft:
         return Draft(ngram_lookup(np.asarray(context), k, self.max_ngram, self.min_ngram), None)
 
 

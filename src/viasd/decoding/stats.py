@@ -6,14 +6,16 @@ import time
 from collections import Counter
 from dataclasses import dataclass, field
 
+from viasd.decoding.tiers import Tier
+
 
 @dataclass
 class DecodeStats:
     """Counters filled by a decoding loop through `observe_*`; `to_dict` derives the rates.
 
-    Names of `calls`: "full" (verifier, every layer), "slim" (verifier along the slim route),
-    "draft" (drafter: a separate model or a drafting route of the verifier). Model-free drafters
-    (n-gram lookup) make no calls.
+    Keys of `calls` are `decoding.verifier.CallKind` values: "full" (verifier, every layer), "slim"
+    (verifier along the slim route), "draft" (drafter: a separate model or a drafting route of the
+    verifier). Model-free drafters (n-gram lookup) make no calls.
     """
 
     prompt_tokens: int = 0
@@ -29,7 +31,7 @@ class DecodeStats:
     accepted: int = 0
     drafted_at: list[int] = field(default_factory=list)  # [k_max] drafts seen at position i of a block
     accepted_at: list[int] = field(default_factory=list)  # [k_max] drafts accepted at position i
-    tiers: Counter = field(default_factory=Counter)  # committed tokens by tier: 1 accept, 2 slim, 3 full
+    tiers: Counter = field(default_factory=Counter)  # committed tokens by `Tier`
     unchecked: int = 0  # committed tokens the full model never checked (tiered mode)
     # proposed tokens the full verifier judged and kept: drafts in SD, the slim-verified block in
     # lossless VIA-SD, tier-3 drafts in tiered VIA-SD (the paper's rejection rate is this one's)
@@ -109,7 +111,7 @@ class DecodeStats:
             "accepted": self.accepted,
             "full_checked": self.full_checked,
             "full_kept": self.full_kept,
-            "tiers": {"accept": self.tiers.get(1, 0), "slim": self.tiers.get(2, 0), "full": self.tiers.get(3, 0)},
+            "tiers": {tier.name.lower(): self.tiers.get(tier, 0) for tier in Tier},
             "settled_without_full": round(self.unchecked / self.new_tokens, 4) if self.new_tokens else 0.0,
             "acceptance_per_position": [round(a / d, 4) if d else 0.0 for a, d in zip(self.accepted_at, self.drafted_at)],
         }
@@ -117,7 +119,8 @@ class DecodeStats:
 
 @dataclass
 class DecodeResult:
-    """What every strategy returns; the CLI, server and benchmark never branch on the strategy."""
+    """What every strategy returns: the CLI and the benchmark store and print any of them alike (what
+    they need to know about a strategy itself they read from `decoding.registry`)."""
 
     text: str
     token_ids: list[int]  # new tokens only

@@ -146,6 +146,7 @@ def convert_gguf(gguf: Path, out_dir: Path, meta: dict, progress: bool = True) -
     from transformers.utils import logging as hf_logging
 
     _log(f"viasd: converting {gguf.name} to safetensors (once; cached in {out_dir.parent})")
+    bars_were_on = hf_logging.is_progress_bar_enabled()
     if not progress:
         hf_logging.disable_progress_bar()
     try:
@@ -153,6 +154,9 @@ def convert_gguf(gguf: Path, out_dir: Path, meta: dict, progress: bool = True) -
         model = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32)
     except Exception as e:
         raise CorruptFileError(f"{gguf}: transformers could not read this GGUF file ({type(e).__name__}: {e})") from None
+    finally:
+        if bars_were_on:  # the caller's setting, restored
+            hf_logging.enable_progress_bar()
     out_dir.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(dir=out_dir.parent, prefix=".convert-"))
     try:

@@ -18,6 +18,8 @@ import os
 import sys
 import tempfile
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 
 import torch
@@ -136,6 +138,18 @@ def kept_from_scores(scores: dict[int, float], n_keep: int, pinned: list[int]) -
     return sorted(set(pinned) | set(free))
 
 
+@contextmanager
+def _optuna_verbosity(level: int) -> Iterator[None]:
+    import optuna
+
+    previous = optuna.logging.get_verbosity()
+    optuna.logging.set_verbosity(level)
+    try:
+        yield
+    finally:
+        optuna.logging.set_verbosity(previous)
+
+
 def search_route(
     model: LoadedModel,
     budget: float,
@@ -166,34 +180,34 @@ def search_route(
     calib = calib or build_calibration(model, progress=progress)
     fp = ModelFingerprint.of(model)
     name = f"dimr-{fp.source}-{fp.n_layers}-b{budget}-{cost}-s{seed}-pin{int(pin_ends)}-{calib.description}"
-    optuna.logging.set_verbosity(optuna.logging.WARNING)
-    sampler = optuna.samplers.TPESampler(n_startup_trials=n_random, seed=seed, multivariate=True)
-    study = optuna.create_study(study_name=name, storage=storage, direction="minimize", sampler=sampler, load_if_exists=True)
-    for t in study.get_trials(deepcopy=False, states=(TrialState.RUNNING,)):
-        study.tell(t.number, state=TrialState.FAIL)  # left running by an interrupted run
-    done = len(study.get_trials(deepcopy=False, states=(TrialState.COMPLETE,)))
-    memo: dict[tuple[int, ...], dict] = {
-        tuple(t.user_attrs["kept"]): t.user_attrs["metrics"] for t in study.get_trials(deepcopy=False, states=(TrialState.COMPLETE,))
-    }
-    t0 = time.perf_counter()
-    bar = tqdm(total=trials, initial=done, desc=f"DIMR budget {budget}", disable=not progress, file=sys.stderr)
+    with _optuna_verbosity(optuna.logging.WARNING):  # the caller's logging setting is restored after
+        sampler = optuna.samplers.TPESampler(n_startup_trials=n_random, seed=seed, multivariate=True)
+        study = optuna.create_study(study_name=name, storage=storage, direction="minimize", sampler=sampler, load_if_exists=True)
+        for t in study.get_trials(deepcopy=False, states=(TrialState.RUNNING,)):
+            study.tell(t.number, state=TrialState.FAIL)  # left running by an interrupted run
+        done = len(study.get_trials(deepcopy=False, states=(TrialState.COMPLETE,)))
+        memo: dict[tuple[int, ...], dict] = {
+            tuple(t.user_attrs["kept"]): t.user_attrs["metrics"] for t in study.get_trials(deepcopy=False, states=(TrialState.COMPLETE,))
+        }
+        t0 = time.perf_counter()
+        bar = tqdm(total=trials, initial=done, desc=f"DIMR budget {budget}", disable=not progress, file=sys.stderr)
 
-    def objective(trial: "optuna.Trial") -> float:
-        scores = {i: trial.suggest_float(f"layer_{i}", 0.0, 1.0) for i in free}
-        kept = kept_from_scores(scores, n_keep, pinned)
-        key = tuple(kept)
-        if key not in memo:
-            memo[key] = evaluate_route(model, calib, LayerMask.from_layers(n, kept))
-        trial.set_user_attr("kept", kept)
-        trial.set_user_attr("metrics", memo[key])
-        return memo[key][cost]
+        def objective(trial: "optuna.Trial") -> float:
+            scores = {i: trial.suggest_float(f"layer_{i}", 0.0, 1.0) for i in free}
+            kept = kept_from_scores(scores, n_keep, pinned)
+            key = tuple(kept)
+            if key not in memo:
+                memo[key] = evaluate_route(model, calib, LayerMask.from_layers(n, kept))
+            trial.set_user_attr("kept", kept)
+            trial.set_user_attr("metrics", memo[key])
+            return memo[key][cost]
 
-    def report(study: "optuna.Study", trial) -> None:
-        bar.update(1)
-        bar.set_postfix(best=f"{study.best_value:.4f}")
+        def report(study: "optuna.Study", trial) -> None:
+            bar.update(1)
+            bar.set_postfix(best=f"{study.best_value:.4f}")
 
-    if trials > done:
-        study.optimize(objective, n_trials=trials - done, callbacks=[report])
+        if trials > done:
+            study.optimize(objective, n_trials=trials - done, callbacks=[report])
     bar.close()
     complete = study.get_trials(deepcopy=False, states=(TrialState.COMPLETE,))
     study_s = sum((t.datetime_complete - t.datetime_start).total_seconds() for t in complete)

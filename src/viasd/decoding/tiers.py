@@ -1,0 +1,108 @@
+"""VIA-SD's tier rules: how each position of a round is settled in tiered mode, as pure functions.
+
+| tier | rule (per draft position, in order) | who settles it |
+|---|---|---|
+| `Tier.ACCEPT` (1) | slim prob of the draft >= `accept`, drafter prob >= `accept_draft`, TV(drafter, slim) <= `accept_tv` | nobody: the draft is kept |
+| `Tier.SLIM` (2) | slim top prob >= `slim` and slim entropy <= `slim_entropy` | the slim verifier keeps or replaces the draft |
+| `Tier.FULL` (3) | everything else | the full verifier |
+
+The bonus position (after the last draft) has no draft, so it can only be `SLIM` (by the same slim
+rule) or `FULL`.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from enum import IntEnum
+from pathlib import Path
+
+import torch
+
+from viasd.errors import UsageError
+
+
+class Tier(IntEnum):
+    ACCEPT = 1
+    SLIM = 2
+    FULL = 3
+
+
+@dataclass(frozen=True)
+class TierThresholds:
+    """Tiered mode's thresholds (see the module table). Thresholds above 1 switch a tier off:
+    `accept=2, slim=2` is plain SD; `accept=2, slim=0` lets the slim verifier settle everything."""
+
+    accept: float = 0.9
+    accept_draft: float = 0.5
+    accept_tv: float = 1.0
+    slim: float = 0.6
+    slim_entropy: float = float("inf")
+
+    def to_dict(self) -> dict:
+        return {k: getattr(self, k) for k in ("accept", "accept_draft", "accept_tv", "slim", "slim_entropy")}
+
+    @staticmethod
+    def load(path: Path | str) -> dict[str, float]:
+        """The thresholds a JSON file sets (a bare object or `{"thresholds": {...}}`), checked."""
+        try:
+            data = json.loads(Path(path).read_text())
+        except FileNotFoundError:
+            raise UsageError(f"{path}: no such thresholds file") from None
+        except ValueError as e:
+            raise UsageError(f"{path}: not valid JSON ({e})") from None
+        data = data.get("thresholds", data)
+        known = TierThresholds().to_dict()
+        unknown = sorted(set(data) - set(known))
+        if unknown:
+            raise UsageError(f"{path}: unknown threshold(s) {', '.join(unknown)}; known: {', '.join(known)}")
+        return {k: float(v) for k, v in data.items()}
+
+
+@dataclass(frozen=True)
+class ConfidenceSignals:
+    """Per-position confidence signals of a round, each [k]."""
+
+    draft_prob: torch.Tensor  # q(x): the drafter's probability of its own token (1 for deterministic drafters)
+    slim_prob: torch.Tensor  # the slim verifier's probability of the draft
+    slim_top: torch.Tensor  # the slim verifier's top probability
+    slim_margin: torch.Tensor  # its top-1 minus top-2 probability
+    slim_entropy: torch.Tensor  # its entropy (nats)
+    tv: torch.Tensor  # total variation between drafter and slim distributions
+
+
+def entropy(probs: torch.Tensor) -> torch.Tensor:
+    """[..., V] -> [...] entropy in nats."""
+    return -(probs * probs.clamp_min(1e-12).log()).sum(-1)
+
+
+def confidence_signals(draft: torch.Tensor, q: torch.Tensor | None, slim: torch.Tensor) -> ConfidenceSignals:
+    """draft: [k]; q: [k, V] drafter probabilities (None: deterministic drafter, q(x) = 1);
+    slim: [k, V] slim-verifier probabilities at the draft positions."""
+    k = draft.shape[0]
+    idx = torch.arange(k)
+    top2 = slim.topk(2, dim=-1).values if slim.shape[-1] > 1 else torch.cat([slim, torch.zeros_like(slim)], -1)
+    q_full = q if q is not None else torch.nn.functional.one_hot(draft, slim.shape[-1]).float()
+    return ConfidenceSignals(
+        draft_prob=q_full[idx, draft], slim_prob=slim[idx, draft], slim_top=top2[:, 0],
+        slim_margin=top2[:, 0] - top2[:, 1], slim_entropy=entropy(slim), tv=0.5 * (q_full - slim).abs().sum(-1),
+    )
+
+
+def assign_tiers(signals: ConfidenceSignals, t: TierThresholds) -> torch.Tensor:
+    """[k] tier of each draft position (1 accept, 2 slim, 3 full)."""
+    tier1 = (signals.slim_prob >= t.accept) & (signals.draft_prob >= t.accept_draft) & (signals.tv <= t.accept_tv)
+    tier2 = (signals.slim_top >= t.slim) & (signals.slim_entropy <= t.slim_entropy)
+    return torch.where(tier1, int(Tier.ACCEPT), torch.where(tier2, int(Tier.SLIM), int(Tier.FULL)))
+
+
+def round_tiers(draft: list[int], q: torch.Tensor | None, slim: torch.Tensor, t: TierThresholds) -> list[Tier]:
+    """The tier of every position of a round: k drafts, then the bonus position.
+
+    draft: k ids; q: [k, V] or None; slim: [k+1, V] slim-verifier probabilities.
+    """
+    k = len(draft)
+    tiers = [Tier(x) for x in assign_tiers(confidence_signals(torch.tensor(draft, dtype=torch.long), q, slim[:k]), t).tolist()] if k else []
+    bonus = slim[k]
+    bonus_slim = float(bonus.max()) >= t.slim and float(entropy(bonus)) <= t.slim_entropy
+    return tiers + [Tier.SLIM if bonus_slim else Tier.FULL]

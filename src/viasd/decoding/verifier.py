@@ -1,0 +1,118 @@
+"""The verifier of one request: every model call and every commit of a decoding loop goes through it.
+
+The cache invariant, stated once and kept here: after each `commit`, the verifier's KV cache holds
+every committed token but the last (whose logits the next pass computes together with whatever
+comes after it). In tiered VIA-SD the full model may lag further behind: positions n_full ..
+len(tokens)-1 are then *pending* and the next full pass processes them first.
+`models.runtime.KVCache` enforces which positions a routed pass may write (never below n_full).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from enum import StrEnum
+from typing import TYPE_CHECKING
+
+import torch
+
+from viasd.decoding.acceptance import SamplingParams
+from viasd.decoding.stats import DecodeStats
+from viasd.models.runtime import Decoder, KVCache, LayerMask
+
+if TYPE_CHECKING:
+    from viasd.decoding.drafters import Drafter
+
+
+class CallKind(StrEnum):
+    """What a forward call was, as `DecodeStats.calls` counts it."""
+
+    FULL = "full"  # the verifier, every layer
+    SLIM = "slim"  # the verifier along the slim route
+    DRAFT = "draft"  # a drafter: a separate model or a drafting route of the verifier
+
+
+@dataclass
+class DecodeRequest:
+    """One request as every loop sees it."""
+
+    prompt: list[int]  # [n] token ids
+    max_new_tokens: int
+    params: SamplingParams = field(default_factory=SamplingParams)
+    eos: frozenset[int] = frozenset()
+    stats: DecodeStats = field(default_factory=DecodeStats)
+    generator: torch.Generator | None = None
+    on_tokens: Callable[[list[int]], None] | None = None  # called with each batch of newly committed ids
+
+
+class Verifier:
+    """Decoder, KV cache, committed tokens and statistics of one request."""
+
+    def __init__(self, decoder: Decoder, req: DecodeRequest, max_len: int):
+        self.decoder, self.req, self.stats = decoder, req, req.stats
+        self.cache: KVCache = decoder.new_cache(max_len)
+        self.tokens: list[int] = list(req.prompt)  # every committed token, prompt included
+        self.out: list[int] = []  # the new tokens
+        self.done = req.max_new_tokens <= 0
+
+    @classmethod
+    def start(cls, decoder: Decoder, drafter: Drafter | None, req: DecodeRequest, max_len: int) -> Verifier:
+        """A verifier with the prompt prefilled and `drafter` begun on it."""
+        verifier = cls(decoder, req, max_len)
+        if drafter is not None:
+            drafter.begin(max_len, verifier)
+        verifier.prefill()
+        return verifier
+
+    @property
+    def budget(self) -> int:
+        """New tokens the request may still commit."""
+        return self.req.max_new_tokens - len(self.out)
+
+    def prefill(self) -> None:
+        """Every prompt token but the last through the full model (its logits come with the first pass)."""
+        if len(self.tokens) > 1:
+            self.decoder.forward(torch.tensor(self.tokens[:-1]), 0, self.cache, last_only=True)
+            self.stats.observe_call(CallKind.FULL, verifier_share=1.0)
+
+    def full(self, ahead: list[int], n_rows: int | None = None) -> torch.Tensor:
+        """One full pass over the pending positions, the last committed token and `ahead` (tokens past
+        the committed ones: drafts, a slim-settled block). Returns the logits of the last `n_rows`
+        positions (default len(ahead) + 1: the last committed token's and each of `ahead`'s), [n_rows, V]."""
+        n_rows = len(ahead) + 1 if n_rows is None else n_rows
+        # (a "slim" route that keeps every layer counts as full, so n_full may be ahead: recompute)
+        return self._pass(None, min(self.cache.n_full, len(self.tokens) - 1), ahead, n_rows, CallKind.FULL)
+
+    def slim(self, route: LayerMask, ahead: list[int], n_rows: int | None = None) -> torch.Tensor:
+        """Like `full`, along `route`: it starts where the route's K/V stops being valid (a drafting
+        route sharing layers may have overwritten some), at the latest at the first row asked for."""
+        n_rows = len(ahead) + 1 if n_rows is None else n_rows
+        start = min(self.cache.length(route), len(self.tokens) + len(ahead) - n_rows)
+        return self._pass(route, start, ahead, n_rows, CallKind.SLIM)
+
+    def keep_slim(self, route: LayerMask, n_ahead: int) -> None:
+        """Keep the route's K/V for the committed tokens and the first `n_ahead` tokens past them only."""
+        self.cache.rollback_route(route, len(self.tokens) + n_ahead)
+
+    def _pass(self, route: LayerMask | None, start: int, ahead: list[int], n_rows: int, kind: CallKind) -> torch.Tensor:
+        seq = self.tokens + ahead
+        logits = self.decoder.forward(torch.tensor(seq[start:]), start, self.cache, route=route)  # [len - start, V]
+        self.stats.observe_call(kind, verifier_share=1.0 if route is None else route.fraction)
+        return logits[len(seq) - start - n_rows :]
+
+    def commit(self, new: list[int], tiers: list[int] | None = None) -> int:
+        """Commit `new`, cut at the token budget and after the first end token; record the kept
+        tokens' tiers; stream them; restore the cache invariant. Returns how many were kept."""
+        new = new[: self.budget]
+        end = next((i + 1 for i, t in enumerate(new) if t in self.req.eos), None)
+        self.done = end is not None or len(new) >= self.budget
+        new = new[:end]
+        self.tokens += new
+        self.out += new
+        if tiers is not None:
+            self.stats.observe_tiers(tiers[: len(new)])
+        self.stats.observe_tokens(len(new))
+        if self.req.on_tokens:
+            self.req.on_tokens(new)
+        self.cache.rollback(len(self.tokens) - 1)
+        return len(new)

@@ -1,0 +1,50 @@
+"""Which route a request runs: given layers, a route file, the shipped searched route, or a default."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+from viasd.errors import UsageError
+from viasd.models.runtime import LayerMask
+from viasd.routing.route import ModelFingerprint, Route, shipped_route_path
+
+if TYPE_CHECKING:
+    from viasd.models.loading import LoadedModel
+
+
+def default_draft_layers(n_layers: int) -> tuple[int, ...]:
+    """Drafting route until a searched one is given or shipped: the first half of the layers plus
+    the last one (early exit as LayerSkip drafts, with the last layer so the head sees a final state)."""
+    return tuple(range(n_layers // 2)) + (n_layers - 1,)
+
+
+def default_slim_layers(n_layers: int) -> tuple[int, ...]:
+    """Slim route until a searched one is given or shipped: every layer but the odd ones of the middle third."""
+    return tuple(i for i in range(n_layers) if not (n_layers // 3 <= i < 2 * n_layers // 3 and i % 2))
+
+
+def resolve_route(model: LoadedModel, role: str, layers: Sequence[int] | None, route_file: str | None) -> tuple[LayerMask, Path | None]:
+    """(mask, route file) for role "draft" or "slim": given layers, a route file, else the shipped
+    searched route for this model, else the default layers."""
+    n = model.config.n_layers
+    fingerprint = ModelFingerprint.of(model)
+    if route_file is not None:
+        return Route.load(route_file, fingerprint).mask, Path(route_file)
+    if layers is None:
+        shipped = shipped_route_path(fingerprint, role)
+        if shipped is not None:
+            return Route.load(shipped).mask, shipped
+        layers = default_draft_layers(n) if role == "draft" else default_slim_layers(n)
+    layers = tuple(layers)
+    bad = [i for i in layers if not 0 <= i < n]
+    if bad:
+        raise UsageError(f"{role} layers {bad} out of range: {model.name} has layers 0..{n - 1}")
+    if not layers:
+        raise UsageError(f"a {role} route must keep at least one layer")
+    return LayerMask.from_layers(n, layers), None
+
+
+def draft_route(model: LoadedModel, layers: Sequence[int] | None, route_file: str | None = None) -> LayerMask:
+    return resolve_route(model, "draft", layers, route_file)[0]

@@ -1,0 +1,41 @@
+"""`viasd report`: summaries, the Markdown table and plots from bench records; bad results files."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from viasd.bench import parse_methods, run_bench
+from viasd.cli import main
+from viasd.errors import UsageError
+from viasd.report import load_records, report, summarize
+
+from conftest import BENCH_BASE, BENCH_METHODS, bench_tasks, load_records_tolerant
+
+
+def test_report_renders_bench_records(tiny, tmp_path):
+    out = tmp_path / "results.jsonl"
+    run_bench(tiny, None, parse_methods(BENCH_METHODS), bench_tasks(tmp_path), out, BENCH_BASE, progress=False)
+    records = load_records_tolerant(out)
+    summary = summarize(records)
+    assert summary[("overall", "ar")]["speedup"] == pytest.approx(1.0)
+    assert summary[("overall", "sd")] == {"unavailable": "needs --drafter"}
+    shares = summary[("overall", "viasd-tiered:self")]["tier_shares"]
+    assert sum(shares.values()) == pytest.approx(1.0)
+    fixture = tmp_path / "clean.jsonl"
+    fixture.write_text("".join(json.dumps(r) + "\n" for r in records))
+    md, pngs = report(fixture, tmp_path / "report")
+    text = md.read_text()
+    assert "| overall | ar | 1.00x |" in text and "unavailable: needs --drafter" in text and "full-model rejection =" in text
+    assert {p.name for p in pngs} == {"speedup.png", "tiers.png", "quality_speed.png"}
+    assert all(p.read_bytes()[:4] == b"\x89PNG" for p in pngs)
+    assert main(["report", str(fixture), "--out", str(tmp_path / "r2")]) == 0
+
+
+def test_report_refuses_what_is_not_bench_results(tmp_path):
+    with pytest.raises(UsageError, match="no such results file"):
+        load_records(tmp_path / "missing.jsonl")
+    (tmp_path / "x.jsonl").write_text('{"a": 1}\n')
+    with pytest.raises(UsageError, match="not `viasd bench` results"):
+        load_records(tmp_path / "x.jsonl")
