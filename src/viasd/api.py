@@ -167,6 +167,11 @@ def _as_model(model: str | LoadedModel, progress: bool) -> LoadedModel:
     return model if isinstance(model, LoadedModel) else load_model(model, progress=progress)
 
 
+class StopGeneration(Exception):
+    """Raised by an `on_text` callback to end the decode after the round that produced the text:
+    `generate` then returns what was committed so far (the server's `stop` strings and cancellation)."""
+
+
 class TextStream:
     """Turns token ids into text increments, holding back incomplete UTF-8 sequences."""
 
@@ -274,22 +279,25 @@ def generate(
     stream = TextStream(verifier, on_text) if on_text else None
     req = DecodeRequest(ids, config.max_new_tokens, params, verifier.eos_token_ids, stats, generator, stream)
     record = {"model": verifier.name, "drafter": getattr(drafter, "name", drafter), **asdict(config), "draft": kind}
-    if config.strategy == "ar":
-        out = autoregressive_decode(verifier.decoder, req)
-    else:
-        chosen = _make_drafter(kind, verifier, drafter, config, params, generator, progress)
-        if config.strategy == "viasd":
-            slim, slim_file = resolve_route(verifier, "slim", config.slim_layers, config.slim_route)
-            record["slim_fraction"] = round(slim.fraction, 4)
-            if config.mode == "lossless":
-                out = viasd_lossless_decode(verifier.decoder, chosen, slim, req, config.k, config.full_block)
-            else:
-                beside = slim_file.with_suffix(".thresholds.json") if slim_file else None
-                thresholds = config.tier_thresholds(beside)
-                record["tier_thresholds"] = thresholds.to_dict()
-                out = viasd_tiered_decode(verifier.decoder, chosen, slim, req, config.k, thresholds)
+    try:
+        if config.strategy == "ar":
+            out = autoregressive_decode(verifier.decoder, req)
         else:
-            cascade = (config.rule, config.alpha) if config.strategy == "cascade" else None
-            out = speculative_decode(verifier.decoder, chosen, req, config.k, cascade)
+            chosen = _make_drafter(kind, verifier, drafter, config, params, generator, progress)
+            if config.strategy == "viasd":
+                slim, slim_file = resolve_route(verifier, "slim", config.slim_layers, config.slim_route)
+                record["slim_fraction"] = round(slim.fraction, 4)
+                if config.mode == "lossless":
+                    out = viasd_lossless_decode(verifier.decoder, chosen, slim, req, config.k, config.full_block)
+                else:
+                    beside = slim_file.with_suffix(".thresholds.json") if slim_file else None
+                    thresholds = config.tier_thresholds(beside)
+                    record["tier_thresholds"] = thresholds.to_dict()
+                    out = viasd_tiered_decode(verifier.decoder, chosen, slim, req, config.k, thresholds)
+            else:
+                cascade = (config.rule, config.alpha) if config.strategy == "cascade" else None
+                out = speculative_decode(verifier.decoder, chosen, req, config.k, cascade)
+    except StopGeneration:  # from on_text: keep the tokens committed so far
+        out = list(stream.ids)
     stats.finish()
     return DecodeResult(text=verifier.decode(out), token_ids=out, stats=stats, config=record)
