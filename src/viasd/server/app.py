@@ -12,6 +12,7 @@ from __future__ import annotations
 import asyncio
 import hmac
 import json
+import math
 import time
 import uuid
 from dataclasses import dataclass, field, fields
@@ -66,9 +67,26 @@ def engine_error(e: Exception) -> APIError:
     return APIError(500, "internal error while generating (logged on the server)", "server_error", code="internal_error")
 
 
+_TAGS = {"str", "int", "float", "bool", "list", "dict", "none", "nullable"}
+
+
+def finite(x):
+    """JSON has no inf / NaN: a threshold of inf (no limit) is sent as null."""
+    if isinstance(x, float) and not math.isfinite(x):
+        return None
+    if isinstance(x, dict):
+        return {k: finite(v) for k, v in x.items()}
+    if isinstance(x, (list, tuple)):
+        return [finite(v) for v in x]
+    return x
+
+
 def _validation_error(e: ValidationError) -> APIError:
-    err = e.errors(include_url=False)[0]
-    loc = ".".join(str(p) for p in err.get("loc", ()) if not str(p).startswith(("function-", "list[", "constrained-")))
+    errors = e.errors(include_url=False)
+    # a union reports one error per member: prefer a broken constraint over "not that type"
+    err = next((x for x in errors if not x.get("type", "").endswith("_type")), errors[0])
+    loc = ".".join(str(p) for p in err.get("loc", ())
+                   if not (isinstance(p, str) and ("[" in p or "-" in p or p in _TAGS)))
     code = "invalid_type" if "type" in err.get("type", "") or err.get("type") in ("missing", "extra_forbidden") else "invalid_value"
     if err.get("type") == "extra_forbidden":
         return APIError(422, f"unrecognized request argument: {loc}", param=loc, code="unknown_parameter")
@@ -226,7 +244,7 @@ def create_app(model, drafter=None, settings: ServeSettings | None = None, worke
     def record(job: Job) -> dict:
         c = job.result.config
         keep = ("strategy", "draft", "drafter", "mode", "k", "slim_fraction", "tier_thresholds", "temperature", "top_p", "seed")
-        return {"config": {k: c[k] for k in keep if k in c}, "stats": job.result.stats.to_dict()}
+        return finite({"config": {k: c[k] for k in keep if k in c}, "stats": job.result.stats.to_dict()})
 
     async def watch_disconnect(request: Request, job: Job) -> None:
         while True:
