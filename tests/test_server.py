@@ -395,10 +395,26 @@ class GatedWorker(Worker):
     def __init__(self, *a, **kw):
         super().__init__(*a, **kw)
         self.gate = threading.Event()
+        self.order: list = []
 
     def _decode(self, job):
         self.gate.wait(120)
+        self.order.append(job.prompt)
         super()._decode(job)
+
+
+def test_requests_are_served_in_arrival_order(tiny):
+    worker = GatedWorker(tiny, max_queue=8)
+    app = create_app(tiny, settings=ServeSettings(served_name="tiny", max_queue=8), worker=worker)
+    prompts = ["w1 w2", "w3 w4", "w5 w6", "w7 w8", "w9 w10"]
+    with LiveServer(app) as live, ThreadPoolExecutor(len(prompts)) as pool:
+        futures = []
+        for i, prompt in enumerate(prompts):
+            futures.append(pool.submit(live.client().completions.create, model="tiny", prompt=prompt, max_tokens=2))
+            wait_for(lambda: worker.pending == i + 1, f"request {i} to be admitted")
+        worker.gate.set()
+        assert all(f.result().usage.prompt_tokens >= 2 for f in futures)
+    assert worker.order == prompts
 
 
 def test_queue_full_answers_503_and_waiting_requests_still_complete(tiny):
@@ -425,7 +441,8 @@ def test_queue_full_answers_503_and_waiting_requests_still_complete(tiny):
         assert metric(m, "viasd_queue_depth") == 0
 
 
-def test_a_request_whose_client_left_while_queued_is_never_decoded(tiny):
+@pytest.mark.parametrize("stream", [True, False])
+def test_a_request_whose_client_left_while_queued_is_never_decoded(tiny, stream):
     worker = GatedWorker(tiny, max_queue=4)
     app = create_app(tiny, settings=ServeSettings(served_name="tiny", max_queue=4), worker=worker)
     body = {"model": "tiny", "prompt": "w1 w2 w3", "max_tokens": 3}
@@ -434,7 +451,7 @@ def test_a_request_whose_client_left_while_queued_is_never_decoded(tiny):
         wait_for(lambda: worker.running == 1, "the first request to run")
         # the second client sends its request and hangs up before any answer (raw socket: httpx
         # would wait for the response headers, which come with the first text)
-        payload = json.dumps({**body, "stream": True}).encode()
+        payload = json.dumps({**body, "stream": stream}).encode()
         with socket.create_connection(("127.0.0.1", live.port)) as leaving:
             leaving.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
                             b"Content-Length: %d\r\n\r\n%s" % (len(payload), payload))

@@ -294,8 +294,9 @@ def create_app(model, drafter=None, settings: ServeSettings | None = None, worke
                         finish(499)
                         return Response(status_code=499)
                     break
-            except asyncio.CancelledError:
+            except asyncio.CancelledError:  # the handler itself was cancelled: stop the decode, account for it
                 job.cancel.set()
+                asyncio.get_running_loop().create_task(_drain_cancelled(job, finish))
                 raise
             finish(200)
             if chat:

@@ -46,9 +46,10 @@ def deploy(model_name: str, drafter_name: str | None, settings, replicas: int, h
         serve.ingress(builder)(),
         name="viasd",
         num_replicas=replicas,
-        # one decode at a time per replica: the queue beyond it lives in the replica's app (503 when
-        # full) so that every replica keeps the single-process semantics
-        max_ongoing_requests=settings.max_queue + 1,
+        # one decode at a time per replica; the queue lives in the replica's app, which admits
+        # max_queue + 1 requests: Ray may send one more, so that a full replica answers the
+        # OpenAI-style 503 itself instead of Ray queueing without bound in its proxy
+        max_ongoing_requests=settings.max_queue + 2,
         graceful_shutdown_timeout_s=drain_timeout,
         ray_actor_options={"num_cpus": cpus_per_replica},
     )
