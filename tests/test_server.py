@@ -129,6 +129,28 @@ def test_stop_text_never_sends_a_stop_prefix_early():
     assert s.feed("x") == "ENx"
 
 
+@pytest.mark.model
+@pytest.mark.parametrize("strategy", ["ar", "pld", "viasd"])
+def test_stop_generation_from_on_text_returns_the_committed_prefix(smollm2, strategy):
+    """The engine hook the server relies on for stop strings and cancellation."""
+    from viasd.api import StopGeneration
+
+    kw = dict(strategy=strategy, max_new_tokens=16, chat=False, progress=False, k=3)
+    full = generate(COUNTING, smollm2, **kw)
+    pieces = []
+
+    def on_text(piece):
+        pieces.append(piece)
+        if len(pieces) == 2:
+            raise StopGeneration()
+
+    part = generate(COUNTING, smollm2, on_text=on_text, **kw)
+    assert 1 <= len(part.token_ids) < len(full.token_ids)
+    assert part.token_ids == full.token_ids[: len(part.token_ids)]  # exactly what was committed, nothing more
+    assert part.stats.new_tokens == len(part.token_ids) and part.stats.wall_s > 0
+    assert part.text == "".join(pieces)
+
+
 # ---------------------------------------------------------------- the API, happy paths
 
 
