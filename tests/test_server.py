@@ -276,6 +276,7 @@ def _body(**kw):
 BAD = {
     "malformed JSON": ("/v1/completions", b'{"model": "smollm2-135m", "prompt": ', 400, "invalid_json"),
     "invalid UTF-8": ("/v1/completions", b'{"model": "smollm2-135m", "prompt": "\xff\xfe"}', 400, "invalid_encoding"),
+    "lone surrogate escape": ("/v1/chat/completions", b'{"model": "smollm2-135m", "messages": [{"role": "user", "content": "a\\ud800b"}]}', 400, "invalid_encoding"),
     "not an object": ("/v1/completions", b'["a"]', 422, "invalid_type"),
     "unknown model": ("/v1/completions", _body(model="gpt-4"), 404, "model_not_found"),
     "missing model": ("/v1/completions", b'{"prompt": "a"}', 422, "missing_required_parameter"),

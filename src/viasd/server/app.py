@@ -196,9 +196,16 @@ def create_app(model, drafter=None, settings: ServeSettings | None = None, worke
         except UnicodeDecodeError as e:
             raise APIError(400, f"request body is not valid UTF-8 (byte {e.start})", code="invalid_encoding") from None
         try:
-            return json.loads(text)
+            data = json.loads(text)
         except (ValueError, RecursionError) as e:
             raise APIError(400, f"request body is not valid JSON: {e}"[:300], code="invalid_json") from None
+        if "\\u" in text:  # escapes may spell lone surrogates ("\\ud800"): not text, and not encodable
+            try:
+                json.dumps(data, ensure_ascii=False).encode("utf-8")
+            except UnicodeEncodeError:
+                raise APIError(400, "request body contains a lone UTF-16 surrogate escape (not valid Unicode text)",
+                               code="invalid_encoding") from None
+        return data
 
     def parse(cls, data):
         if not isinstance(data, dict):
