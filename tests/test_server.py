@@ -260,6 +260,19 @@ def test_viasd_extension_selects_the_strategy(client, smollm2):
     assert sum(tiers.values()) == tiered.usage.completion_tokens
 
 
+def test_a_server_with_a_drafter_model_serves_sd(tiny, tiny_drafter):
+    app = create_app(tiny, tiny_drafter, settings=ServeSettings(defaults={"strategy": "sd", "k": 3}, served_name="tiny"))
+    with LiveServer(app) as live:
+        c = live.client()
+        for ext in ({}, {"strategy": "viasd", "draft": "model", "slim_layers": [0, 1, 3]}):
+            r = c.completions.create(model="tiny", prompt="w5 w6 w7", max_tokens=6, extra_body={"viasd": ext})
+            ref = generate("w5 w6 w7", tiny, drafter=tiny_drafter, chat=False, progress=False,
+                           **{"strategy": "sd", "k": 3, "max_new_tokens": 6, **{k: tuple(v) if isinstance(v, list) else v for k, v in ext.items()}})
+            assert r.choices[0].text == ref.text
+            assert r.model_extra["viasd"]["config"]["draft"] == "model"
+            assert r.model_extra["viasd"]["stats"]["calls"].get("draft", 0) >= 1 or r.usage.completion_tokens <= 1
+
+
 # ---------------------------------------------------------------- bad input: never a 500, never a traceback
 
 LONG_IDS = [1] * 8190
