@@ -166,6 +166,11 @@ def _as_model(model: str | LoadedModel, progress: bool) -> LoadedModel:
     return model if isinstance(model, LoadedModel) else load_model(model, progress=progress)
 
 
+class StopGeneration(Exception):
+    """Raised by an `on_text` callback to end the decode after the round that produced the text:
+    `generate` then returns what was committed so far (the server's `stop` strings and cancellation)."""
+
+
 class TextStream:
     """Turns token ids into text increments, holding back incomplete UTF-8 sequences."""
 
@@ -267,7 +272,10 @@ def generate(
     chosen = _make_drafter(kind, verifier, drafter, config.drafting, params, generator, progress) if kind else None
     record = {"model": verifier.name, "drafter": getattr(drafter, "name", drafter), **config.settings(),
               "draft": kind.value if kind else None, **extra}
-    out = spec.loop(verifier.decoder, chosen, req, args)
+    try:
+        out = spec.loop(verifier.decoder, chosen, req, args)
+    except StopGeneration:  # from on_text: keep the tokens committed so far
+        out = list(stream.ids)
     stats.finish()
     return DecodeResult(text=verifier.decode(out), token_ids=out, stats=stats, config=record)
 

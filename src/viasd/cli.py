@@ -293,6 +293,18 @@ def _add_models(p: argparse.ArgumentParser) -> None:
     p.add_argument("--json", action="store_true", help="print JSON")
 
 
+def _add_serve(p: argparse.ArgumentParser) -> None:
+    from viasd.server.run import add_arguments
+
+    add_arguments(p)  # generate's decoding flags (the requests' defaults) and the server's own
+
+
+def _serve(args: argparse.Namespace) -> int:
+    from viasd.server.run import serve_command
+
+    return serve_command(args)
+
+
 # name -> (help, add arguments, run)
 # (run None: the command has sub-actions that set their own)
 COMMANDS: dict[str, tuple[str, Callable[[argparse.ArgumentParser], None], Callable[[argparse.Namespace], int] | None]] = {
@@ -303,6 +315,8 @@ COMMANDS: dict[str, tuple[str, Callable[[argparse.ArgumentParser], None], Callab
     "report": ("Markdown table and plots from bench results", _add_report, _report),
     "calibrate": ("choose tiered-mode thresholds for speed under a quality constraint", _add_calibrate, _calibrate),
     "search": ("find a route by DIMR (random search, then Bayesian optimisation); resumable", _add_search, _search),
+    "serve": ("serve an OpenAI-compatible HTTP API (completions, chat, streaming, /metrics); --replicas N on Ray Serve",
+              _add_serve, _serve),
 }
 
 

@@ -1,0 +1,280 @@
+"""Load test of `viasd serve` on loopback: N concurrent streaming clients for a bounded time.
+
+For each deployment (one process; N Ray Serve replicas), the script starts `viasd serve` itself on
+a free loopback port (or uses --url), warms each strategy up, then for every (strategy, N clients)
+cell runs N clients that each send streaming completions back to back for --duration seconds;
+requests still running then get --grace seconds to finish (after that they are cancelled and
+counted as incomplete). The strategy is chosen per request through the `viasd` extension object,
+so one server (one model load) serves every strategy.
+
+Each cell is one JSONL record (run id, full configuration, environment with the CPU flags from
+/proc/cpuinfo, requests/s, generated tokens/s, time to first token and latency p50 / p95, errors);
+a table is printed at the end. Run it alone on the machine: the numbers are only meaningful when
+nothing else competes for the cores.
+
+    python benchmarks/load.py                                   # ar, pld, viasd x 1, 4, 16 clients x {1 process, 2 replicas}
+    python benchmarks/load.py --duration 2 --clients 1 --deployments process --max-tokens 8   # smoke
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+import uuid
+from pathlib import Path
+
+import numpy as np
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from common import environment  # noqa: E402
+
+HERE = Path(__file__).resolve().parent
+PROMPTS = [  # short, varied; completions (no chat template), so every strategy sees the same ids
+    "Explain in three sentences why the sky is blue.",
+    "def quicksort(xs):",
+    "Write a short story about a robot who learns to paint.",
+    "1, 2, 3, 4, 5, 6, 7, 8,",
+    "Summarize the causes of the French Revolution.",
+    "Translate to French: The weather is nice today and we are going to the beach.",
+    "List five uses of a paperclip:",
+    "The three laws of thermodynamics are",
+]
+STRATEGIES = {  # name -> the request's `viasd` extension object
+    "ar": {"strategy": "ar"},
+    "pld": {"strategy": "pld"},
+    "viasd": {"strategy": "viasd", "mode": "lossless", "draft": "pld"},
+    "viasd-tiered": {"strategy": "viasd", "mode": "tiered", "draft": "pld"},
+}
+DEPLOYMENTS = {"process": 0, "ray2": 2}  # name -> --replicas
+
+
+def log(*a) -> None:
+    print(*a, file=sys.stderr, flush=True)
+
+
+def cpu_flags() -> list[str]:
+    try:
+        for line in open("/proc/cpuinfo"):
+            if line.startswith("flags"):
+                return line.split(":", 1)[1].split()
+    except OSError:
+        pass
+    return []
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class Server:
+    """`viasd serve` in a subprocess on loopback; SIGTERM (drain) then kill when done."""
+
+    def __init__(self, model: str, replicas: int, startup_timeout: float, extra: list[str]):
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        cmd = [sys.executable, "-m", "viasd", "serve", "--model", model, "--host", "127.0.0.1", "--port", str(self.port),
+               "--quiet", "--max-queue", "256", "--drain-timeout", "30", *extra]
+        if replicas:
+            cmd += ["--replicas", str(replicas)]
+        self.cmd = cmd
+        log(f"[load] starting: {' '.join(cmd)}")
+        self.proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=sys.stderr)
+        self.wait_ready(startup_timeout)
+
+    def wait_ready(self, timeout: float) -> None:
+        import httpx
+
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise SystemExit(f"[load] the server exited with status {self.proc.returncode}")
+            try:
+                r = httpx.post(self.url + "/v1/completions", json={"model": "?", "prompt": "x"}, timeout=5)
+                if r.status_code == 404:  # the app answers (an unknown model): ready
+                    return
+            except httpx.HTTPError:
+                pass
+            time.sleep(0.5)
+        self.stop()
+        raise SystemExit(f"[load] the server was not ready within {timeout:.0f} s")
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+            try:
+                self.proc.wait(90)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+
+
+async def one_request(client, url: str, model: str, prompt: str, ext: dict, max_tokens: int) -> dict:
+    body = {"model": model, "prompt": prompt, "max_tokens": max_tokens, "stream": True,
+            "stream_options": {"include_usage": True}, "viasd": ext}
+    t0 = time.perf_counter()
+    ttft, tokens, record, error = None, 0, None, None
+    async with client.stream("POST", url + "/v1/completions", json=body) as r:
+        if r.status_code != 200:
+            text = (await r.aread()).decode(errors="replace")
+            return {"error": f"HTTP {r.status_code}: {text[:200]}"}
+        async for line in r.aiter_lines():
+            if not line.startswith("data: "):
+                continue
+            data = line[6:]
+            if data == "[DONE]":
+                break
+            event = json.loads(data)
+            if "error" in event:
+                error = event["error"].get("message", "error event")
+                continue
+            if event.get("choices") and event["choices"][0].get("text") and ttft is None:
+                ttft = time.perf_counter() - t0
+            if event.get("choices") and "viasd" in event:
+                record = event["viasd"]
+            if event.get("usage"):
+                tokens = event["usage"]["completion_tokens"]
+    latency = time.perf_counter() - t0
+    if error:
+        return {"error": error}
+    return {"ttft": ttft if ttft is not None else latency, "latency": latency, "tokens": tokens,
+            "mean_accepted_length": (record or {}).get("stats", {}).get("mean_accepted_length")}
+
+
+async def run_cell(url: str, model: str, ext: dict, clients: int, duration: float, grace: float, max_tokens: int) -> dict:
+    import httpx
+
+    results: list[dict] = []
+    errors: list[str] = []
+    start = time.perf_counter()
+    deadline = start + duration
+
+    async def client_loop(i: int, http) -> None:
+        n = 0
+        while time.perf_counter() < deadline:
+            prompt = PROMPTS[(i + n * clients) % len(PROMPTS)]
+            n += 1
+            try:
+                out = await one_request(http, url, model, prompt, ext, max_tokens)
+            except asyncio.CancelledError:
+                raise
+            except Exception as e:  # transport errors count as errors
+                out = {"error": f"{type(e).__name__}: {e}"}
+            (errors.append(out["error"]) if "error" in out else results.append(out))
+
+    limits = httpx.Limits(max_connections=clients + 4, max_keepalive_connections=clients + 4)
+    async with httpx.AsyncClient(timeout=httpx.Timeout(grace + duration + 60), limits=limits) as http:
+        tasks = [asyncio.create_task(client_loop(i, http)) for i in range(clients)]
+        done, pending = await asyncio.wait(tasks, timeout=duration + grace)
+        for t in pending:
+            t.cancel()
+        await asyncio.gather(*pending, return_exceptions=True)
+    wall = time.perf_counter() - start
+    ttft = [r["ttft"] for r in results]
+    lat = [r["latency"] for r in results]
+    tokens = sum(r["tokens"] for r in results)
+    mal = [r["mean_accepted_length"] for r in results if r.get("mean_accepted_length")]
+    pct = lambda xs, q: round(float(np.percentile(xs, q)), 4) if xs else None  # noqa: E731
+    return {"wall_s": round(wall, 3), "completed": len(results), "errors": len(errors), "error_samples": errors[:3],
+            "incomplete": len(pending), "requests_per_s": round(len(results) / wall, 4), "tokens_per_s": round(tokens / wall, 3),
+            "generated_tokens": tokens, "ttft_p50_s": pct(ttft, 50), "ttft_p95_s": pct(ttft, 95),
+            "latency_p50_s": pct(lat, 50), "latency_p95_s": pct(lat, 95),
+            "mean_accepted_length": round(float(np.mean(mal)), 4) if mal else None}
+
+
+def table(records: list[dict]) -> str:
+    head = ("deployment", "strategy", "clients", "req/s", "tok/s", "TTFT p50", "TTFT p95", "latency p50", "latency p95", "errors", "incomplete")
+    fmt = lambda x: "-" if x is None else (f"{x:.3g}" if isinstance(x, float) else str(x))  # noqa: E731
+    rows = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    for r in records:
+        rows.append("| " + " | ".join(fmt(v) for v in (r["deployment"], r["strategy"], r["clients"], r["requests_per_s"], r["tokens_per_s"],
+                                                         r["ttft_p50_s"], r["ttft_p95_s"], r["latency_p50_s"], r["latency_p95_s"],
+                                                         r["errors"], r["incomplete"])) + " |")
+    return "\n".join(rows)
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--model", default="smollm2-135m", help="model the server loads (default: %(default)s)")
+    p.add_argument("--strategies", default="ar,pld,viasd", help=f"comma-separated, from {', '.join(STRATEGIES)} (default: %(default)s)")
+    p.add_argument("--clients", default="1,4,16", help="comma-separated numbers of concurrent clients (default: %(default)s)")
+    p.add_argument("--deployments", default="process,ray2",
+                   help="comma-separated: process (one process), ray2 (two Ray Serve replicas) (default: %(default)s)")
+    p.add_argument("--duration", type=float, default=60.0, help="seconds each cell issues requests (default: %(default)s)")
+    p.add_argument("--grace", type=float, default=60.0, help="seconds running requests may take to finish after that (default: %(default)s)")
+    p.add_argument("--max-tokens", type=int, default=64, help="max_tokens of each request (default: %(default)s)")
+    p.add_argument("--url", help="use this already running server (loopback) instead of starting one; --deployments names it")
+    p.add_argument("--startup-timeout", type=float, default=600.0, help="seconds to wait for a started server (default: %(default)s)")
+    p.add_argument("--out", default=str(HERE / "results" / "load.jsonl"), help="JSONL records, appended (default: %(default)s)")
+    args = p.parse_args(argv)
+    args.strategy_list = [s.strip() for s in args.strategies.split(",") if s.strip()]
+    args.deployment_list = [d.strip() for d in args.deployments.split(",") if d.strip()]
+    try:
+        args.client_list = [int(c) for c in args.clients.split(",") if c.strip()]
+    except ValueError:
+        p.error(f"--clients must be comma-separated integers, got {args.clients!r}")
+    bad = [s for s in args.strategy_list if s not in STRATEGIES]
+    if bad or not args.strategy_list:
+        p.error(f"unknown strategy {bad}: choose from {', '.join(STRATEGIES)}")
+    if args.url is None and ([d for d in args.deployment_list if d not in DEPLOYMENTS] or not args.deployment_list):
+        p.error(f"--deployments: choose from {', '.join(DEPLOYMENTS)}")
+    if args.url is not None and not args.url.startswith(("http://127.0.0.1", "http://localhost", "http://[::1]")):
+        p.error("--url must be a loopback address")
+    if any(c < 1 for c in args.client_list) or not args.client_list or args.duration <= 0 or args.grace < 0 or args.max_tokens < 1:
+        p.error("--clients >= 1, --duration > 0, --grace >= 0 and --max-tokens >= 1")
+    return args
+
+
+def main(argv=None) -> int:
+    import httpx
+
+    args = parse_args(argv)
+    run_id = time.strftime("%Y%m%dT%H%M%S") + "-" + uuid.uuid4().hex[:6]
+    env = {**environment(), "cpu_flags": cpu_flags()}
+    config = {k: v for k, v in vars(args).items() if not k.endswith("_list")}
+    out = Path(args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    records = []
+    for deployment in (args.deployment_list if args.url is None else [args.deployment_list[0] if args.deployment_list else "external"]):
+        server = None
+        if args.url is None:
+            server = Server(args.model, DEPLOYMENTS[deployment], args.startup_timeout, [])
+            url = server.url
+        else:
+            url = args.url.rstrip("/")
+        try:
+            for strategy in args.strategy_list:  # warm-up: one request per strategy (first calls pay allocation)
+                r = httpx.post(url + "/v1/completions", json={"model": args.model, "prompt": PROMPTS[0], "max_tokens": 4,
+                                                              "viasd": STRATEGIES[strategy]}, timeout=600)
+                if r.status_code != 200:
+                    raise SystemExit(f"[load] warm-up of {strategy} failed: HTTP {r.status_code} {r.text[:300]}")
+            for strategy in args.strategy_list:
+                for n in args.client_list:
+                    log(f"[load] {deployment} {strategy} {n} client(s) for {args.duration:g} s")
+                    cell = asyncio.run(run_cell(url, args.model, STRATEGIES[strategy], n, args.duration, args.grace, args.max_tokens))
+                    rec = {"run_id": run_id, "deployment": deployment, "strategy": strategy, "request_viasd": STRATEGIES[strategy],
+                           "clients": n, "duration_s": args.duration, **cell, "url": url,
+                           "server_cmd": server.cmd if server else None, "config": config, "env": env}
+                    with open(out, "a") as f:
+                        f.write(json.dumps(rec) + "\n")
+                    records.append(rec)
+                    log(f"[load]   {cell['completed']} requests, {cell['requests_per_s']} req/s, {cell['tokens_per_s']} tok/s, "
+                        f"errors {cell['errors']}")
+        finally:
+            if server is not None:
+                server.stop()
+    print(table(records))
+    log(f"[load] run {run_id}: {len(records)} record(s) appended to {out}")
+    return 0 if all(r["errors"] == 0 for r in records) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,195 @@
+"""The decode worker: one model in memory, one thread running `viasd.generate` for one request at a
+time, a bounded FIFO of admitted requests in front of it.
+
+The HTTP side (app.py) runs on the asyncio loop; a request becomes a `Job` whose events (text pieces,
+then done / cancelled / error) the worker posts back to the loop. Stop strings and cancellation go
+through the engine's own hook: the `on_text` callback (called after each committed round that
+produces text) raises `StopGeneration`, and `generate` returns what was committed so far.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import sys
+import threading
+import time
+import traceback
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+
+from viasd.api import StopGeneration, generate
+from viasd.decoding.stats import DecodeResult
+from viasd.errors import ViasdError
+
+
+class StopText:
+    """Text pieces in, the pieces that may be sent out: cut at the first stop string, holding back
+    a tail that could still become one. Streaming and non-streaming responses share it, so the
+    chunks of a stream always reassemble to the non-streamed text."""
+
+    def __init__(self, stops: list[str]):
+        self.stops = [s for s in stops if s]
+        self.text = ""  # everything received
+        self.sent = 0  # characters of self.text handed out
+        self.hit: int | None = None  # index of the first stop string in self.text
+
+    def feed(self, piece: str) -> str:
+        self.text += piece
+        cut = first_stop(self.text, self.stops)
+        if cut is not None:
+            self.hit = cut
+            return self._take(cut)
+        hold = max((n for s in self.stops for n in range(len(s) - 1, 0, -1) if self.text.endswith(s[:n])), default=0)
+        return self._take(len(self.text) - hold)
+
+    def _take(self, upto: int) -> str:
+        upto = max(upto, self.sent)
+        out, self.sent = self.text[self.sent : upto], upto
+        return out
+
+
+def first_stop(text: str, stops: list[str]) -> int | None:
+    found = [i for i in (text.find(s) for s in stops) if i >= 0]
+    return min(found) if found else None
+
+
+@dataclass(eq=False)  # hashed by identity (the worker keeps a set of live jobs)
+class Job:
+    prompt: object  # str | list[dict] | list[int], as `generate` takes it
+    settings: dict  # GenerateConfig fields
+    stops: list[str]
+    loop: asyncio.AbstractEventLoop
+    events: asyncio.Queue = field(default_factory=asyncio.Queue)
+    cancel: threading.Event = field(default_factory=threading.Event)
+    arrived: float = field(default_factory=time.perf_counter)
+    started: float | None = None
+    first_text: float | None = None
+    finished: bool = False
+    # filled by the worker
+    result: DecodeResult | None = None
+    text: str = ""
+    finish_reason: str | None = None
+
+    def post(self, *event) -> None:
+        try:
+            self.loop.call_soon_threadsafe(self.events.put_nowait, event)
+        except RuntimeError:  # the loop is closed: nobody is listening any more
+            pass
+
+
+class QueueFull(Exception):
+    pass
+
+
+class Draining(Exception):
+    pass
+
+
+class Worker:
+    """Admits requests up to `max_queue` waiting behind the running one, and runs them in order."""
+
+    def __init__(self, model, drafter=None, max_queue: int = 64, on_depth=None):
+        self.model, self.drafter, self.max_queue = model, drafter, max_queue
+        self.executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="viasd-decode")
+        self.on_depth = on_depth or (lambda waiting, running: None)
+        self.lock = threading.Lock()
+        self.waiting = 0
+        self.running = 0
+        self.live: set[Job] = set()
+        self.draining = False
+
+    @property
+    def pending(self) -> int:
+        with self.lock:
+            return self.waiting + self.running
+
+    def submit(self, job: Job) -> None:
+        with self.lock:
+            if self.draining:
+                raise Draining()
+            if self.waiting + self.running >= self.max_queue + 1:
+                raise QueueFull()
+            self.waiting += 1
+            self.live.add(job)
+            self._depth()
+        self.executor.submit(self._run, job)
+
+    def cancel_all(self) -> None:
+        with self.lock:
+            for job in self.live:
+                job.cancel.set()
+
+    def _depth(self) -> None:
+        self.on_depth(self.waiting, self.running)
+
+    def _run(self, job: Job) -> None:
+        with self.lock:
+            self.waiting -= 1
+            self.running += 1
+            self._depth()
+        try:
+            if job.cancel.is_set():  # the client left while the request waited
+                job.post("cancelled")
+                return
+            job.started = time.perf_counter()
+            self._decode(job)
+        except ViasdError as e:
+            job.post("error", e)
+        except Exception as e:  # a bug, not the client's fault: log it, answer 500 without a traceback
+            print(f"viasd serve: internal error: {e!r}\n{traceback.format_exc()}", file=sys.stderr)
+            job.post("error", e)
+        finally:
+            with self.lock:
+                self.running -= 1
+                self.live.discard(job)
+                self._depth()
+
+    def _decode(self, job: Job) -> None:
+        stop = StopText(job.stops)
+        cancelled = False
+
+        def on_text(piece: str) -> None:
+            nonlocal cancelled
+            if job.cancel.is_set():
+                cancelled = True
+                raise StopGeneration()
+            out = stop.feed(piece)
+            if out:
+                if job.first_text is None:
+                    job.first_text = time.perf_counter()
+                job.post("text", out)
+            if stop.hit is not None:
+                raise StopGeneration()
+
+        result = generate(job.prompt, self.model, drafter=self.drafter, on_text=on_text, progress=False, **job.settings)
+        job.result = result
+        if cancelled:
+            job.post("cancelled")
+            return
+        cut = first_stop(result.text, stop.stops)
+        text = result.text if cut is None else result.text[:cut]
+        sent = stop.text[: stop.sent]
+        if text.startswith(sent):
+            rest = text[len(sent) :]
+        else:  # cannot happen while decoding a prefix gives a prefix of the text; keep the stream's
+            print("viasd serve: streamed text is not a prefix of the final text; answering the streamed text", file=sys.stderr)
+            text, rest = sent, ""
+        if rest:
+            if job.first_text is None:
+                job.first_text = time.perf_counter()
+            job.post("text", rest)
+        job.text = text
+        ids = result.token_ids
+        if cut is not None or stop.hit is not None:
+            job.finish_reason = "stop"
+        elif ids and ids[-1] in self.model.eos_token_ids:
+            job.finish_reason = "stop"
+        elif len(ids) >= job.settings.get("max_new_tokens", 0):
+            job.finish_reason = "length"
+        else:
+            job.finish_reason = "stop"
+        job.post("done")
+
+    def shutdown(self) -> None:
+        self.cancel_all()
+        self.executor.shutdown(wait=False, cancel_futures=False)

@@ -1,0 +1,163 @@
+"""`viasd serve`: flags (generate's decoding flags plus the server's), one process under uvicorn with
+a draining shutdown, or N Ray Serve replicas (ray_serve.py)."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import os
+import signal
+import sys
+import time
+
+from viasd.errors import UsageError
+
+SERVER_ONLY = ("prompt", "json", "chat")  # generate's flags that mean nothing to a server
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    from viasd.cli import _add_generate
+
+    _add_generate(p)  # the same decoding flags as `viasd generate`: they are the requests' defaults
+    for action in list(p._actions):  # argparse has no public way to drop an argument
+        if action.dest in SERVER_ONLY:
+            p._remove_action(action)
+            for group in p._action_groups:
+                if action in group._group_actions:
+                    group._group_actions.remove(action)
+            for opt in action.option_strings:
+                p._option_string_actions.pop(opt, None)
+    def one_line_error(message: str):  # argparse's default prints the whole usage block first
+        print(f"viasd serve: error: {message} (see viasd serve --help)", file=sys.stderr)
+        sys.exit(2)
+
+    p.error = one_line_error
+    s = p.add_argument_group("server")
+    s.add_argument("--host", default="127.0.0.1", help="address to bind (default: %(default)s, loopback only)")
+    s.add_argument("--port", type=int, default=8000, help="TCP port (default: %(default)s)")
+    s.add_argument("--api-key", default=os.environ.get("VIASD_API_KEY"),
+                   help="require 'Authorization: Bearer KEY' on every route but /health (default: $VIASD_API_KEY, else none)")
+    s.add_argument("--served-model-name", help="the model id clients send (default: the --model value)")
+    s.add_argument("--max-queue", type=int, default=64,
+                   help="requests that may wait behind the running one; more are answered 503 (default: %(default)s)")
+    s.add_argument("--max-body-kb", type=int, default=1024, help="request body limit in KiB; larger bodies get 413 (default: %(default)s)")
+    s.add_argument("--drain-timeout", type=float, default=30.0,
+                   help="on SIGTERM, seconds in-flight requests may take to finish before they are cancelled (default: %(default)s)")
+    s.add_argument("--log-level", default="warning", choices=("critical", "error", "warning", "info", "debug"),
+                   help="uvicorn's log level (default: %(default)s)")
+    r = p.add_argument_group("scale-out (Ray Serve; pip install 'viasd[ray]')")
+    r.add_argument("--replicas", type=int, default=0,
+                   help="serve through Ray Serve with N replicas, each holding its own model (default: 0 = one process, no Ray)")
+    r.add_argument("--ray-address", help="join this Ray cluster (e.g. ray://host:10001 or auto) instead of starting a local head")
+
+
+def settings_from_args(args: argparse.Namespace) -> dict:
+    from viasd.api import GenerateConfig
+
+    s = {name: getattr(args, name) for name in GenerateConfig.setting_names() if hasattr(args, name)}
+    for name in ("draft_layers", "slim_layers"):
+        if s.get(name) is not None:
+            s[name] = tuple(s[name])
+    return s
+
+
+def check_args(args: argparse.Namespace) -> dict:
+    """Every flag checked before a model is fetched; UsageError (exit 2) otherwise."""
+    from viasd.api import GenerateConfig
+
+    defaults = settings_from_args(args)
+    GenerateConfig.from_settings(**defaults).validate()
+    if not 0 <= args.port <= 65535:
+        raise UsageError(f"--port must be in 0..65535, got {args.port}")
+    if args.max_queue < 0:
+        raise UsageError(f"--max-queue must be >= 0, got {args.max_queue}")
+    if args.max_body_kb < 1:
+        raise UsageError(f"--max-body-kb must be >= 1, got {args.max_body_kb}")
+    if args.drain_timeout < 0:
+        raise UsageError(f"--drain-timeout must be >= 0, got {args.drain_timeout}")
+    if args.replicas < 0:
+        raise UsageError(f"--replicas must be >= 0, got {args.replicas}")
+    if args.ray_address and not args.replicas:
+        raise UsageError("--ray-address needs --replicas N")
+    if args.api_key is not None and not args.api_key.strip():
+        raise UsageError("--api-key (or VIASD_API_KEY) is empty")
+    return defaults
+
+
+def serve_command(args: argparse.Namespace) -> int:
+    from viasd.server.app import ServeSettings
+
+    defaults = check_args(args)
+    settings = ServeSettings(defaults=defaults, served_name=args.served_model_name or args.model, max_queue=args.max_queue,
+                             max_body_bytes=args.max_body_kb * 1024, api_key=args.api_key)
+    if args.replicas:
+        from viasd.server.ray_serve import serve_replicas
+
+        return serve_replicas(args, settings)
+    app = build_app(args.model, args.drafter, settings, dtype=args.dtype, device=args.device, progress=not args.quiet)
+    run_uvicorn(app, args.host, args.port, args.drain_timeout, args.log_level)
+    return 0
+
+
+def build_app(model_name: str, drafter_name: str | None, settings, dtype: str = "float32", device: str = "cpu", progress: bool = False):
+    import torch
+
+    from viasd.models.loading import load_model
+    from viasd.server.app import create_app
+
+    model = load_model(model_name, dtype=getattr(torch, dtype), device=device, progress=progress)
+    drafter = load_model(drafter_name, dtype=getattr(torch, dtype), device=device, progress=progress) if drafter_name else None
+    return create_app(model, drafter, settings)
+
+
+def run_uvicorn(app, host: str, port: int, drain_timeout: float = 30.0, log_level: str = "warning", sock=None) -> None:
+    import uvicorn
+
+    config = uvicorn.Config(app, host=host, port=port, log_level=log_level, timeout_graceful_shutdown=5, lifespan="off")
+    server = DrainingServer(config, app.state.worker, drain_timeout)
+    print(f"viasd serve: {app.state.model.name} on http://{host}:{port}/v1 (Ctrl-C or SIGTERM drains)", file=sys.stderr)
+    server.run(sockets=[sock] if sock is not None else None)
+
+
+try:
+    import uvicorn as _uvicorn
+
+    _Server = _uvicorn.Server
+except ImportError:  # pragma: no cover
+    _Server = object
+
+
+class DrainingServer(_Server):
+    """uvicorn's server, but the first SIGTERM / SIGINT drains: new requests get 503 while the
+    in-flight ones finish (for at most `drain_timeout` s, then they are cancelled); a second signal
+    exits at once."""
+
+    def __init__(self, config, worker, drain_timeout: float):
+        super().__init__(config)
+        self.worker, self.drain_timeout = worker, drain_timeout
+        self._loop = None
+
+    async def serve(self, sockets=None):
+        self._loop = asyncio.get_running_loop()
+        await super().serve(sockets)
+
+    def handle_exit(self, sig, frame):
+        if self.worker.draining or self._loop is None:
+            self.worker.cancel_all()
+            return super().handle_exit(sig, frame)
+        self.worker.draining = True
+        name = signal.Signals(sig).name if sig else "signal"
+        print(f"viasd serve: {name}: draining {self.worker.pending} request(s), new ones get 503", file=sys.stderr)
+        self._loop.call_soon_threadsafe(lambda: self._loop.create_task(self._drain()))
+
+    async def _drain(self):
+        deadline = time.monotonic() + self.drain_timeout
+        while self.worker.pending and time.monotonic() < deadline:
+            await asyncio.sleep(0.05)
+        if self.worker.pending:
+            print(f"viasd serve: drain timeout: cancelling {self.worker.pending} request(s)", file=sys.stderr)
+            self.worker.cancel_all()
+            while self.worker.pending:
+                await asyncio.sleep(0.05)
+        await asyncio.sleep(0.2)  # let the last responses flush
+        self.should_exit = True

@@ -1,0 +1,610 @@
+"""`viasd serve`: the official `openai` client (and raw httpx for what the client cannot send)
+against live servers on loopback.
+
+Most tests share one module-scoped server over smollm2-135m (uvicorn in a thread, a free port);
+auth and the queue-full test use the tiny random model; the SIGTERM drain runs `viasd serve` as a
+subprocess. No test asserts a duration: waits are bounded only so that a hang fails instead of
+blocking the suite.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import pytest
+
+httpx = pytest.importorskip("httpx")
+openai = pytest.importorskip("openai")
+pytest.importorskip("fastapi")
+from prometheus_client.parser import text_string_to_metric_families  # noqa: E402
+
+from viasd import generate  # noqa: E402
+from viasd.cli import main  # noqa: E402
+from viasd.server import ServeSettings, create_app  # noqa: E402
+from viasd.server.engine import StopText, Worker  # noqa: E402
+
+SRC = str(Path(__file__).resolve().parents[1] / "src")
+MODEL = "smollm2-135m"
+COUNTING = "1, 2, 3, 4, 5, 6, 7, 8,"  # greedy smollm2 keeps counting: long outputs without EOS
+HAIKU = "Write a haiku about the sea."
+
+
+class LiveServer:
+    """uvicorn serving `app` in a thread on a free loopback port."""
+
+    def __init__(self, app):
+        import uvicorn
+
+        self.app = app
+        self.sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+        self.sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        self.sock.bind(("127.0.0.1", 0))
+        self.port = self.sock.getsockname()[1]
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.server = uvicorn.Server(uvicorn.Config(app, log_level="warning", lifespan="off", timeout_graceful_shutdown=2))
+        self.thread = threading.Thread(target=self.server.run, kwargs={"sockets": [self.sock]}, daemon=True)
+
+    def __enter__(self) -> "LiveServer":
+        self.thread.start()
+        deadline = time.monotonic() + 60
+        while not self.server.started:
+            assert time.monotonic() < deadline, "server did not start"
+            time.sleep(0.02)
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.app.state.worker.cancel_all()
+        self.server.should_exit = True
+        self.thread.join(30)
+        self.sock.close()
+
+    def client(self, api_key: str = "unused") -> "openai.OpenAI":
+        return openai.OpenAI(base_url=self.url + "/v1", api_key=api_key, max_retries=0, timeout=300)
+
+    def metrics(self, headers: dict | None = None) -> dict[tuple, float]:
+        """{(sample name, sorted label items): value} from /metrics."""
+        text = httpx.get(self.url + "/metrics", headers=headers or {}).text
+        return {(s.name, tuple(sorted(s.labels.items()))): s.value
+                for fam in text_string_to_metric_families(text) for s in fam.samples}
+
+
+def metric(m: dict, name: str, **labels) -> float:
+    return m.get((name, tuple(sorted(labels.items()))), 0.0)
+
+
+def wait_for(predicate, what: str, limit: float = 300.0) -> None:
+    deadline = time.monotonic() + limit
+    while not predicate():
+        assert time.monotonic() < deadline, f"gave up waiting for {what}"
+        time.sleep(0.05)
+
+
+@pytest.fixture(scope="module")
+def live(smollm2):
+    app = create_app(smollm2, settings=ServeSettings(defaults={"strategy": "pld", "max_new_tokens": 16}, served_name=MODEL,
+                                                     max_queue=32, max_body_bytes=64 * 1024))
+    with LiveServer(app) as server:
+        yield server
+
+
+@pytest.fixture(scope="module")
+def client(live):
+    return live.client()
+
+
+def alone(smollm2, prompt, **settings):
+    """The same request decoded directly by the engine, alone."""
+    return generate(prompt, smollm2, progress=False, **{"strategy": "pld", "max_new_tokens": 16, **settings})
+
+
+# ---------------------------------------------------------------- stop strings (no model)
+
+
+@pytest.mark.parametrize("pieces, stops, sent, hit", [
+    (["Hello", " wor", "ld. Bye"], ["."], "Hello world", 11),
+    (["ab", "cX", "Yd"], ["XY"], "abc", 3),  # a stop split across pieces, held back meanwhile
+    (["ab", "cX", "Zd"], ["XY"], "abcXZd", None),  # a false start is released
+    (["one two", " three"], [], "one two three", None),
+    (["xx<|e", "nd|>yy"], ["<|end|>", "zz"], "xx", 2),
+])
+def test_stop_text_cuts_at_the_first_stop_and_holds_back_prefixes(pieces, stops, sent, hit):
+    s = StopText(stops)
+    out = "".join(s.feed(p) for p in pieces)
+    assert (out, s.hit) == (sent, hit)
+
+
+def test_stop_text_never_sends_a_stop_prefix_early():
+    s = StopText(["END"])
+    assert s.feed("abcE") == "abc"
+    assert s.feed("N") == ""
+    assert s.feed("x") == "ENx"
+
+
+@pytest.mark.model
+@pytest.mark.parametrize("strategy", ["ar", "pld", "viasd"])
+def test_stop_generation_from_on_text_returns_the_committed_prefix(smollm2, strategy):
+    """The engine hook the server relies on for stop strings and cancellation."""
+    from viasd.api import StopGeneration
+
+    kw = dict(strategy=strategy, max_new_tokens=16, chat=False, progress=False, k=3)
+    full = generate(COUNTING, smollm2, **kw)
+    pieces = []
+
+    def on_text(piece):
+        pieces.append(piece)
+        if len(pieces) == 2:
+            raise StopGeneration()
+
+    part = generate(COUNTING, smollm2, on_text=on_text, **kw)
+    assert 1 <= len(part.token_ids) < len(full.token_ids)
+    assert part.token_ids == full.token_ids[: len(part.token_ids)]  # exactly what was committed, nothing more
+    assert part.stats.new_tokens == len(part.token_ids) and part.stats.wall_s > 0
+    assert part.text == "".join(pieces)
+
+
+# ---------------------------------------------------------------- the API, happy paths
+
+
+@pytest.mark.model
+def test_models_and_health(live, client):
+    assert [m.id for m in client.models.list().data] == [MODEL]
+    assert httpx.get(live.url + "/health").json() == {"status": "ok"}
+
+
+@pytest.mark.model
+def test_completion_is_the_engines_output_with_usage_and_record(client, smollm2):
+    r = client.completions.create(model=MODEL, prompt=COUNTING, max_tokens=12)
+    ref = alone(smollm2, COUNTING, chat=False, max_new_tokens=12)
+    assert r.object == "text_completion" and r.choices[0].text == ref.text
+    assert r.choices[0].finish_reason == "length"
+    assert (r.usage.prompt_tokens, r.usage.completion_tokens) == (ref.stats.prompt_tokens, 12)
+    assert r.usage.total_tokens == r.usage.prompt_tokens + 12
+    record = r.model_extra["viasd"]
+    assert record["config"]["strategy"] == "pld"
+    stats = record["stats"]
+    assert stats["new_tokens"] == 12 and stats["calls"]["full"] >= 1
+    for key in ("mean_accepted_length", "rejection_rate", "full_rejection_rate", "tokens_per_s", "tiers"):
+        assert key in stats
+
+
+@pytest.mark.model
+def test_token_id_prompt(client, smollm2):
+    ids = smollm2.encode(COUNTING, chat=False)
+    r = client.completions.create(model=MODEL, prompt=ids, max_tokens=6)
+    assert r.choices[0].text == alone(smollm2, ids, max_new_tokens=6).text
+
+
+@pytest.mark.model
+def test_chat_uses_the_chat_template(client, smollm2):
+    messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Name a prime."},
+                {"role": "assistant", "content": "7"}, {"role": "user", "content": "And a larger one?"}]
+    r = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=10)
+    assert r.object == "chat.completion" and r.choices[0].message.role == "assistant"
+    assert r.choices[0].message.content == alone(smollm2, messages, max_new_tokens=10).text
+    assert r.usage.prompt_tokens == len(smollm2.encode(messages))
+
+
+@pytest.mark.model
+@pytest.mark.parametrize("chat", [False, True], ids=["completions", "chat"])
+@pytest.mark.parametrize("sampling", [{}, {"temperature": 0.9, "top_p": 0.95, "seed": 1234}], ids=["greedy", "seeded"])
+def test_stream_reassembles_to_the_non_streamed_text(client, chat, sampling):
+    if chat:
+        kw = dict(model=MODEL, messages=[{"role": "user", "content": HAIKU}], max_tokens=20, **sampling)
+        whole = client.chat.completions.create(**kw)
+        chunks = list(client.chat.completions.create(stream=True, stream_options={"include_usage": True}, **kw))
+        text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+        whole_text = whole.choices[0].message.content
+        assert chunks[0].choices[0].delta.role == "assistant"
+    else:
+        kw = dict(model=MODEL, prompt=HAIKU, max_tokens=20, **sampling)
+        whole = client.completions.create(**kw)
+        chunks = list(client.completions.create(stream=True, stream_options={"include_usage": True}, **kw))
+        text = "".join(c.choices[0].text for c in chunks if c.choices)
+        whole_text = whole.choices[0].text
+    assert len([c for c in chunks if c.choices]) > 2  # really streamed, not one blob
+    assert text == whole_text and text
+    finals = [c for c in chunks if c.choices and c.choices[0].finish_reason]
+    assert len(finals) == 1 and finals[0].choices[0].finish_reason == whole.choices[0].finish_reason
+    assert finals[0].model_extra["viasd"]["stats"]["new_tokens"] == whole.usage.completion_tokens
+    assert chunks[-1].usage.completion_tokens == whole.usage.completion_tokens
+    assert chunks[-1].usage.prompt_tokens == whole.usage.prompt_tokens
+
+
+@pytest.mark.model
+def test_seeded_sampling_differs_from_greedy(client):
+    kw = dict(model=MODEL, prompt=HAIKU, max_tokens=20)
+    greedy = client.completions.create(**kw).choices[0].text
+    seeds = {client.completions.create(temperature=1.0, seed=s, **kw).choices[0].text for s in (1, 2, 3)}
+    assert seeds - {greedy}  # sampling really happens (and the seed selects it)
+
+
+@pytest.mark.model
+@pytest.mark.parametrize("stream", [False, True])
+def test_stop_strings_end_the_text_before_them(client, stream):
+    full = client.completions.create(model=MODEL, prompt=COUNTING, max_tokens=16).choices[0].text
+    assert " 11," in full  # greedy smollm2 counts on: " 9, 10, 11, 12, ..."
+    kw = dict(model=MODEL, prompt=COUNTING, max_tokens=16, stop=[" 11,", "never there"])
+    if stream:
+        chunks = list(client.completions.create(stream=True, **kw))
+        text = "".join(c.choices[0].text for c in chunks)
+        reason = [c.choices[0].finish_reason for c in chunks if c.choices[0].finish_reason]
+    else:
+        r = client.completions.create(**kw)
+        text, reason = r.choices[0].text, [r.choices[0].finish_reason]
+        assert r.usage.completion_tokens < 16  # the decode ended early, not only the text
+    assert text == full[: full.index(" 11,")]
+    assert reason == ["stop"]
+
+
+@pytest.mark.model
+def test_viasd_extension_selects_the_strategy(client, smollm2):
+    kw = dict(model=MODEL, prompt=COUNTING, max_tokens=12)
+    ar = client.completions.create(extra_body={"viasd": {"strategy": "ar"}}, **kw)
+    lossless = client.completions.create(extra_body={"viasd": {"strategy": "viasd", "mode": "lossless", "draft": "pld", "k": 3}}, **kw)
+    assert lossless.choices[0].text == ar.choices[0].text  # lossless VIA-SD is exactly the full model's greedy output
+    rec = lossless.model_extra["viasd"]
+    assert rec["config"]["strategy"] == "viasd" and rec["config"]["mode"] == "lossless" and rec["config"]["k"] == 3
+    assert rec["stats"]["calls"].get("slim", 0) > 0  # the slim verifier tier ran
+    assert ar.model_extra["viasd"]["stats"]["calls"] == {"full": 12}
+    tiered = client.completions.create(extra_body={"viasd": {"strategy": "viasd", "mode": "tiered", "accept": 0.5, "slim": 0.5}}, **kw)
+    tiers = tiered.model_extra["viasd"]["stats"]["tiers"]
+    assert sum(tiers.values()) == tiered.usage.completion_tokens
+
+
+def test_a_server_with_a_drafter_model_serves_sd(tiny, tiny_drafter):
+    app = create_app(tiny, tiny_drafter, settings=ServeSettings(defaults={"strategy": "sd", "k": 3}, served_name="tiny"))
+    with LiveServer(app) as live:
+        c = live.client()
+        for ext in ({}, {"strategy": "viasd", "draft": "model", "slim_layers": [0, 1, 3]}):
+            r = c.completions.create(model="tiny", prompt="w5 w6 w7", max_tokens=6, extra_body={"viasd": ext})
+            ref = generate("w5 w6 w7", tiny, drafter=tiny_drafter, chat=False, progress=False,
+                           **{"strategy": "sd", "k": 3, "max_new_tokens": 6, **{k: tuple(v) if isinstance(v, list) else v for k, v in ext.items()}})
+            assert r.choices[0].text == ref.text
+            assert r.model_extra["viasd"]["config"]["draft"] == "model"
+            assert r.model_extra["viasd"]["stats"]["calls"].get("draft", 0) >= 1 or r.usage.completion_tokens <= 1
+
+
+# ---------------------------------------------------------------- bad input: never a 500, never a traceback
+
+LONG_IDS = [1] * 8190
+
+
+def _post(live, path, content, headers=None):
+    return httpx.post(live.url + path, content=content, headers={"Content-Type": "application/json", **(headers or {})}, timeout=120)
+
+
+def _body(**kw):
+    return json.dumps({"model": MODEL, "prompt": "Hello", "max_tokens": 2, **kw}).encode()
+
+
+BAD = {
+    "malformed JSON": ("/v1/completions", b'{"model": "smollm2-135m", "prompt": ', 400, "invalid_json"),
+    "invalid UTF-8": ("/v1/completions", b'{"model": "smollm2-135m", "prompt": "\xff\xfe"}', 400, "invalid_encoding"),
+    "lone surrogate escape": ("/v1/chat/completions", b'{"model": "smollm2-135m", "messages": [{"role": "user", "content": "a\\ud800b"}]}', 400, "invalid_encoding"),
+    "not an object": ("/v1/completions", b'["a"]', 422, "invalid_type"),
+    "unknown model": ("/v1/completions", _body(model="gpt-4"), 404, "model_not_found"),
+    "missing model": ("/v1/completions", b'{"prompt": "a"}', 422, "missing_required_parameter"),
+    "missing prompt": ("/v1/completions", b'{"model": "smollm2-135m"}', 422, "missing_required_parameter"),
+    "string for int": ("/v1/completions", _body(max_tokens="3"), 422, "invalid_type"),
+    "bool for int": ("/v1/completions", _body(max_tokens=True), 422, "invalid_type"),
+    "negative max_tokens": ("/v1/completions", _body(max_tokens=-1), 422, "invalid_value"),
+    "absurd max_tokens": ("/v1/completions", _body(max_tokens=10**12), 422, "invalid_value"),
+    "max_tokens beyond the context": ("/v1/completions", _body(max_tokens=9000), 400, "context_length_exceeded"),
+    "prompt + max_tokens beyond the context": ("/v1/completions", _body(prompt=LONG_IDS, max_tokens=100), 400, "context_length_exceeded"),
+    "token id out of range": ("/v1/completions", _body(prompt=[1, 10**9]), 400, "invalid_value"),
+    "empty prompt": ("/v1/completions", _body(prompt="  "), 400, "invalid_value"),
+    "temperature too high": ("/v1/completions", _body(temperature=7), 422, "invalid_value"),
+    "NaN top_p": ("/v1/completions", b'{"model": "smollm2-135m", "prompt": "a", "top_p": NaN}', 422, "invalid_value"),
+    "negative seed": ("/v1/completions", _body(seed=-5), 422, "invalid_value"),
+    "n=2": ("/v1/completions", _body(n=2), 400, "unsupported_parameter"),
+    "logprobs": ("/v1/completions", _body(logprobs=3), 400, "unsupported_parameter"),
+    "unknown argument": ("/v1/completions", _body(frobnicate=1), 422, "unknown_parameter"),
+    "too many stops": ("/v1/completions", _body(stop=list("abcde")), 422, "invalid_value"),
+    "two prompts": ("/v1/completions", _body(prompt=["a", "b"]), 422, None),
+    "bad strategy": ("/v1/completions", _body(viasd={"strategy": "magic"}), 422, None),
+    "bad k": ("/v1/completions", _body(viasd={"k": 1000}), 422, "invalid_value"),
+    "unknown viasd field": ("/v1/completions", _body(viasd={"slim_route": "/etc/passwd"}), 422, "unknown_parameter"),
+    "model drafting without a drafter": ("/v1/completions", _body(viasd={"strategy": "sd"}), 400, "invalid_value"),
+    "slim layer out of range": ("/v1/completions", _body(viasd={"strategy": "viasd", "slim_layers": [0, 99]}), 400, "invalid_value"),
+    "inconsistent ngram bounds": ("/v1/completions", _body(viasd={"min_ngram": 5, "max_ngram": 2}), 400, "invalid_value"),
+    "empty messages": ("/v1/chat/completions", b'{"model": "smollm2-135m", "messages": []}', 422, None),
+    "bad role": ("/v1/chat/completions", b'{"model": "smollm2-135m", "messages": [{"role": "wizard", "content": "x"}]}', 422, None),
+    "message content a number": ("/v1/chat/completions", b'{"model": "smollm2-135m", "messages": [{"role": "user", "content": 5}]}', 422, None),
+    "last message not the user's": ("/v1/chat/completions", b'{"model": "smollm2-135m", "messages": [{"role": "assistant", "content": "x"}]}', 400, "invalid_value"),
+    "tools": ("/v1/chat/completions", b'{"model": "smollm2-135m", "messages": [{"role": "user", "content": "x"}], "tools": [{"type": "function"}]}', 400, "unsupported_parameter"),
+    "unknown route": ("/v1/embeddings", _body(), 404, "not_found"),
+    "body over the limit": ("/v1/completions", _body(prompt="x" * 70_000), 413, "request_too_large"),
+}
+
+
+def check_error(r, status, code):
+    assert r.status_code == status, r.text
+    body = r.json()
+    assert set(body) == {"error"} and set(body["error"]) == {"message", "type", "param", "code"}
+    assert isinstance(body["error"]["message"], str) and body["error"]["message"]
+    assert "Traceback" not in r.text and 'File "' not in r.text
+    if code is not None:
+        assert body["error"]["code"] == code
+
+
+@pytest.mark.model
+@pytest.mark.parametrize("case", list(BAD))
+def test_bad_input_gets_a_clear_openai_style_error(live, case):
+    path, content, status, code = BAD[case]
+    check_error(_post(live, path, content), status, code)
+
+
+@pytest.mark.model
+def test_bad_input_edge_transports(live):
+    check_error(httpx.get(live.url + "/v1/completions"), 405, "method_not_allowed")
+    # a chunked body (no Content-Length) over the limit is cut while reading
+    chunks = (b"x" * 8192 for _ in range(10))
+    check_error(httpx.post(live.url + "/v1/completions", content=chunks), 413, "request_too_large")
+    # streaming requests get their errors as a status code too, before any event is sent
+    check_error(_post(live, "/v1/completions", _body(stream=True, prompt=LONG_IDS, max_tokens=100)), 400, "context_length_exceeded")
+    assert httpx.get(live.url + "/health").json() == {"status": "ok"}  # and the server is fine
+
+
+@pytest.mark.model
+def test_the_openai_client_sees_typed_errors(client):
+    with pytest.raises(openai.NotFoundError, match="does not exist here"):
+        client.completions.create(model="gpt-4", prompt="x", max_tokens=2)
+    with pytest.raises(openai.BadRequestError) as e:
+        client.completions.create(model=MODEL, prompt="x", max_tokens=2, n=2)
+    assert e.value.code == "unsupported_parameter"
+    with pytest.raises(openai.UnprocessableEntityError):
+        client.completions.create(model=MODEL, prompt="x", max_tokens=-3)
+
+
+# ---------------------------------------------------------------- auth
+
+
+@pytest.fixture(scope="module")
+def tiny_live_with_key(tiny):
+    with LiveServer(create_app(tiny, settings=ServeSettings(served_name="tiny", api_key="s3cret-key"))) as server:
+        yield server
+
+
+def test_api_key_guards_every_route_but_health(tiny_live_with_key):
+    live = tiny_live_with_key
+    assert httpx.get(live.url + "/health").status_code == 200
+    for method, path in (("GET", "/v1/models"), ("GET", "/metrics"), ("POST", "/v1/completions"),
+                         ("POST", "/v1/chat/completions"), ("GET", "/nowhere")):
+        for headers in ({}, {"Authorization": "Bearer wrong"}, {"Authorization": "s3cret-key"}, {"Authorization": "Basic s3cret-key"}):
+            r = httpx.request(method, live.url + path, headers=headers, content=b"{}")
+            check_error(r, 401, "invalid_api_key")
+    with pytest.raises(openai.AuthenticationError):
+        live.client("wrong").models.list()
+    good = live.client("s3cret-key")
+    assert [m.id for m in good.models.list().data] == ["tiny"]
+    r = good.completions.create(model="tiny", prompt="w1 w2 w3", max_tokens=4)
+    assert r.usage.completion_tokens >= 1
+    assert httpx.get(live.url + "/metrics", headers={"Authorization": "Bearer s3cret-key"}).status_code == 200
+
+
+@pytest.mark.model
+def test_without_a_key_any_or_no_token_is_accepted(live):
+    assert httpx.get(live.url + "/v1/models").status_code == 200
+    assert httpx.get(live.url + "/v1/models", headers={"Authorization": "Bearer anything"}).status_code == 200
+
+
+# ---------------------------------------------------------------- load: concurrency, queue, cancellation
+
+
+@pytest.mark.model
+def test_16_concurrent_clients_each_get_their_own_complete_answer(live):
+    requests = []
+    for i in range(16):
+        prompt = [HAIKU, COUNTING, "The capital of France is", "def fibonacci(n):"][i % 4]
+        sampling = {"temperature": 0.8, "seed": 1000 + i} if i % 3 == 0 else {}
+        requests.append((i % 2 == 0, dict(model=MODEL, prompt=prompt, max_tokens=10, **sampling)))
+
+    def ask(stream_and_kw):
+        stream, kw = stream_and_kw
+        c = live.client()
+        if stream:
+            chunks = list(c.completions.create(stream=True, **kw))
+            return "".join(ch.choices[0].text for ch in chunks), chunks[-1].choices[0].finish_reason
+        r = c.completions.create(**kw)
+        return r.choices[0].text, r.choices[0].finish_reason
+
+    served_alone = [ask(r) for r in requests]
+    with ThreadPoolExecutor(16) as pool:
+        together = list(pool.map(ask, requests))
+    assert together == served_alone
+    assert all(reason == "stop" or (reason == "length" and text) for text, reason in together)
+    assert sum(reason == "length" for _, reason in together) >= 8
+
+
+class GatedWorker(Worker):
+    """Decodes only when the test opens the gate: a busy server, deterministically."""
+
+    def __init__(self, *a, **kw):
+        super().__init__(*a, **kw)
+        self.gate = threading.Event()
+        self.order: list = []
+
+    def _decode(self, job):
+        self.gate.wait(120)
+        self.order.append(job.prompt)
+        super()._decode(job)
+
+
+def test_requests_are_served_in_arrival_order(tiny):
+    worker = GatedWorker(tiny, max_queue=8)
+    app = create_app(tiny, settings=ServeSettings(served_name="tiny", max_queue=8), worker=worker)
+    prompts = ["w1 w2", "w3 w4", "w5 w6", "w7 w8", "w9 w10"]
+    with LiveServer(app) as live, ThreadPoolExecutor(len(prompts)) as pool:
+        futures = []
+        for i, prompt in enumerate(prompts):
+            futures.append(pool.submit(live.client().completions.create, model="tiny", prompt=prompt, max_tokens=2))
+            wait_for(lambda: worker.pending == i + 1, f"request {i} to be admitted")
+        worker.gate.set()
+        assert all(f.result().usage.prompt_tokens >= 2 for f in futures)
+    assert worker.order == prompts
+
+
+def test_queue_full_answers_503_and_waiting_requests_still_complete(tiny):
+    worker = GatedWorker(tiny, max_queue=1)
+    app = create_app(tiny, settings=ServeSettings(served_name="tiny", max_queue=1), worker=worker)
+    with LiveServer(app) as live, ThreadPoolExecutor(2) as pool:
+        c = live.client()
+        ask = lambda: c.completions.create(model="tiny", prompt="w1 w2 w3", max_tokens=3)  # noqa: E731
+        first = pool.submit(ask)
+        wait_for(lambda: worker.running == 1, "the first request to run")
+        second = pool.submit(ask)
+        wait_for(lambda: worker.waiting == 1, "the second request to queue")
+        assert metric(live.metrics(), "viasd_queue_depth") == 1
+        r = httpx.post(live.url + "/v1/completions", json={"model": "tiny", "prompt": "w1", "max_tokens": 2})
+        check_error(r, 503, "queue_full")
+        assert r.headers.get("retry-after") == "1"
+        with pytest.raises(openai.InternalServerError):
+            ask()
+        worker.gate.set()
+        assert first.result().choices[0].text == second.result().choices[0].text  # same request, in order, both complete
+        m = live.metrics()
+        assert metric(m, "viasd_requests_total", endpoint="completions", status="503") == 2
+        assert metric(m, "viasd_requests_total", endpoint="completions", status="200") == 2
+        assert metric(m, "viasd_queue_depth") == 0
+
+
+@pytest.mark.parametrize("stream", [True, False])
+def test_a_request_whose_client_left_while_queued_is_never_decoded(tiny, stream):
+    worker = GatedWorker(tiny, max_queue=4)
+    app = create_app(tiny, settings=ServeSettings(served_name="tiny", max_queue=4), worker=worker)
+    body = {"model": "tiny", "prompt": "w1 w2 w3", "max_tokens": 3}
+    with LiveServer(app) as live, ThreadPoolExecutor(2) as pool:
+        first = pool.submit(httpx.post, live.url + "/v1/completions", json=body, timeout=120)
+        wait_for(lambda: worker.running == 1, "the first request to run")
+        # the second client sends its request and hangs up before any answer (raw socket: httpx
+        # would wait for the response headers, which come with the first text)
+        payload = json.dumps({**body, "stream": stream}).encode()
+        with socket.create_connection(("127.0.0.1", live.port)) as leaving:
+            leaving.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                            b"Content-Length: %d\r\n\r\n%s" % (len(payload), payload))
+            wait_for(lambda: worker.waiting == 1, "the second request to queue")
+        worker.gate.set()
+        answer = first.result()
+        assert answer.status_code == 200
+        wait_for(lambda: worker.pending == 0, "the queue to empty")
+        wait_for(lambda: metric(live.metrics(), "viasd_requests_total", endpoint="completions", status="499") == 1, "the cancellation")
+        m = live.metrics()
+        assert metric(m, "viasd_requests_total", endpoint="completions", status="200") == 1
+        # only the first request was decoded
+        assert metric(m, "viasd_generated_tokens_total", strategy="pld") == answer.json()["usage"]["completion_tokens"]
+
+
+@pytest.mark.model
+def test_a_client_that_disconnects_mid_stream_cancels_its_generation(live):
+    before = live.metrics()
+    with httpx.Client(timeout=120) as c:
+        with c.stream("POST", live.url + "/v1/completions",
+                      json={"model": MODEL, "prompt": COUNTING, "max_tokens": 1000, "stream": True}) as r:
+            assert r.status_code == 200
+            lines = r.iter_lines()
+            first = next(line for line in lines if line.startswith("data: "))
+            assert json.loads(first[6:])["choices"][0]["text"]
+        # leaving the block closes the connection mid-stream
+    wait_for(lambda: metric(live.metrics(), "viasd_requests_total", endpoint="completions", status="499")
+             == metric(before, "viasd_requests_total", endpoint="completions", status="499") + 1, "the cancellation")
+    after = live.metrics()
+    generated = (metric(after, "viasd_generated_tokens_total", strategy="pld")
+                 - metric(before, "viasd_generated_tokens_total", strategy="pld"))
+    assert 1 <= generated < 1000  # stopped early, its partial decode accounted for
+    assert live.app.state.worker.pending == 0  # the slot is free
+    r = live.client().completions.create(model=MODEL, prompt=COUNTING, max_tokens=4)
+    assert r.choices[0].finish_reason == "length"
+
+
+@pytest.mark.model
+def test_metrics_counters_move(live, client):
+    before = live.metrics()
+    r = client.completions.create(model=MODEL, prompt=COUNTING, max_tokens=8)
+    httpx.post(live.url + "/v1/completions", content=b"{")
+    after = live.metrics()
+    d = lambda name, **labels: metric(after, name, **labels) - metric(before, name, **labels)  # noqa: E731
+    assert d("viasd_requests_total", endpoint="completions", status="200") == 1
+    assert d("viasd_requests_total", endpoint="completions", status="400") == 1
+    assert d("viasd_generated_tokens_total", strategy="pld") == r.usage.completion_tokens == 8
+    assert d("viasd_prompt_tokens_total") == r.usage.prompt_tokens
+    assert d("viasd_forward_calls_total", tier="full") == r.model_extra["viasd"]["stats"]["calls"]["full"]
+    assert d("viasd_request_latency_seconds_count", endpoint="completions") == 1
+    assert d("viasd_time_to_first_token_seconds_count", endpoint="completions") == 1
+    assert d("viasd_accepted_length_count", strategy="pld") == 1
+    assert d("viasd_accepted_length_sum", strategy="pld") == pytest.approx(r.model_extra["viasd"]["stats"]["mean_accepted_length"])
+    assert metric(after, "viasd_queue_depth") == 0 and metric(after, "viasd_requests_running") == 0
+
+
+# ---------------------------------------------------------------- the command: flags, SIGTERM drain
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--port", "70000"], "--port must be in 0..65535"),
+    (["--max-queue", "-1"], "--max-queue must be >= 0"),
+    (["--replicas", "two"], "invalid int value: 'two'"),
+    (["--ray-address", "auto"], "--ray-address needs --replicas N"),
+    (["--k", "-1"], "k must be between 0 and 64"),
+    (["--strategy", "magic"], "invalid choice: 'magic'"),
+    (["--api-key", " "], "--api-key (or VIASD_API_KEY) is empty"),
+    (["--model", "no-such-model"], "unknown model 'no-such-model'"),
+])
+def test_bad_flags_exit_2_with_one_line(capsys, argv, message):
+    try:
+        code = main(["serve", *argv])
+    except SystemExit as e:
+        code = e.code
+    err = capsys.readouterr().err
+    assert code == 2 and message in err
+    assert len(err.strip().splitlines()) == 1 and "Traceback" not in err
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.mark.model
+def test_sigterm_drains_in_flight_requests_and_refuses_new_ones(smollm2):
+    port = _free_port()
+    url = f"http://127.0.0.1:{port}"
+    env = {**os.environ, "PYTHONPATH": SRC + os.pathsep + os.environ.get("PYTHONPATH", "")}
+    proc = subprocess.Popen([sys.executable, "-m", "viasd", "serve", "--model", MODEL, "--port", str(port), "-q",
+                             "--strategy", "ar", "--drain-timeout", "120"], env=env, stderr=subprocess.PIPE, text=True)
+    try:
+        def up():
+            assert proc.poll() is None, proc.stderr.read()
+            try:
+                return httpx.get(url + "/health").status_code == 200
+            except httpx.TransportError:
+                return False
+        wait_for(up, "the server to start")
+        with httpx.Client(timeout=300) as c:
+            with c.stream("POST", url + "/v1/completions",
+                          json={"model": MODEL, "prompt": COUNTING, "max_tokens": 100, "stream": True}) as r:
+                lines = r.iter_lines()
+                next(line for line in lines if line.startswith("data: "))
+                proc.send_signal(signal.SIGTERM)
+                wait_for(lambda: httpx.get(url + "/health").status_code == 503, "draining to start")
+                check_error(httpx.post(url + "/v1/completions", json={"model": MODEL, "prompt": "x", "max_tokens": 2}),
+                            503, "shutting_down")
+                rest = [line for line in lines if line.startswith("data: ")]
+        assert rest[-1] == "data: [DONE]"
+        final = json.loads(rest[-2][6:])
+        assert final["choices"][0]["finish_reason"] in ("length", "stop")
+        assert final["viasd"]["stats"]["new_tokens"] >= 1
+        assert proc.wait(120) == 0
+        assert "draining 1 request(s)" in proc.stderr.read()
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
