@@ -69,11 +69,16 @@ class Verifier:
         """New tokens the request may still commit."""
         return self.req.max_new_tokens - len(self.out)
 
-    def prefill(self) -> None:
-        """Every prompt token but the last through the full model (its logits come with the first pass)."""
-        if len(self.tokens) > 1:
-            self.decoder.forward(torch.tensor(self.tokens[:-1]), 0, self.cache, last_only=True)
-            self.stats.observe_call(CallKind.FULL, verifier_share=1.0)
+    def prefill(self, with_last: bool = False) -> torch.Tensor | None:
+        """The prompt through the full model: every token but the last, whose logits come with the
+        first pass; or (`with_last`, plain decoding) every token, returning the last one's logits [V]
+        (the first commit then restores the invariant)."""
+        n = len(self.tokens) - (not with_last)
+        if n < 1:
+            return None
+        logits = self.decoder.forward(torch.tensor(self.tokens[:n]), 0, self.cache, last_only=True)
+        self.stats.observe_call(CallKind.FULL, verifier_share=1.0)
+        return logits[0] if with_last else None
 
     def full(self, ahead: list[int], n_rows: int | None = None) -> torch.Tensor:
         """One full pass over the pending positions, the last committed token and `ahead` (tokens past
