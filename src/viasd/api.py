@@ -23,6 +23,7 @@ from viasd.errors import UsageError
 from viasd.models.loading import LoadedModel, check_same_vocabulary, load_model
 from viasd.models.runtime import LayerMask
 from viasd.models.zoo import DEFAULT_MODEL
+from viasd.validation import check_generate_config, check_text, check_thresholds, check_token_ids, read_json, require_dict
 
 STRATEGIES = {
     "ar": "autoregressive decoding (the baseline)",
@@ -70,6 +71,7 @@ class GenerateConfig:
     alpha: float = 0.1
 
     def validate(self) -> None:
+        check_generate_config(self)  # types, NaN / inf, seed and value ranges (viasd.validation)
         if self.strategy not in STRATEGIES:
             raise UsageError(f"unknown strategy {self.strategy!r}: choose from {', '.join(STRATEGIES)}")
         if not 0 <= self.k <= 64:
@@ -110,18 +112,13 @@ class GenerateConfig:
 
 
 def load_thresholds(path: Path) -> dict:
-    try:
-        data = json.loads(Path(path).read_text())
-    except FileNotFoundError:
-        raise UsageError(f"{path}: no such thresholds file") from None
-    except ValueError as e:
-        raise UsageError(f"{path}: not valid JSON ({e})") from None
-    data = data.get("thresholds", data)
+    data = require_dict(read_json(path, "thresholds"), path, "thresholds")
+    data = require_dict(data.get("thresholds", data), path, "thresholds")
     known = TierThresholds().to_dict()
     unknown = sorted(set(data) - set(known))
     if unknown:
         raise UsageError(f"{path}: unknown threshold(s) {', '.join(unknown)}; known: {', '.join(known)}")
-    return {k: float(v) for k, v in data.items()}
+    return check_thresholds(data, path)
 
 
 def default_draft_layers(n_layers: int) -> tuple[int, ...]:
@@ -164,6 +161,8 @@ def draft_route(model: LoadedModel, layers: Sequence[int] | None, route_file: st
 
 
 def _as_model(model: str | LoadedModel, progress: bool) -> LoadedModel:
+    if not isinstance(model, (str, LoadedModel)) or (isinstance(model, str) and not model):
+        raise UsageError(f"model must be a model name or path (str) or a LoadedModel, got {model!r}")
     return model if isinstance(model, LoadedModel) else load_model(model, progress=progress)
 
 
@@ -216,6 +215,7 @@ def check_messages(messages: Sequence[dict]) -> list[dict[str, str]]:
     for i, m in enumerate(messages):
         if not isinstance(m, dict) or set(m) != {"role", "content"} or m["role"] not in ("user", "assistant", "system") or not isinstance(m["content"], str):
             raise UsageError(f"message {i}: expected {{'role': 'user'|'assistant'|'system', 'content': str}}, got {m!r}")
+        check_text(f"message {i} content", m["content"])
     if messages[-1]["role"] != "user":
         raise UsageError("a conversation must end with a user message for the model to answer")
     return [dict(m) for m in messages]
@@ -241,6 +241,10 @@ def generate(
     unknown = set(settings) - {f.name for f in fields(GenerateConfig)}
     if unknown:
         raise UsageError(f"unknown setting(s): {', '.join(sorted(unknown))}")
+    if config is not None and not isinstance(config, GenerateConfig):
+        raise UsageError(f"config must be a GenerateConfig, got {type(config).__name__}")
+    if config is not None and settings:
+        raise UsageError("give settings either as config= or as keywords, not both")
     config = config or GenerateConfig(**settings)
     config.validate()
     if config.strategy == "ar" and drafter is not None:
@@ -252,17 +256,23 @@ def generate(
     if kind not in (None, "model") and drafter is not None:
         raise UsageError(f"a drafter model is only used with model drafting (--draft model), not {kind!r} "
                          f"drafting (strategy {config.strategy!r})")
+    if isinstance(prompt, str):
+        check_text("the prompt", prompt)
+    elif isinstance(prompt, (list, tuple)) and any(isinstance(m, dict) for m in prompt):
+        check_messages(prompt)
+    else:
+        check_token_ids(prompt)  # types before the model loads; the vocabulary bound after
+    if on_text is not None and not callable(on_text):
+        raise UsageError(f"on_text must be callable, got {on_text!r}")
     verifier = _as_model(model, progress)
     if isinstance(prompt, str):
         if not prompt.strip():
             raise UsageError("the prompt is empty")
         ids = verifier.encode(prompt, config.chat)
-    elif any(isinstance(m, dict) for m in prompt):
+    elif isinstance(prompt, (list, tuple)) and any(isinstance(m, dict) for m in prompt):
         ids = verifier.encode(check_messages(prompt), config.chat)
     else:
-        ids = [int(t) for t in prompt]
-        if not ids:
-            raise UsageError("the prompt is empty")
+        ids = check_token_ids(prompt, verifier.config.vocab_size)
     if len(ids) + config.max_new_tokens + config.k + config.full_block + 2 > verifier.config.max_positions:
         raise UsageError(
             f"prompt ({len(ids)} tokens) + max_new_tokens ({config.max_new_tokens}) exceeds the "
