@@ -261,9 +261,9 @@ def read_json(path: str | Path, what: str, error: type[UsageError] = MalformedFi
     try:
         return json.loads(decode_utf8(text, f"{what} file {path}"))
     except ValueError as e:
-        raise error(f"{path}: not a valid {what} JSON file ({e})") from None
+        raise error(f"{path}: not a readable {what} JSON file ({e})") from None
     except RecursionError:
-        raise error(f"{path}: not a valid {what} JSON file (nested too deeply)") from None
+        raise error(f"{path}: not a readable {what} JSON file (nested too deeply)") from None
 
 
 def require_dict(data, path, what: str, error: type[UsageError] = MalformedFileError) -> dict:
