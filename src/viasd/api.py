@@ -23,7 +23,8 @@ from viasd.errors import UsageError
 from viasd.models.loading import LoadedModel, check_same_vocabulary, load_model
 from viasd.models.runtime import LayerMask
 from viasd.models.zoo import DEFAULT_MODEL
-from viasd.validation import check_generate_config, check_text, check_thresholds, check_token_ids, read_json, require_dict
+from viasd.validation import (check_generate_config, check_text, check_thresholds, check_token_ids, preflight_files, read_json,
+                              require_dict)
 
 STRATEGIES = {
     "ar": "autoregressive decoding (the baseline)",
@@ -264,6 +265,7 @@ def generate(
         check_token_ids(prompt)  # types before the model loads; the vocabulary bound after
     if on_text is not None and not callable(on_text):
         raise UsageError(f"on_text must be callable, got {on_text!r}")
+    preflight_files(config)
     verifier = _as_model(model, progress)
     if isinstance(prompt, str):
         if not prompt.strip():

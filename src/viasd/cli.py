@@ -19,7 +19,7 @@ def _generate(args: argparse.Namespace) -> int:
 
     from viasd.api import GenerateConfig, generate
     from viasd.models.loading import load_model
-    from viasd.validation import check_device, check_text, decode_utf8, dumps_strict
+    from viasd.validation import check_device, check_text, decode_utf8, dumps_strict, preflight_files
 
     prompt = DEMO_PROMPT if args.prompt is None else check_text("the prompt", args.prompt)
     if prompt == "-":
@@ -31,6 +31,7 @@ def _generate(args: argparse.Namespace) -> int:
     config = GenerateConfig(**settings)
     config.validate()  # before any model is fetched
     check_device(args.device)
+    preflight_files(config)
     progress = not args.quiet
     import torch
 
@@ -158,6 +159,7 @@ def _add_search(p: argparse.ArgumentParser) -> None:
 def _calibrate(args: argparse.Namespace) -> int:
     from viasd.api import GenerateConfig, resolve_route
     from viasd.calibrate import calibrate, check_settings, plot_curve, thresholds_path, write_thresholds
+    from viasd.validation import preflight_files
     from viasd.models.loading import load_model
     from viasd.routing.search import dev_prompts
 
@@ -165,6 +167,7 @@ def _calibrate(args: argparse.Namespace) -> int:
     base = GenerateConfig(strategy="viasd", mode="tiered", k=args.k, max_new_tokens=args.max_new_tokens,
                           draft=args.draft, slim_route=args.route, draft_route=args.draft_route)
     base.validate()
+    preflight_files(base)
     check_settings(args.prompts, args.min_agreement)
     out = thresholds_path(args.out, args.route, args.model)  # writable, checked before the minutes of work
     model = load_model(args.model, progress=progress)

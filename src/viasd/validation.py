@@ -317,6 +317,18 @@ def check_generate_config(c) -> None:
     check_float("alpha", c.alpha, 0.0, 1.0)
 
 
+def preflight_files(c) -> None:
+    """Read the route and thresholds files a GenerateConfig names, before any model is loaded, so a
+    missing or malformed file is reported in a second (the model match is checked after loading)."""
+    from viasd.routing.route import Route
+
+    for name in ("draft_route", "slim_route"):
+        if getattr(c, name) is not None:
+            Route.load(getattr(c, name))
+    if c.thresholds is not None:
+        _api().load_thresholds(Path(c.thresholds))
+
+
 def check_thresholds(values: dict, path) -> dict[str, float]:
     """Threshold values read from a file: numbers (or "inf" for slim_entropy) in range."""
     out = {}

@@ -106,8 +106,8 @@ def _load_calibration(path) -> Calibration | None:
 def check_settings(budget, trials, n_random, seed, calib_seqs, calib_len, cost) -> None:
     """`viasd search`'s settings, checked before any model loads or calibration is built."""
     check_choice("cost", cost, COSTS)
-    check_float("budget", budget, 0.0, 1.0, lo_open=True)
-    check_int("trials", trials, 1, 1_000_000)
+    check_float("--budget", budget, 0.0, 1.0, lo_open=True)
+    check_int("--trials", trials, 1, 1_000_000)
     check_int("--random-trials", n_random, 0, 1_000_000)
     check_seed(seed, "seed", 2**32 - 1)  # Optuna's sampler takes a 32-bit seed
     check_int("--calib-seqs", calib_seqs, 1, 10_000)
