@@ -125,8 +125,8 @@ def _search(args: argparse.Namespace) -> int:
     check_settings(args.budget, args.trials, args.random_trials, args.seed, args.calib_seqs, args.calib_len, args.cost)
     out = check_writable_file(check_text("--out", args.out), "route file")  # all before the model and calibration
     storage = args.storage or f"sqlite:///{out.with_suffix('.optuna.sqlite').resolve()}"
-    study_storage = open_storage(check_text("--storage", storage))
     check_cache_writable()
+    study_storage = open_storage(check_text("--storage", storage))
     progress = not args.quiet
     model = load_model(args.model, progress=progress)
     calib = build_calibration(model, n_seqs=args.calib_seqs, seq_len=args.calib_len, progress=progress)

@@ -61,10 +61,10 @@ def load_records(path: Path) -> list[dict]:
             usable.append(r)
         else:
             skipped += 1
+    if not usable:
+        raise UsageError(f"{path}: not `viasd bench` results (no complete JSON record with 'task', 'prompt_id' and 'method')")
     if skipped:
         print(f"viasd: {path}: skipped {skipped} line(s) that are not complete bench records", file=sys.stderr)
-    if not usable:
-        raise UsageError(f"{path}: not `viasd bench` results (no JSON record with 'task', 'prompt_id' and 'method')")
     return usable
 
 

@@ -134,8 +134,8 @@ def check_token_ids(ids, vocab_size: int | None = None) -> list[int]:
             raise InvalidPromptError(f"token id {i} is not an integer: {t!r}")
         t = int(t)
         if t < 0 or (vocab_size is not None and t >= vocab_size):
-            bound = f"[0, {vocab_size})" if vocab_size is not None else ">= 0"
-            raise InvalidPromptError(f"token id {i} ({t}) is outside the vocabulary: ids must be in {bound}")
+            bound = f"be in [0, {vocab_size})" if vocab_size is not None else "be >= 0"
+            raise InvalidPromptError(f"token id {i} ({t}) is outside the vocabulary: ids must {bound}")
         out.append(t)
     if not out:
         raise InvalidPromptError("the prompt is empty")
