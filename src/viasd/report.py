@@ -33,7 +33,7 @@ def _why_unusable(r: dict) -> str | None:
     bad = [k for k in _STATS if not _num(s.get(k))]
     if bad:
         return f"stats.{bad[0]} missing or not a number"
-    if not isinstance(s.get("calls", {}), dict) or not all(_num(v) for v in s.get("calls", {}).values()):
+    if not isinstance(s.get("calls"), dict) or not all(_num(v) for v in s["calls"].values()):
         return "stats.calls is not an object of numbers"
     if not isinstance(s.get("tiers", {}), dict) or not all(_num(v) for v in s.get("tiers", {}).values()):
         return "stats.tiers is not an object of numbers"

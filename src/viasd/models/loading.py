@@ -367,6 +367,10 @@ class LoadedModel:
         Through the model's chat template when `chat` (default: if it has one); without one, the
         text (or the conversation's contents, separated by blank lines) is tokenized as it is.
         """
+        from viasd.validation import check_text
+
+        for m in [{"content": prompt}] if isinstance(prompt, str) else prompt:
+            check_text("the prompt", m["content"])  # a lone surrogate would be a tokenizer TypeError
         messages = [{"role": "user", "content": prompt}] if isinstance(prompt, str) else prompt
         chat = self.has_chat_template if chat is None else chat
         if chat:
