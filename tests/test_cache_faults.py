@@ -8,6 +8,7 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import time
 
 import pytest
 import torch
@@ -158,14 +159,22 @@ def test_load_error_with_good_checksums_names_what_to_do(fake_gguf, monkeypatch)
 def test_orphans_of_killed_conversions_are_removed(fake_gguf):
     models = loading.cache_dir() / "models"
     orphan = models / ".convert-999999999-abc"
-    orphan.mkdir(parents=True)
-    (orphan / "model.safetensors").write_bytes(b"x" * 1000)
+    recent = models / ".convert-999999998-abc"  # dead PID, but written to a moment ago: left alone
+    for d in (orphan, recent):
+        d.mkdir(parents=True)
+        (d / "model.safetensors").write_bytes(b"x" * 1000)
+    idle = time.time() - 120
+    for p in (orphan, orphan / "model.safetensors"):
+        os.utime(p, (idle, idle))
     live = models / f".convert-{os.getpid()}-live"
     live.mkdir()
+    os.utime(live, (idle, idle))
     load_model(str(fake_gguf), progress=False)  # a conversion clears what dead processes left
-    assert not orphan.exists() and live.exists()
+    assert not orphan.exists() and live.exists() and recent.exists()
     shutil.rmtree(live)
+    shutil.rmtree(recent)
     orphan.mkdir()
+    os.utime(orphan, (idle, idle))
     assert any("killed conversion" in (why or "") for _, why in verify_cache())
     assert not orphan.exists()
 

@@ -155,9 +155,11 @@ def sandbox_mode() -> str:
                 probe = subprocess.run([exe, *_userns_flags(), *_NS_FLAGS, "true"], stdin=subprocess.DEVNULL,
                                        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, timeout=20)
                 if probe.returncode == 0:
-                    _mode = "namespaces"
+                    _mode = "namespaces"  # then a real run: private tmpfs mounts and the drop to nobody must work too
+                    if run_untrusted("x = 1\n", timeout_s=20) != (True, "passed"):
+                        _mode = "weak"
             except (OSError, subprocess.SubprocessError):
-                pass
+                _mode = "weak"
     return _mode
 
 

@@ -295,15 +295,20 @@ def _record_checksums(d: Path) -> None:
         pass
 
 
-def remove_orphans(parent: Path, max_age_s: float = 6 * 3600) -> list[Path]:
-    """Remove `.convert-PID-*` / `.fetch-PID-*` directories a killed process left behind (its PID is
-    gone; or, without a PID in the name, older than `max_age_s`)."""
+def remove_orphans(parent: Path, idle_s: float = 60, max_age_s: float = 6 * 3600) -> list[Path]:
+    """Remove `.convert-PID-*` / `.fetch-PID-*` directories a killed process left behind: its PID is
+    gone and nothing in the directory changed for `idle_s` (a process of another PID namespace
+    sharing the cache is still writing); without a PID in the name, idle for `max_age_s`."""
     import time
 
     removed = []
     for d in parent.glob(".*-*") if parent.is_dir() else []:
         if not d.is_dir() or not d.name.startswith((".convert-", ".fetch-")):
             continue
+        try:
+            last = max([d.stat().st_mtime] + [f.stat().st_mtime for f in d.rglob("*")])
+        except OSError:
+            continue  # vanishing under us: its owner is finishing
         part = d.name.split("-")[1]
         if part.isdigit():
             try:
@@ -313,7 +318,9 @@ def remove_orphans(parent: Path, max_age_s: float = 6 * 3600) -> list[Path]:
                 pass
             except PermissionError:
                 continue
-        elif time.time() - d.stat().st_mtime < max_age_s:
+            if time.time() - last < idle_s:
+                continue
+        elif time.time() - last < max_age_s:
             continue
         shutil.rmtree(d, ignore_errors=True)
         removed.append(d)
