@@ -4,7 +4,6 @@ zombies, and only a program that ran to the end of the test harness passes."""
 
 from __future__ import annotations
 
-import os
 import secrets
 import subprocess
 import time

@@ -8,7 +8,7 @@ import sys
 from collections.abc import Callable
 from pathlib import Path
 
-from viasd.errors import UsageError, ViasdError
+from viasd.errors import ViasdError
 
 DEMO_PROMPT = "Explain in three sentences why the sky is blue."
 DTYPES = ("float32", "bfloat16")
