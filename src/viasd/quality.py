@@ -83,7 +83,7 @@ def _viasd_harness():
     os.close(3)
     with open("program.py", encoding="utf-8") as f:
         code = compile(f.read(), os.path.abspath("program.py"), "exec")
-    exec(code, {"__name__": "__main__", "__builtins__": __builtins__})
+    exec(code, {"__name__": "__main__", "__file__": os.path.abspath("program.py"), "__builtins__": __builtins__})
     sys.stdout.flush()
     os.write(4, token)
     os.close(4)
