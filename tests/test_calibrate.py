@@ -5,8 +5,11 @@ from __future__ import annotations
 
 import json
 
+import pytest
+
 from viasd import generate
 from viasd.api import GenerateConfig
+from viasd.decoding.tiers import load_thresholds
 from viasd.calibrate import OFF, calibrate, greedy_agreement, plot_curve, write_thresholds
 from viasd.cli import main
 
@@ -20,8 +23,9 @@ def test_calibrate_chooses_fastest_feasible(tiny, tmp_path):
     assert best.agreement >= 0.9
     assert best.tokens_per_s == max(c.tokens_per_s for c in cands if c.agreement >= 0.9)
     path = write_thresholds(tmp_path / "r.thresholds.json", best, cands, {"model": "tiny"})
-    data = json.loads(path.read_text())
-    assert data["thresholds"] == best.thresholds.to_dict() and len(data["explored"]) == len(cands) == 16
+    data = json.loads(path.read_text(), parse_constant=lambda c: pytest.fail(f"non-strict JSON token {c}"))
+    # strict JSON: an infinite threshold is written as "inf" and read back as inf
+    assert load_thresholds(path) == best.thresholds.to_dict() and len(data["explored"]) == len(cands) == 16
     png = plot_curve(tmp_path / "curve.png", best, cands, 0.9, "tiny")
     assert png.read_bytes()[:4] == b"\x89PNG"
     # the written file drives tiered decoding

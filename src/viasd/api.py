@@ -11,6 +11,7 @@ import dataclasses
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
+from types import SimpleNamespace
 
 import torch
 
@@ -18,12 +19,13 @@ from viasd.decoding.acceptance import DEFERRAL_RULES, DeferralRule, SamplingPara
 from viasd.decoding.drafters import Drafter, ModelDrafter, NgramDrafter, SelfDrafter
 from viasd.decoding.registry import DEFAULT_STRATEGY, STRATEGIES, DraftKind, LoopArgs, Mode, Strategy, strategy
 from viasd.decoding.stats import DecodeResult, DecodeStats
-from viasd.decoding.tiers import TierThresholds
+from viasd.decoding.tiers import TierThresholds, load_thresholds
 from viasd.decoding.verifier import DecodeRequest
 from viasd.errors import UsageError
 from viasd.models.loading import LoadedModel, check_same_vocabulary, load_model
 from viasd.models.zoo import DEFAULT_MODEL
 from viasd.routing.resolve import draft_route, resolve_route
+from viasd.validation import check_generate_config, check_text, check_token_ids, preflight_files
 
 MODES = tuple(m.value for m in Mode)
 DRAFT_KINDS = tuple(k.value for k in DraftKind)
@@ -79,7 +81,7 @@ class ViasdOptions:
         values = TierThresholds().to_dict()
         path = Path(self.thresholds) if self.thresholds else beside
         if path is not None and (self.thresholds or path.exists()):
-            values.update(TierThresholds.load(path))
+            values.update(load_thresholds(path))
         for name in values:
             if getattr(self, name) is not None:
                 values[name] = getattr(self, name)
@@ -148,7 +150,12 @@ class GenerateConfig:
     def spec(self) -> Strategy:
         return strategy(self.strategy)
 
+    def flat(self) -> SimpleNamespace:
+        """The settings as attributes, by their flat names."""
+        return SimpleNamespace(**self.settings())
+
     def validate(self) -> None:
+        check_generate_config(self.flat())  # types, NaN / inf, seed and value ranges (viasd.validation)
         strategy(self.strategy)
         if not 0 <= self.k <= 64:
             raise UsageError(f"k must be between 0 and 64, got {self.k}")
@@ -163,6 +170,8 @@ class GenerateConfig:
 
 
 def _as_model(model: str | LoadedModel, progress: bool) -> LoadedModel:
+    if not isinstance(model, (str, LoadedModel)) or (isinstance(model, str) and not model):
+        raise UsageError(f"model must be a model name or path (str) or a LoadedModel, got {model!r}")
     return model if isinstance(model, LoadedModel) else load_model(model, progress=progress)
 
 
@@ -221,6 +230,7 @@ def check_messages(messages: Sequence[dict]) -> list[dict[str, str]]:
     for i, m in enumerate(messages):
         if not isinstance(m, dict) or set(m) != {"role", "content"} or m["role"] not in ("user", "assistant", "system") or not isinstance(m["content"], str):
             raise UsageError(f"message {i}: expected {{'role': 'user'|'assistant'|'system', 'content': str}}, got {m!r}")
+        check_text(f"message {i} content", m["content"])
     if messages[-1]["role"] != "user":
         raise UsageError("a conversation must end with a user message for the model to answer")
     return [dict(m) for m in messages]
@@ -243,7 +253,11 @@ def generate(
     Settings are `GenerateConfig` fields, given as `config=` or as keywords (`strategy="viasd"`,
     `mode="tiered"`, `k=4`, `temperature=0.7`, ...). `on_text` receives the text as it is produced.
     """
-    config = (config or GenerateConfig()).replace(**settings)
+    if config is not None and not isinstance(config, GenerateConfig):
+        raise UsageError(f"config must be a GenerateConfig, got {type(config).__name__}")
+    if config is not None and settings:
+        raise UsageError("give settings either as config= or as keywords, not both")
+    config = config or GenerateConfig.from_settings(**settings)
     config.validate()
     spec = config.spec
     if spec.drafter is None and drafter is not None:
@@ -255,6 +269,15 @@ def generate(
     if kind not in (None, DraftKind.MODEL) and drafter is not None:
         raise UsageError(f"a drafter model is only used with model drafting (--draft model), not {kind.value!r} "
                          f"drafting (strategy {spec.name!r})")
+    if isinstance(prompt, str):
+        check_text("the prompt", prompt)
+    elif isinstance(prompt, (list, tuple)) and any(isinstance(m, dict) for m in prompt):
+        check_messages(prompt)
+    else:
+        check_token_ids(prompt)  # types before the model loads; the vocabulary bound after
+    if on_text is not None and not callable(on_text):
+        raise UsageError(f"on_text must be callable, got {on_text!r}")
+    preflight_files(config.flat())
     verifier = _as_model(model, progress)
     ids = _prompt_ids(prompt, verifier, config.chat)
     v = config.viasd
@@ -285,9 +308,6 @@ def _prompt_ids(prompt: str | Sequence[int] | list[dict[str, str]], verifier: Lo
         if not prompt.strip():
             raise UsageError("the prompt is empty")
         return verifier.encode(prompt, chat)
-    if any(isinstance(m, dict) for m in prompt):
+    if isinstance(prompt, (list, tuple)) and any(isinstance(m, dict) for m in prompt):
         return verifier.encode(check_messages(prompt), chat)
-    ids = [int(t) for t in prompt]
-    if not ids:
-        raise UsageError("the prompt is empty")
-    return ids
+    return check_token_ids(prompt, verifier.config.vocab_size)

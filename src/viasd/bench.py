@@ -21,6 +21,7 @@ from viasd.decoding.registry import BASELINE, STRATEGIES, DraftKind, Mode
 from viasd.datasets import SPEC_BENCH_CATEGORIES, human_eval, spec_bench
 from viasd.errors import UsageError
 from viasd.quality import humaneval_completion, score
+from viasd.validation import check_int, check_text, decode_utf8, dumps_strict
 
 # method -> GenerateConfig settings: each strategy by its name, VIA-SD once per mode; a suffix
 # ":pld" / ":self" / ":model" picks the drafter kind of strategies that let --draft choose
@@ -64,6 +65,9 @@ def _draft_kind(settings: dict, has_model: bool) -> DraftKind | None:
 
 
 def load_tasks(spec: str, limit: int | None, turns: int = 1) -> list[Prompt]:
+    if limit is not None:
+        check_int("--limit", limit, 1)  # a negative slice bound would silently mean "all but N"
+    check_text("--tasks", spec)
     prompts: list[Prompt] = []
     for task in [t.strip() for t in spec.split(",") if t.strip()]:
         if task.startswith("spec_bench"):
@@ -92,15 +96,22 @@ def _file_prompts(path: Path, task: str, limit: int | None) -> list[Prompt]:
     if not path.is_file():
         raise UsageError(f"{task}: no such file")
     out = []
-    for n, line in enumerate(path.read_text().splitlines(), 1):
+    try:
+        data = path.read_bytes()
+    except OSError as e:
+        raise UsageError(f"{task}: cannot read ({e.strerror})") from None
+    for n, line in enumerate(decode_utf8(data, str(path)).splitlines(), 1):
         if not line.strip():
             continue
         try:
             row = json.loads(line)
-        except ValueError as e:
+        except (ValueError, RecursionError) as e:
             raise UsageError(f"{path}:{n}: not JSON ({e})") from None
         if not isinstance(row, dict) or not isinstance(row.get("prompt"), str):
             raise UsageError(f"{path}:{n}: each line needs a string field 'prompt' (and optionally 'reference')")
+        if not row["prompt"].strip():
+            raise UsageError(f"{path}:{n}: the prompt is empty")
+        check_text(f"{path}:{n}: prompt", row["prompt"])
         out.append(Prompt(task, str(row.get("id", n)), row["prompt"], None, row.get("reference")))
     return out[:limit]
 
@@ -121,16 +132,57 @@ def environment() -> dict:
             "cpu_count": os.cpu_count(), "platform": platform.platform()}
 
 
+def read_records(out: Path) -> tuple[list[dict], int]:
+    """(records, lines skipped) of a results file: a line that is not a JSON object with string
+    'task', 'prompt_id' and 'method' (a torn fragment of a killed run, a foreign line) is skipped."""
+    records, skipped = [], 0
+    try:
+        data = out.read_bytes()
+    except FileNotFoundError:
+        return [], 0
+    except OSError as e:
+        raise UsageError(f"{out}: cannot read ({e.strerror})") from None
+    for line in data.decode("utf-8", errors="replace").splitlines():
+        if not line.strip():
+            continue
+        try:
+            r = json.loads(line)
+        except (ValueError, RecursionError):
+            skipped += 1
+            continue
+        if isinstance(r, dict) and all(isinstance(r.get(k), str) for k in ("task", "prompt_id", "method")):
+            records.append(r)
+        else:
+            skipped += 1
+    return records, skipped
+
+
 def done_keys(out: Path) -> set[tuple[str, str, str]]:
-    keys = set()
-    if out.exists():
-        for line in out.read_text().splitlines():
-            try:
-                r = json.loads(line)
-                keys.add((r["task"], r["prompt_id"], r["method"]))
-            except (ValueError, KeyError):
-                continue  # a torn last line from a killed run is simply redone
-    return keys
+    """Records already written (a torn or malformed line is simply redone)."""
+    return {(r["task"], r["prompt_id"], r["method"]) for r in read_records(out)[0]}
+
+
+def drop_torn_tail(out: Path) -> None:
+    """A killed run can leave half a line at the end: cut it off (it is redone), so the file stays
+    one JSON record per line for `viasd report`."""
+    if not out.exists() or out.stat().st_size == 0:
+        return
+    with open(out, "rb+") as f:
+        f.seek(0, os.SEEK_END)
+        size = f.tell()
+        f.seek(max(0, size - 1))
+        if f.read(1) == b"\n":
+            return
+        pos, chunk = size, 1 << 16
+        while pos > 0:  # find the last newline
+            start = max(0, pos - chunk)
+            f.seek(start)
+            i = f.read(pos - start).rfind(b"\n")
+            if i != -1:
+                f.truncate(start + i + 1)
+                return
+            pos = start
+        f.truncate(0)
 
 
 def run_bench(model, drafter, methods: list[tuple[str, dict]], prompts: list[Prompt], out: Path,
@@ -153,10 +205,8 @@ def run_bench(model, drafter, methods: list[tuple[str, dict]], prompts: list[Pro
     speedups: list[float] = []
     ar_speed: dict[tuple[str, str], float] = {}
     written = 0
-    torn = out.exists() and out.stat().st_size and not out.read_bytes().endswith(b"\n")
+    drop_torn_tail(out)  # a killed run left half a line
     with open(out, "a") as f:
-        if torn:  # a killed run left half a line: start ours on a fresh one
-            f.write("\n")
         for prompt, (name, settings) in todo:
             bar.set_postfix_str(f"{name} on {prompt.task}/{prompt.id}" + (f", speed-up {sorted(speedups)[len(speedups) // 2]:.2f}x" if speedups else ""))
             record = {"task": prompt.task, "prompt_id": prompt.id, "method": name, "time": time.strftime("%Y-%m-%dT%H:%M:%S")}
@@ -184,7 +234,7 @@ def run_bench(model, drafter, methods: list[tuple[str, dict]], prompts: list[Pro
                 elif (prompt.task, prompt.id) in ar_speed and ar_speed[(prompt.task, prompt.id)] > 0:
                     speedups.append(tps / ar_speed[(prompt.task, prompt.id)])
             record["env"] = env
-            f.write(json.dumps(record) + "\n")
+            f.write(dumps_strict(record) + "\n")  # strict JSON: inf -> "inf", NaN -> null
             f.flush()
             os.fsync(f.fileno())
             written += 1

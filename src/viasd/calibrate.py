@@ -10,11 +10,9 @@ feasible answer always exists.
 
 from __future__ import annotations
 
+import io
 import itertools
-import json
-import os
 import sys
-import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -22,7 +20,9 @@ import torch
 
 from viasd.api import GenerateConfig, generate
 from viasd.decoding.tiers import TierThresholds
+from viasd.errors import UsageError
 from viasd.models.loading import LoadedModel
+from viasd.validation import atomic_write_bytes, atomic_write_text, check_float, check_int, check_writable_file, dumps_strict
 
 OFF = 2.0  # a threshold above 1 switches its tier off
 
@@ -52,6 +52,24 @@ class Candidate:
     def to_dict(self) -> dict:
         return {"thresholds": self.thresholds.to_dict(), "tokens": self.tokens, "agreement": round(self.agreement, 4),
                 "tokens_per_s": round(self.tokens_per_s, 3), "full_calls_per_token": round(self.full_calls / max(self.tokens, 1), 4)}
+
+
+def check_settings(prompts: int, min_agreement: float) -> None:
+    """`viasd calibrate`'s own settings, checked before any model loads."""
+    check_int("--prompts", prompts, 1, 1000)
+    try:
+        check_float("--min-agreement", min_agreement, 0.0, 1.0, lo_open=True)
+    except UsageError:
+        raise UsageError(f"--min-agreement must be in (0, 1], got {min_agreement}") from None
+
+
+def thresholds_path(out: str | None, route: str | None, model: str) -> Path:
+    """Where the thresholds go (default: beside --route, else MODEL.slim.thresholds.json), checked
+    writable up front, with the plot beside it: a calibration takes minutes and must not be lost."""
+    path = Path(out) if out else Path(route).with_suffix(".thresholds.json") if route else Path(f"{Path(model).name}.slim.thresholds.json")
+    check_writable_file(path, "thresholds file")
+    check_writable_file(path.with_suffix(".png"), "plot")
+    return path
 
 
 def greedy_agreement(model: LoadedModel, prompt: list[int], out: list[int]) -> int:
@@ -95,12 +113,7 @@ def calibrate(model: LoadedModel, base: GenerateConfig, prompts: list[list[int]]
 def write_thresholds(path: Path, best: Candidate, cands: list[Candidate], meta: dict) -> Path:
     data = {"thresholds": best.thresholds.to_dict(), "measured": best.to_dict(), **meta,
             "explored": [c.to_dict() for c in cands]}
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.")
-    with os.fdopen(fd, "w") as f:
-        json.dump(data, f, indent=1)
-    os.replace(tmp, path)
-    return path
+    return atomic_write_text(path, dumps_strict(data, indent=1) + "\n")  # slim_entropy inf -> "inf"
 
 
 def plot_curve(path: Path, best: Candidate, cands: list[Candidate], min_agreement: float, title: str) -> Path:
@@ -114,5 +127,6 @@ def plot_curve(path: Path, best: Candidate, cands: list[Candidate], min_agreemen
     ax.set(xlabel="agreement with the full model's greedy tokens", ylabel="tokens/s", title=title)
     ax.legend(fontsize=8)
     fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    return path
+    buf = io.BytesIO()
+    fig.savefig(buf, dpi=120, format="png")
+    return atomic_write_bytes(path, buf.getvalue())

@@ -8,7 +8,7 @@ import sys
 from collections.abc import Callable
 from pathlib import Path
 
-from viasd.errors import UsageError, ViasdError
+from viasd.errors import ViasdError
 
 DEMO_PROMPT = "Explain in three sentences why the sky is blue."
 DTYPES = ("float32", "bfloat16")
@@ -17,16 +17,19 @@ DTYPES = ("float32", "bfloat16")
 def _generate(args: argparse.Namespace) -> int:
     from viasd.api import GenerateConfig, generate
     from viasd.models.loading import load_model
+    from viasd.validation import check_device, check_text, decode_utf8, dumps_strict, preflight_files
 
-    prompt = DEMO_PROMPT if args.prompt is None else args.prompt
+    prompt = DEMO_PROMPT if args.prompt is None else check_text("the prompt", args.prompt)
     if prompt == "-":
-        prompt = sys.stdin.read()
+        prompt = decode_utf8(sys.stdin.buffer.read(), "the prompt on stdin")
     settings = {name: getattr(args, name) for name in GenerateConfig.setting_names() if hasattr(args, name)}
     for name in ("draft_layers", "slim_layers"):
         if settings[name] is not None:
             settings[name] = tuple(settings[name])
     config = GenerateConfig.from_settings(**settings)
     config.validate()  # before any model is fetched
+    check_device(args.device)
+    preflight_files(config.flat())
     progress = not args.quiet
     import torch
 
@@ -40,7 +43,7 @@ def _generate(args: argparse.Namespace) -> int:
 
     result = generate(prompt, model, drafter=drafter, config=config, on_text=None if args.json else emit, progress=progress)
     if args.json:
-        print(json.dumps(result.to_dict()))
+        print(dumps_strict(result.to_dict()))  # strict JSON: inf -> "inf", NaN -> null
         return 0
     s = result.stats.to_dict()
     print()
@@ -54,11 +57,18 @@ def _generate(args: argparse.Namespace) -> int:
 
 
 def _models(args: argparse.Namespace) -> int:
-    from viasd.models.loading import cached_models, zoo_gguf_path
+    from viasd.models.loading import cached_models, verify_cache, zoo_gguf_path
     from viasd.models.runtime import SUPPORTED_ARCHITECTURES
     from viasd.models.zoo import DEFAULT_MODEL, ZOO
 
-    cached = {m.get("source"): m for m in cached_models()}
+    if args.verify:
+        results = verify_cache()
+        for entry, why in results:
+            print(f"{'ok' if why is None else 'DAMAGED, removed (rebuilt on next use)'}  {entry}" + (f": {why}" if why else ""))
+        damaged = sum(why is not None for _, why in results)
+        print(f"{len(results)} cache entr{'y' if len(results) == 1 else 'ies'} checked, {damaged} damaged")
+        return 1 if damaged else 0
+    cached = {m.get("source"): m for m in cached_models() if not m.get("damaged")}
     rows = []
     for alias, e in ZOO.items():
         state = "converted" if alias in cached else ("downloaded" if zoo_gguf_path(e).exists() else "-")
@@ -66,7 +76,7 @@ def _models(args: argparse.Namespace) -> int:
             state += " (architecture not supported yet)"
         rows.append((alias + (" (default)" if alias == DEFAULT_MODEL else ""), e.architecture, f"{e.size_mb} MB", state, e.description))
     if args.json:
-        print(json.dumps([dict(zip(("alias", "architecture", "download", "cache", "description"), r)) for r in rows]))
+        print(json.dumps([dict(zip(("alias", "architecture", "download", "cache", "description"), r)) for r in rows], allow_nan=False))
         return 0
     widths = [max(len(r[i]) for r in rows + [("alias", "arch", "download", "cache", "")]) for i in range(4)]
     print("  ".join(h.ljust(w) for h, w in zip(("alias", "arch", "download", "cache"), widths)) + "  model")
@@ -74,7 +84,10 @@ def _models(args: argparse.Namespace) -> int:
         print("  ".join(c.ljust(w) for c, w in zip(r, widths)) + "  " + r[4])
     others = [m for m in cached_models() if m.get("source") not in ZOO]
     for m in others:
-        print(f"also cached: {m['source']} ({m['size_mb']} MB) in {m['dir']}")
+        if m.get("damaged"):
+            print(f"damaged: {m['dir']} ({m['damaged']}); rebuilt on its next load (or run `viasd models --verify`)")
+        else:
+            print(f"also cached: {m['source']} ({m['size_mb']} MB) in {m['dir']}")
     return 0
 
 
@@ -103,14 +116,19 @@ def _add_routes(p: argparse.ArgumentParser) -> None:
 
 def _search(args: argparse.Namespace) -> int:
     from viasd.models.loading import load_model
-    from viasd.routing.search import build_calibration, search_route
+    from viasd.models.loading import check_cache_writable
+    from viasd.routing.search import build_calibration, check_settings, open_storage, search_route
+    from viasd.validation import check_text, check_writable_file
 
-    out = Path(args.out)
+    check_settings(args.budget, args.trials, args.random_trials, args.seed, args.calib_seqs, args.calib_len, args.cost)
+    out = check_writable_file(check_text("--out", args.out), "route file")  # all before the model and calibration
     storage = args.storage or f"sqlite:///{out.with_suffix('.optuna.sqlite').resolve()}"
+    check_cache_writable()
+    study_storage = open_storage(check_text("--storage", storage))
     progress = not args.quiet
     model = load_model(args.model, progress=progress)
     calib = build_calibration(model, n_seqs=args.calib_seqs, seq_len=args.calib_len, progress=progress)
-    route = search_route(model, args.budget, args.trials, seed=args.seed, storage=storage, cost=args.cost,
+    route = search_route(model, args.budget, args.trials, seed=args.seed, storage=study_storage, cost=args.cost,
                          pin_ends=args.pin_ends, calib=calib, n_random=args.random_trials, progress=progress)
     route.save(out)
     print(f"{out}: {route.picture()}  {args.cost} {route.metrics[args.cost]:.4f}, "
@@ -138,8 +156,9 @@ def _add_search(p: argparse.ArgumentParser) -> None:
 
 def _calibrate(args: argparse.Namespace) -> int:
     from viasd.api import GenerateConfig
+    from viasd.calibrate import calibrate, check_settings, plot_curve, thresholds_path, write_thresholds
     from viasd.routing.resolve import resolve_route
-    from viasd.calibrate import calibrate, plot_curve, write_thresholds
+    from viasd.validation import preflight_files
     from viasd.models.loading import load_model
     from viasd.routing.search import dev_prompts
 
@@ -147,17 +166,12 @@ def _calibrate(args: argparse.Namespace) -> int:
     base = GenerateConfig.from_settings(strategy="viasd", mode="tiered", k=args.k, max_new_tokens=args.max_new_tokens,
                           draft=args.draft, slim_route=args.route, draft_route=args.draft_route)
     base.validate()
-    if not 0 < args.min_agreement <= 1:
-        raise UsageError(f"--min-agreement must be in (0, 1], got {args.min_agreement}")
+    preflight_files(base.flat())
+    check_settings(args.prompts, args.min_agreement)
+    out = thresholds_path(args.out, args.route, args.model)  # writable, checked before the minutes of work
     model = load_model(args.model, progress=progress)
     drafter = load_model(args.drafter, progress=progress) if args.drafter else None
     _, route_file = resolve_route(model, "slim", None, args.route)
-    if args.out:
-        out = Path(args.out)
-    elif route_file is not None and args.route:
-        out = route_file.with_suffix(".thresholds.json")
-    else:
-        out = Path(f"{Path(args.model).name}.slim.thresholds.json")
     prompts = dev_prompts(model, args.prompts)
     best, cands = calibrate(model, base, prompts, drafter, args.grid, args.min_agreement, progress)
     meta = {"model": args.model, "drafter": args.drafter or base.drafting.draft, "route": str(route_file) if route_file else "default",
@@ -195,10 +209,13 @@ def _bench(args: argparse.Namespace) -> int:
     from viasd.bench import load_tasks, parse_methods, run_bench
     from viasd.models.loading import load_model
 
+    from viasd.validation import check_text, check_writable_file
+
     methods = parse_methods(args.methods)
     prompts = load_tasks(args.tasks, args.limit, args.turns)
     base = GenerateConfig(max_new_tokens=args.max_new_tokens, k=args.k, seed=args.seed)
     base.validate()
+    check_writable_file(check_text("--out", args.out), "results file")
     progress = not args.quiet
     model = load_model(args.model, progress=progress)
     drafter = load_model(args.drafter, progress=progress) if args.drafter else None
@@ -230,8 +247,9 @@ def _add_bench(p: argparse.ArgumentParser) -> None:
 
 def _report(args: argparse.Namespace) -> int:
     from viasd.report import report
+    from viasd.validation import check_text
 
-    md, pngs = report(Path(args.results), Path(args.out))
+    md, pngs = report(Path(check_text("results", args.results)), Path(check_text("--out", args.out)))
     print(md.read_text())
     print("plots: " + ", ".join(str(p) for p in pngs))
     return 0
@@ -291,6 +309,8 @@ def _add_generate(p: argparse.ArgumentParser) -> None:
 
 def _add_models(p: argparse.ArgumentParser) -> None:
     p.add_argument("--json", action="store_true", help="print JSON")
+    p.add_argument("--verify", action="store_true",
+                   help="check every cached file against its full sha256; remove damaged entries (rebuilt on next use); exit 1 if any")
 
 
 def _add_serve(p: argparse.ArgumentParser) -> None:
@@ -335,6 +355,9 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
+    for stream in (sys.stdout, sys.stderr):  # text with undecodable bytes (surrogates) is escaped, never a traceback
+        if hasattr(stream, "reconfigure"):
+            stream.reconfigure(errors="backslashreplace")
     args = build_parser().parse_args(argv)
     try:
         return args.run(args)
@@ -346,6 +369,9 @@ def main(argv: list[str] | None = None) -> int:
         return 130
     except BrokenPipeError:  # `viasd ... | head`
         sys.stderr.close()
+        return 1
+    except OSError as e:  # a fault of the machine (disk full, I/O error), not of viasd: one line, no traceback
+        print(f"viasd: error: {e.filename + ': ' if e.filename else ''}{e.strerror or e}", file=sys.stderr)
         return 1
 
 

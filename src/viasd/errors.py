@@ -15,6 +15,22 @@ class UsageError(ViasdError):
     exit_code = 2
 
 
+class InvalidArgumentError(UsageError):
+    """A setting of the wrong type, NaN / infinite, or out of its range (checked before any model loads)."""
+
+
+class InvalidPromptError(UsageError):
+    """A prompt that is not UTF-8 text, chat messages, or in-vocabulary integer token ids."""
+
+
+class NotWritableError(UsageError):
+    """An output path (or the cache directory) that cannot be written; checked before the work."""
+
+
+class MalformedFileError(UsageError):
+    """A JSON input (route, thresholds, bench results) that parses but has the wrong shape or types."""
+
+
 class UnknownModelError(UsageError):
     pass
 
@@ -29,6 +45,10 @@ class CorruptFileError(UsageError):
 
 class ChecksumError(CorruptFileError):
     """A file whose sha256 differs from the recorded one."""
+
+
+class CorruptCacheError(CorruptFileError):
+    """A cached, converted model that fails verification and could not be rebuilt automatically."""
 
 
 class NoChatTemplateError(UsageError):

@@ -6,29 +6,67 @@ prompt, then the median over prompts.
 
 from __future__ import annotations
 
-import json
+import math
 import statistics
+import sys
 from collections import defaultdict
 from pathlib import Path
 
 from viasd.decoding.registry import BASELINE, STRATEGIES
 from viasd.errors import UsageError
+from viasd.validation import atomic_write_bytes, atomic_write_text, check_writable_dir
+
+
+_STATS = ("new_tokens", "tokens_per_s", "mean_accepted_length", "drafted", "accepted", "verifier_layer_passes_per_token")
+
+
+def _num(v) -> bool:
+    return isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
+
+
+def _why_unusable(r: dict) -> str | None:
+    """Why a bench record cannot be summarised (missing or mistyped fields), or None."""
+    if "stats" not in r:
+        return None if isinstance(r.get("unavailable", ""), str) else "'unavailable' is not a string"
+    s = r["stats"]
+    if not isinstance(s, dict):
+        return "'stats' is not an object"
+    bad = [k for k in _STATS if not _num(s.get(k))]
+    if bad:
+        return f"stats.{bad[0]} missing or not a number"
+    if not isinstance(s.get("calls"), dict) or not all(_num(v) for v in s["calls"].values()):
+        return "stats.calls is not an object of numbers"
+    if not isinstance(s.get("tiers", {}), dict) or not all(_num(v) for v in s.get("tiers", {}).values()):
+        return "stats.tiers is not an object of numbers"
+    if ("full_checked" in s) != ("full_kept" in s) or ("full_checked" in s and not (_num(s["full_checked"]) and _num(s["full_kept"]))):
+        return "stats.full_checked / full_kept malformed"
+    if not isinstance(r.get("quality", {}), dict) or not all(_num(v) for v in r.get("quality", {}).values()):
+        return "'quality' is not an object of numbers"
+    if not isinstance(r.get("config", {}), dict):
+        return "'config' is not an object"
+    return None
 
 
 def load_records(path: Path) -> list[dict]:
+    """The usable records of a results file. Lines that are not records (a torn fragment of a killed
+    run, a foreign or malformed line) are skipped with a one-line warning, not fatal."""
+    from viasd.bench import read_records
+
     if not path.is_file():
         raise UsageError(f"{path}: no such results file")
-    records = []
-    for n, line in enumerate(path.read_text().splitlines(), 1):
-        if not line.strip():
-            continue
-        try:
-            records.append(json.loads(line))
-        except ValueError:
-            raise UsageError(f"{path}:{n}: not a JSON record") from None
-    if not records or not all("method" in r and "task" in r for r in records):
-        raise UsageError(f"{path}: not `viasd bench` results (records need 'task' and 'method')")
-    return records
+    records, skipped = read_records(path)
+    usable = []
+    for r in records:
+        why = _why_unusable(r)
+        if why is None:
+            usable.append(r)
+        else:
+            skipped += 1
+    if not usable:
+        raise UsageError(f"{path}: not `viasd bench` results (no complete JSON record with 'task', 'prompt_id' and 'method')")
+    if skipped:
+        print(f"viasd: {path}: skipped {skipped} line(s) that are not complete bench records", file=sys.stderr)
+    return usable
 
 
 def _full_check(record: dict) -> tuple[int, int] | None:
@@ -47,6 +85,7 @@ def _full_check(record: dict) -> tuple[int, int] | None:
 def summarize(records: list[dict]) -> dict[tuple[str, str], dict]:
     """(task or "overall", method) -> aggregated figures."""
     ar = {(r["task"], r["prompt_id"]): r["stats"]["tokens_per_s"] for r in records if r["method"] == BASELINE and "stats" in r}
+    ar = {k: v for k, v in ar.items() if v > 0}
     groups: dict[tuple[str, str], list[dict]] = defaultdict(list)
     for r in records:
         groups[(r["task"], r["method"])].append(r)
@@ -126,8 +165,7 @@ def plots(summary: dict[tuple[str, str], dict], out: Path) -> list[Path]:
     ax.set(ylabel="speed-up vs ar (median)", title="speed-up per task")
     ax.legend(fontsize=7)
     fig.tight_layout()
-    paths.append(out / "speedup.png")
-    fig.savefig(paths[-1], dpi=110)
+    paths.append(_save(fig, out / "speedup.png"))
 
     tiered = [m for m in methods if any(summary.get((t, m), {}).get("tier_shares") for t in tasks)]
     if tiered:
@@ -143,8 +181,7 @@ def plots(summary: dict[tuple[str, str], dict], out: Path) -> list[Path]:
             ax.set(title=f"tier shares: {m}", ylabel="share of committed tokens")
             ax.legend(fontsize=7)
         fig.tight_layout()
-        paths.append(out / "tiers.png")
-        fig.savefig(paths[-1], dpi=110)
+        paths.append(_save(fig, out / "tiers.png"))
 
     fig = Figure(figsize=(6, 4))
     ax = fig.subplots()
@@ -156,9 +193,16 @@ def plots(summary: dict[tuple[str, str], dict], out: Path) -> list[Path]:
     ax.set(xlabel="speed-up vs ar (median, overall)", ylabel="mean task quality (mean of metrics)", title="quality against speed")
     ax.legend(fontsize=7)
     fig.tight_layout()
-    paths.append(out / "quality_speed.png")
-    fig.savefig(paths[-1], dpi=110)
+    paths.append(_save(fig, out / "quality_speed.png"))
     return paths
+
+
+def _save(fig, path: Path) -> Path:
+    import io
+
+    buf = io.BytesIO()
+    fig.savefig(buf, dpi=110, format="png")
+    return atomic_write_bytes(path, buf.getvalue())
 
 
 COLUMNS = """
@@ -174,8 +218,7 @@ full model; quality = task metrics averaged over prompts.
 
 
 def report(results: Path, out: Path) -> tuple[Path, list[Path]]:
+    check_writable_dir(out, "report directory")  # before the work
     summary = summarize(load_records(results))
-    out.mkdir(parents=True, exist_ok=True)
-    md = out / "report.md"
-    md.write_text(f"# viasd bench report: {results.name}\n\n" + markdown(summary) + COLUMNS)
+    md = atomic_write_text(out / "report.md", f"# viasd bench report: {results.name}\n\n" + markdown(summary) + COLUMNS)
     return md, plots(summary, out)

@@ -12,7 +12,6 @@ rule) or `FULL`.
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass
 from enum import IntEnum
 from pathlib import Path
@@ -42,21 +41,20 @@ class TierThresholds:
     def to_dict(self) -> dict:
         return {k: getattr(self, k) for k in ("accept", "accept_draft", "accept_tv", "slim", "slim_entropy")}
 
-    @staticmethod
-    def load(path: Path | str) -> dict[str, float]:
-        """The thresholds a JSON file sets (a bare object or `{"thresholds": {...}}`), checked."""
-        try:
-            data = json.loads(Path(path).read_text())
-        except FileNotFoundError:
-            raise UsageError(f"{path}: no such thresholds file") from None
-        except ValueError as e:
-            raise UsageError(f"{path}: not valid JSON ({e})") from None
-        data = data.get("thresholds", data)
-        known = TierThresholds().to_dict()
-        unknown = sorted(set(data) - set(known))
-        if unknown:
-            raise UsageError(f"{path}: unknown threshold(s) {', '.join(unknown)}; known: {', '.join(known)}")
-        return {k: float(v) for k, v in data.items()}
+
+
+def load_thresholds(path: Path | str) -> dict[str, float]:
+    """The thresholds a JSON file sets (a bare object or `{"thresholds": {...}}`), checked by shape,
+    type and range."""
+    from viasd.validation import check_thresholds, read_json, require_dict
+
+    data = require_dict(read_json(path, "thresholds"), path, "thresholds")
+    data = require_dict(data.get("thresholds", data), path, "thresholds")
+    known = TierThresholds().to_dict()
+    unknown = sorted(set(data) - set(known))
+    if unknown:
+        raise UsageError(f"{path}: unknown threshold(s) {', '.join(unknown)}; known: {', '.join(known)}")
+    return check_thresholds(data, path)
 
 
 @dataclass(frozen=True)

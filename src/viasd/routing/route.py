@@ -7,19 +7,18 @@ changes the model. Saved as JSON (atomically: temporary file + rename).
 from __future__ import annotations
 
 import json
-import os
-import tempfile
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
-from viasd.errors import UsageError
+from viasd.errors import MalformedFileError
 from viasd.models.runtime import LayerMask
+from viasd.validation import atomic_write_text, dumps_strict, read_json
 
 FORMAT = "viasd-route/1"
 
 
-class RouteError(UsageError):
-    pass
+class RouteError(MalformedFileError):
+    """A route file that is missing, not JSON, of the wrong shape, or made for another model."""
 
 
 @dataclass(frozen=True)
@@ -97,40 +96,50 @@ class Route:
 
     @classmethod
     def from_dict(cls, d: dict) -> "Route":
+        """Every field checked for shape and type: a mask entry is true/false or 1/0, never a
+        string (bool("0") is True)."""
+        if not isinstance(d, dict):
+            raise RouteError(f"not a viasd route: a JSON object was expected, got {type(d).__name__}")
         if d.get("format") != FORMAT:
             raise RouteError(f"not a viasd route (format {d.get('format')!r}, expected {FORMAT!r})")
-        try:
-            return cls(
-                model=ModelFingerprint(**d["model"]),
-                attn=tuple(bool(x) for x in d["attn"]),
-                mlp=tuple(bool(x) for x in d["mlp"]),
-                budget=d.get("budget"),
-                metrics=d.get("metrics", {}),
-                search=d.get("search", {}),
-            )
-        except (KeyError, TypeError) as e:
-            raise RouteError(f"malformed route: {type(e).__name__}: {e}") from None
+        m = d.get("model")
+        if not isinstance(m, dict) or not {"source", "architecture", "n_layers"} <= set(m) or set(m) - {"source", "architecture", "n_layers", "sha256"}:
+            raise RouteError("malformed route: 'model' must be an object with source, architecture, n_layers (and sha256)")
+        if not isinstance(m["source"], str) or not isinstance(m["architecture"], str):
+            raise RouteError("malformed route: model.source and model.architecture must be strings")
+        if isinstance(m["n_layers"], bool) or not isinstance(m["n_layers"], int) or not 1 <= m["n_layers"] <= 4096:
+            raise RouteError(f"malformed route: model.n_layers must be a positive integer, got {m['n_layers']!r}")
+        if m.get("sha256") is not None and not isinstance(m["sha256"], str):
+            raise RouteError("malformed route: model.sha256 must be a string or null")
+        masks = {}
+        for key in ("attn", "mlp"):
+            v = d.get(key)
+            if not isinstance(v, list):
+                raise RouteError(f"malformed route: '{key}' must be a list of true/false (or 1/0), got {type(v).__name__}")
+            bad = [x for x in v if not (x is True or x is False or (type(x) is int and x in (0, 1)))]
+            if bad:
+                raise RouteError(f"malformed route: '{key}' entries must be true/false or 1/0, got {bad[0]!r}")
+            masks[key] = tuple(bool(x) for x in v)
+        budget = d.get("budget")
+        if budget is not None and (isinstance(budget, bool) or not isinstance(budget, (int, float)) or not 0 < budget <= 1):
+            raise RouteError(f"malformed route: budget must be a number in (0, 1] or null, got {budget!r}")
+        for key in ("metrics", "search"):
+            if not isinstance(d.get(key, {}), dict):
+                raise RouteError(f"malformed route: '{key}' must be an object")
+        return cls(model=ModelFingerprint(**m), attn=masks["attn"], mlp=masks["mlp"], budget=budget,
+                   metrics=dict(d.get("metrics", {})), search=dict(d.get("search", {})))
 
     def save(self, path: str | Path) -> Path:
-        path = Path(path)
-        path.parent.mkdir(parents=True, exist_ok=True)
-        fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.")
-        with os.fdopen(fd, "w") as f:
-            json.dump(self.to_dict(), f, indent=1)
-            f.write("\n")
-        os.replace(tmp, path)
-        return path
+        return atomic_write_text(path, dumps_strict(self.to_dict(), indent=1) + "\n")
 
     @classmethod
     def load(cls, path: str | Path, model: ModelFingerprint | None = None) -> "Route":
         path = Path(path)
+        data = read_json(path, "route", RouteError)
         try:
-            data = json.loads(path.read_text())
-        except FileNotFoundError:
-            raise RouteError(f"{path}: no such route file") from None
-        except (OSError, ValueError) as e:
-            raise RouteError(f"{path}: not a readable route JSON ({e})") from None
-        route = cls.from_dict(data)
+            route = cls.from_dict(data)
+        except RouteError as e:
+            raise RouteError(f"{path}: {e}") from None
         if model is not None:
             route.check_model(model)
         return route

@@ -14,13 +14,14 @@ Cost with top-k: KL between the distributions coarsened to {top-k tokens of p, e
 from __future__ import annotations
 
 import hashlib
+import io
 import os
 import sys
-import tempfile
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import torch
 
@@ -28,6 +29,7 @@ from viasd.errors import UsageError
 from viasd.models.loading import LoadedModel, cache_dir
 from viasd.models.runtime import LayerMask
 from viasd.routing.route import ModelFingerprint, Route
+from viasd.validation import atomic_write_bytes, check_choice, check_float, check_int, check_seed, check_writable_file
 
 COSTS = ("kl", "reverse_kl", "tv")
 
@@ -58,12 +60,15 @@ def build_calibration(model: LoadedModel, n_seqs: int = 16, seq_len: int = 128, 
 
     from viasd.decoding.strategies import DecodeRequest, autoregressive_decode
 
+    check_int("--calib-len", seq_len, 4, model.config.max_positions)
     fp = ModelFingerprint.of(model)
     prompts = prompts if prompts is not None else dev_prompts(model, n_seqs)
     key = hashlib.sha256(repr((fp, prompts, seq_len, top_k)).encode()).hexdigest()[:16]
     path = cache_dir() / "calibration" / f"{key}.pt"
     if path.exists():
-        return Calibration(**torch.load(path, weights_only=False))
+        cached = _load_calibration(path)
+        if cached is not None:
+            return cached
     seqs, plens, logps, idxs = [], [], [], []
     for ids in tqdm(prompts, desc="calibration (full model)", disable=not progress, file=sys.stderr):
         ids = ids[: seq_len // 2]  # keep room for a continuation
@@ -74,12 +79,64 @@ def build_calibration(model: LoadedModel, n_seqs: int = 16, seq_len: int = 128, 
         logp, idx = torch.log_softmax(logits, -1).topk(top_k, dim=-1)
         seqs.append(seq), plens.append(len(ids)), logps.append(logp), idxs.append(idx)
     calib = Calibration(seqs, plens, logps, idxs, f"{len(seqs)} Spec-Bench dev sequences of {seq_len} tokens, top-{top_k}")
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=path.parent)
-    os.close(fd)
-    torch.save({k: v for k, v in calib.__dict__.items() if not k.startswith("_")}, tmp)
-    os.replace(tmp, path)
+    buf = io.BytesIO()
+    torch.save({k: v for k, v in calib.__dict__.items() if not k.startswith("_")}, buf)
+    atomic_write_bytes(path, buf.getvalue())
     return calib
+
+
+def _load_calibration(path) -> Calibration | None:
+    """A cached calibration set, or None (and the file removed) when it is unreadable or malformed."""
+    try:
+        data = torch.load(path, weights_only=True)
+        calib = Calibration(**data)
+        n = len(calib.sequences)
+        if not (n and all(len(x) == n for x in (calib.prompt_lens, calib.topk_logp, calib.topk_idx))
+                and all(isinstance(t, torch.Tensor) for t in calib.sequences + calib.topk_logp + calib.topk_idx)
+                and isinstance(calib.description, str)):
+            raise ValueError("fields of the wrong shape")
+        return calib
+    except Exception as e:  # torch.load raises many types on a damaged file
+        print(f"viasd: calibration cache {path} is unreadable ({type(e).__name__}); rebuilding it", file=sys.stderr)
+        try:
+            path.unlink()
+        except OSError:
+            pass
+        return None
+
+
+def check_settings(budget, trials, n_random, seed, calib_seqs, calib_len, cost) -> None:
+    """`viasd search`'s settings, checked before any model loads or calibration is built."""
+    check_choice("cost", cost, COSTS)
+    check_float("--budget", budget, 0.0, 1.0, lo_open=True)
+    check_int("--trials", trials, 1, 1_000_000)
+    check_int("--random-trials", n_random, 0, 1_000_000)
+    check_seed(seed, "seed", 2**32 - 1)  # Optuna's sampler takes a 32-bit seed
+    check_int("--calib-seqs", calib_seqs, 1, 10_000)
+    check_int("--calib-len", calib_len, 4, 1 << 16)
+
+
+def open_storage(url: str | None):
+    """The Optuna storage for `url` (None: in memory). A SQLite file is checked writable up front, and
+    one that is not a readable Optuna database is moved aside (kept, never deleted) and started afresh."""
+    import optuna
+
+    if url is None:
+        return None
+    path = Path(url[len("sqlite:///"):]) if url.startswith("sqlite:///") else None
+    if path is not None:
+        check_writable_file(path, "Optuna database")
+    try:
+        storage = optuna.storages.RDBStorage(url)
+        storage.get_all_studies()
+        return storage
+    except Exception as e:  # sqlalchemy / optuna errors on a damaged or foreign database
+        if path is None or not path.exists():
+            raise UsageError(f"cannot open Optuna storage {url} ({type(e).__name__}: {str(e).splitlines()[0][:120]})") from None
+    aside = path.with_name(f"{path.name}.corrupt-{time.strftime('%Y%m%d-%H%M%S')}")
+    os.replace(path, aside)
+    print(f"viasd: {path} is not a readable Optuna database; moved it to {aside} and starting the study again", file=sys.stderr)
+    return optuna.storages.RDBStorage(url)
 
 
 def coarse_divergences(full_logp: torch.Tensor, idx: torch.Tensor, routed_logits: torch.Tensor) -> dict[str, torch.Tensor]:
@@ -173,6 +230,9 @@ def search_route(
         raise UsageError(f"budget must be in (0, 1], got {budget}")
     if trials < 1:
         raise UsageError(f"trials must be >= 1, got {trials}")
+    check_settings(budget, trials, n_random, seed, 1, 4, cost)
+    if isinstance(storage, str):
+        storage = open_storage(storage)
     n = model.config.n_layers
     n_keep = max(1, round(budget * n))
     pinned = sorted({0, n - 1}) if pin_ends and n_keep >= 2 else []

@@ -1,0 +1,360 @@
+"""One validation layer for the CLI and the Python API: every check here raises a typed
+`viasd.errors.UsageError` (exit 2) with a one-line message, before any model is loaded.
+
+Also the file-writing helpers every command shares: an up-front writability check (so a long run
+never ends in a traceback over an unwritable output), atomic writes (temporary file + rename, so a
+killed run never leaves half a file), strict JSON (no NaN / Infinity tokens) and a JSON reader that
+turns every way a file can be wrong into one message.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import numbers
+import os
+import tempfile
+from collections.abc import Sequence
+from pathlib import Path
+
+from viasd.errors import InvalidArgumentError, InvalidPromptError, MalformedFileError, NotWritableError, UsageError
+
+SEED_MAX = 2**64 - 1  # torch.Generator.manual_seed takes an unsigned 64-bit seed
+DEVICE_TYPES = ("cpu", "cuda", "mps")
+
+
+# ------------------------------------------------------------------------------------------ numbers
+
+
+def check_int(name: str, value, lo: int | None = None, hi: int | None = None) -> int:
+    """An int (not a bool, float or string) in [lo, hi]."""
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral):
+        raise InvalidArgumentError(f"{name} must be an integer, got {value!r}")
+    value = int(value)
+    if lo is not None and value < lo:
+        raise InvalidArgumentError(f"{name} must be >= {lo}, got {value}")
+    if hi is not None and value > hi:
+        raise InvalidArgumentError(f"{name} must be <= {hi}, got {value}")
+    return value
+
+
+def check_float(name: str, value, lo: float | None = None, hi: float | None = None, *, lo_open: bool = False,
+                hi_open: bool = False, allow_inf: bool = False) -> float:
+    """A real number (not a bool or string), finite (unless `allow_inf`: +inf only), in the range."""
+    if isinstance(value, bool) or not isinstance(value, numbers.Real):
+        raise InvalidArgumentError(f"{name} must be a number, got {value!r}")
+    value = float(value)
+    if math.isnan(value):
+        raise InvalidArgumentError(f"{name} must be a number, got NaN")
+    if math.isinf(value) and not (allow_inf and value > 0):
+        raise InvalidArgumentError(f"{name} must be finite, got {value}")
+    if lo is not None and (value <= lo if lo_open else value < lo):
+        raise InvalidArgumentError(f"{name} must be {'>' if lo_open else '>='} {lo}, got {value}")
+    if hi is not None and (value >= hi if hi_open else value > hi):
+        raise InvalidArgumentError(f"{name} must be {'<' if hi_open else '<='} {hi}, got {value}")
+    return value
+
+
+def check_seed(value, name: str = "seed", hi: int = SEED_MAX) -> int:
+    return check_int(name, value, 0, hi)
+
+
+def check_choice(name: str, value, choices: Sequence[str]) -> str:
+    if not isinstance(value, str) or value not in choices:
+        raise InvalidArgumentError(f"unknown {name} {value!r}: choose from {', '.join(choices)}")
+    return value
+
+
+def check_device(device) -> str:
+    """A torch device name that exists on this machine ('cpu', 'cuda', 'cuda:1', 'mps')."""
+    import torch
+
+    if isinstance(device, torch.device):
+        device = str(device)
+    if not isinstance(device, str):
+        raise InvalidArgumentError(f"device must be a string such as 'cpu', got {device!r}")
+    try:
+        parsed = torch.device(device)
+    except (RuntimeError, ValueError):
+        raise InvalidArgumentError(f"unknown device {device!r}: use cpu, cuda, cuda:N or mps") from None
+    if parsed.type not in DEVICE_TYPES:
+        raise InvalidArgumentError(f"unsupported device {device!r}: use cpu, cuda, cuda:N or mps")
+    if parsed.type == "cuda":
+        if not torch.cuda.is_available():
+            raise InvalidArgumentError(f"device {device!r}: no CUDA device is available here (use --device cpu)")
+        if parsed.index is not None and parsed.index >= torch.cuda.device_count():
+            raise InvalidArgumentError(f"device {device!r}: this machine has {torch.cuda.device_count()} CUDA device(s)")
+    if parsed.type == "mps" and not (getattr(torch.backends, "mps", None) and torch.backends.mps.is_available()):
+        raise InvalidArgumentError(f"device {device!r}: MPS is not available here (use --device cpu)")
+    return device
+
+
+def check_layers(name: str, layers) -> tuple[int, ...] | None:
+    """None, or a sequence of layer indices (ints); ranges are checked against the model later."""
+    if layers is None:
+        return None
+    if isinstance(layers, (str, bytes, bytearray)) or not isinstance(layers, Sequence):
+        raise InvalidArgumentError(f"{name} must be a list of layer indices, got {layers!r}")
+    return tuple(check_int(f"{name} entry", x, 0) for x in layers)
+
+
+# -------------------------------------------------------------------------------------------- text
+
+
+def check_text(name: str, text) -> str:
+    """A str that encodes to UTF-8: no lone surrogates (what Python makes of undecodable argv bytes)."""
+    if not isinstance(text, str):
+        raise InvalidPromptError(f"{name} must be a string, got {type(text).__name__}")
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as e:
+        raise InvalidPromptError(f"{name} is not valid UTF-8 text (undecodable byte or lone surrogate at character {e.start})") from None
+    return text
+
+
+def decode_utf8(data: bytes, name: str) -> str:
+    try:
+        return data.decode("utf-8")
+    except UnicodeDecodeError as e:
+        raise InvalidPromptError(f"{name} is not valid UTF-8 (bad byte 0x{data[e.start]:02x} at offset {e.start})") from None
+
+
+def check_token_ids(ids, vocab_size: int | None = None) -> list[int]:
+    """A prompt given as token ids: a non-empty list of ints in [0, vocab_size). bytes, floats and
+    bools are refused rather than converted."""
+    if isinstance(ids, (bytes, bytearray, memoryview)):
+        raise InvalidPromptError("the prompt is bytes: give text (str) or a list of token ids (ints)")
+    if hasattr(ids, "tolist") and hasattr(ids, "ndim") and ids.ndim == 1:  # a torch / numpy vector
+        ids = ids.tolist()
+    if isinstance(ids, str) or not isinstance(ids, Sequence):
+        raise InvalidPromptError(f"the prompt must be text, chat messages or a list of token ids, got {type(ids).__name__}")
+    out = []
+    for i, t in enumerate(ids):
+        if isinstance(t, bool) or not isinstance(t, numbers.Integral):
+            raise InvalidPromptError(f"token id {i} is not an integer: {t!r}")
+        t = int(t)
+        if t < 0 or (vocab_size is not None and t >= vocab_size):
+            bound = f"be in [0, {vocab_size})" if vocab_size is not None else "be >= 0"
+            raise InvalidPromptError(f"token id {i} ({t}) is outside the vocabulary: ids must {bound}")
+        out.append(t)
+    if not out:
+        raise InvalidPromptError("the prompt is empty")
+    return out
+
+
+# ------------------------------------------------------------------------------------------- files
+
+
+def check_writable_file(path: str | Path, what: str = "output") -> Path:
+    """Make sure `path` can be written as a file, before any work: its directory is created if
+    missing, must be a directory we can create files in, and `path` must not be a directory."""
+    path = Path(path)
+    if path.is_dir():
+        raise NotWritableError(f"{what} {path} is a directory, not a file")
+    _check_writable_dir(path.parent if str(path.parent) else Path("."), f"{what} {path}")
+    if path.exists() and not os.access(path, os.W_OK):
+        raise NotWritableError(f"{what} {path} is not writable")
+    return path
+
+
+def check_writable_dir(path: str | Path, what: str = "output directory") -> Path:
+    path = Path(path)
+    if path.exists() and not path.is_dir():
+        raise NotWritableError(f"{what} {path} exists and is not a directory")
+    _check_writable_dir(path, f"{what} {path}")
+    return path
+
+
+def _check_writable_dir(d: Path, what: str) -> None:
+    try:
+        d.mkdir(parents=True, exist_ok=True)
+    except FileExistsError:
+        raise NotWritableError(f"{what}: {_first_file(d)} is a file, not a directory") from None
+    except OSError as e:
+        raise NotWritableError(f"{what}: cannot create directory {d} ({e.strerror or e})") from None
+    if not d.is_dir():
+        raise NotWritableError(f"{what}: {d} is not a directory")
+    try:  # the real test: /proc, read-only mounts and ACLs all answer here
+        fd, probe = tempfile.mkstemp(dir=d, prefix=".viasd-write-test-")
+        os.close(fd)
+        os.unlink(probe)
+    except OSError as e:
+        raise NotWritableError(f"{what}: cannot write in {d} ({e.strerror or e})") from None
+
+
+def _first_file(d: Path) -> Path:
+    for p in [d, *d.parents]:
+        if p.exists() and not p.is_dir():
+            return p
+    return d
+
+
+def atomic_write_bytes(path: str | Path, data: bytes) -> Path:
+    """Write `data` to `path` through a temporary file in the same directory and a rename."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    try:
+        with os.fdopen(fd, "wb") as f:
+            f.write(data)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        try:
+            os.unlink(tmp)
+        except OSError:
+            pass
+        raise
+    return path
+
+
+def atomic_write_text(path: str | Path, text: str) -> Path:
+    return atomic_write_bytes(path, text.encode("utf-8"))
+
+
+# -------------------------------------------------------------------------------------------- JSON
+
+
+def _strict(obj):
+    if isinstance(obj, float):
+        if math.isnan(obj):
+            return None
+        if math.isinf(obj):
+            return "inf" if obj > 0 else "-inf"
+        return obj
+    if isinstance(obj, dict):
+        return {k: _strict(v) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return [_strict(v) for v in obj]
+    return obj
+
+
+def dumps_strict(obj, **kw) -> str:
+    """JSON any strict parser reads: NaN -> null, +-inf -> "inf" / "-inf" (read back by `as_float`)."""
+    return json.dumps(_strict(obj), allow_nan=False, **kw)
+
+
+def as_float(value) -> float | None:
+    """A number from strict JSON, reading back "inf" / "-inf" / "Infinity"; None if not a number."""
+    if isinstance(value, bool):
+        return None
+    if isinstance(value, numbers.Real):
+        return float(value)
+    if isinstance(value, str) and value.strip().lower() in ("inf", "+inf", "infinity", "+infinity", "-inf", "-infinity"):
+        return float("-inf") if value.strip().startswith("-") else float("inf")
+    return None
+
+
+def read_json(path: str | Path, what: str, error: type[UsageError] = MalformedFileError):
+    """Parse a JSON file; every way it can fail (missing, a directory, unreadable, not UTF-8, not
+    JSON) is one `error` (a UsageError) naming the file."""
+    path = Path(path)
+    try:
+        text = path.read_bytes()
+    except FileNotFoundError:
+        raise error(f"{path}: no such {what} file") from None
+    except IsADirectoryError:
+        raise error(f"{path}: is a directory, not a {what} file") from None
+    except OSError as e:
+        raise error(f"{path}: cannot read {what} file ({e.strerror or e})") from None
+    try:
+        return json.loads(decode_utf8(text, f"{what} file {path}"))
+    except ValueError as e:
+        raise error(f"{path}: not a readable {what} JSON file ({e})") from None
+    except RecursionError:
+        raise error(f"{path}: not a readable {what} JSON file (nested too deeply)") from None
+
+
+def require_dict(data, path, what: str, error: type[UsageError] = MalformedFileError) -> dict:
+    if not isinstance(data, dict):
+        raise error(f"{path}: a {what} file must hold a JSON object, not {_json_type(data)}")
+    return data
+
+
+def _json_type(v) -> str:
+    return {dict: "an object", list: "a list", str: "a string", bool: "a boolean", type(None): "null",
+            int: "a number", float: "a number"}.get(type(v), type(v).__name__)
+
+
+# ------------------------------------------------------------------------------ request settings
+
+
+def check_generate_config(c) -> None:
+    """Types and sanity of every `GenerateConfig` field (ranges that need the model come later)."""
+    # ranges GenerateConfig.validate checks itself (with its own messages) are only typed here
+    check_choice("strategy", c.strategy, _registry().STRATEGIES)
+    check_int("k", c.k)
+    check_int("max_new_tokens", c.max_new_tokens, hi=1 << 20)
+    check_float("temperature", c.temperature, 0.0, 100.0)
+    check_float("top_p", c.top_p)
+    check_seed(c.seed)
+    if c.chat is not None and not isinstance(c.chat, bool):
+        raise InvalidArgumentError(f"chat must be True, False or None, got {c.chat!r}")
+    if c.draft_threshold is not None:
+        check_float("draft_threshold", c.draft_threshold)
+    check_choice("drafter kind", c.draft, _api().DRAFT_KINDS)
+    check_layers("draft_layers", c.draft_layers)
+    check_layers("slim_layers", c.slim_layers)
+    for name in ("draft_route", "slim_route", "thresholds"):
+        value = getattr(c, name)
+        if value is not None and not isinstance(value, (str, os.PathLike)):
+            raise InvalidArgumentError(f"{name} must be a file path, got {value!r}")
+        if isinstance(value, str):
+            check_text(name, value)
+    check_int("max_ngram", c.max_ngram, hi=64)
+    check_int("min_ngram", c.min_ngram)
+    check_choice("mode", c.mode, _api().MODES)
+    check_int("full_block", c.full_block, hi=1024)
+    for name in ("accept", "accept_draft", "accept_tv", "slim"):
+        if getattr(c, name) is not None:
+            check_float(name, getattr(c, name), 0.0, 2.0)
+    if c.slim_entropy is not None:
+        check_float("slim_entropy", c.slim_entropy, 0.0, allow_inf=True)
+    from viasd.decoding.acceptance import DEFERRAL_RULES
+
+    check_choice("deferral rule", c.rule, DEFERRAL_RULES)
+    check_float("alpha", c.alpha, 0.0, 1.0)
+
+
+def preflight_files(c) -> None:
+    """Read the route and thresholds files a GenerateConfig names, before any model is loaded, so a
+    missing or malformed file is reported in a second (the model match is checked after loading)."""
+    from viasd.routing.route import Route
+
+    for name in ("draft_route", "slim_route"):
+        if getattr(c, name) is not None:
+            Route.load(getattr(c, name))
+    if c.thresholds is not None:
+        from viasd.decoding.tiers import load_thresholds
+
+        load_thresholds(Path(c.thresholds))
+
+
+def check_thresholds(values: dict, path) -> dict[str, float]:
+    """Threshold values read from a file: numbers (or "inf" for slim_entropy) in range."""
+    out = {}
+    for name, value in values.items():
+        v = as_float(value)
+        if v is None:
+            raise MalformedFileError(f"{path}: threshold {name} must be a number, got {value!r}")
+        try:
+            if name == "slim_entropy":
+                out[name] = check_float(name, v, 0.0, allow_inf=True)
+            else:
+                out[name] = check_float(name, v, 0.0, 2.0)
+        except InvalidArgumentError as e:
+            raise MalformedFileError(f"{path}: {e}") from None
+    return out
+
+
+def _api():
+    import viasd.api
+
+    return viasd.api
+
+
+def _registry():
+    import viasd.decoding.registry
+
+    return viasd.decoding.registry

@@ -1,0 +1,214 @@
+"""Issue 14, class 3: a damaged cache is found (sizes and sampled hashes at every load, full sha256
+on demand and after a load error) and rebuilt from its verified source, or named with what to do.
+The GGUF -> safetensors conversion is stood in for by the tiny transformers model, in a private
+VIASD_CACHE, so the shared cache is never touched."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import time
+
+import pytest
+import torch
+
+from viasd import generate
+from viasd.cli import main
+from viasd.errors import CorruptCacheError, NotWritableError
+from viasd.models import loading
+from viasd.models.loading import cached_models, load_model, sampled_hash, verify_cache, verify_converted
+
+
+@pytest.fixture
+def fake_gguf(tmp_path, tiny_dir, monkeypatch):
+    """A 'GGUF' file whose conversion yields the tiny model; counts conversions."""
+    monkeypatch.setenv("VIASD_CACHE", str(tmp_path / "cache"))
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    conversions = []
+
+    def read(gguf, progress):
+        conversions.append(gguf)
+        return AutoModelForCausalLM.from_pretrained(tiny_dir, dtype=torch.float32), AutoTokenizer.from_pretrained(tiny_dir)
+
+    monkeypatch.setattr(loading, "_read_gguf", read)
+    monkeypatch.setattr(loading, "gguf_architecture", lambda path: "llama")
+    f = tmp_path / "tiny.gguf"
+    f.write_bytes(b"GGUF" + os.urandom(64))
+    path = _FakeGGUF(f)
+    path.conversions = conversions
+    return path
+
+
+class _FakeGGUF(str):
+    """The fake GGUF's path, with the list of conversions made from it."""
+
+
+def converted_dir(gguf) -> "os.PathLike":
+    (d,) = [p for p in (loading.cache_dir() / "models").iterdir() if not p.name.startswith(".")]
+    return d
+
+
+def reference_ids(model):
+    return generate([1, 2, 3], model, strategy="ar", max_new_tokens=6).token_ids
+
+
+def test_conversion_records_checksums_and_verifies(fake_gguf):
+    model = load_model(str(fake_gguf), progress=False)
+    d = converted_dir(fake_gguf)
+    meta = json.loads((d / "viasd-model.json").read_text())
+    assert set(meta["files"]) >= {"model.safetensors", "config.json", "tokenizer.json"}
+    assert verify_converted(d) is None and verify_converted(d, full=True) is None
+    load_model(str(fake_gguf), progress=False)
+    assert len(fake_gguf.conversions) == 1  # a verified cache is used as it is
+    assert len(reference_ids(model)) == 6
+
+
+@pytest.mark.parametrize("damage", ["truncate", "garbage", "missing-tokenizer", "missing-weights", "meta-garbage", "meta-list"])
+def test_damaged_conversion_is_rebuilt(fake_gguf, damage, capsys):
+    want = reference_ids(load_model(str(fake_gguf), progress=False))
+    d = converted_dir(fake_gguf)
+    weights = d / "model.safetensors"
+    if damage == "truncate":
+        with open(weights, "r+b") as f:
+            f.truncate(weights.stat().st_size // 2)
+    elif damage == "garbage":  # same size, garbage inside: only a checksum sees it
+        with open(weights, "r+b") as f:
+            f.seek(weights.stat().st_size // 2)
+            f.write(os.urandom(4096))
+    elif damage == "missing-tokenizer":
+        (d / "tokenizer.json").unlink()
+    elif damage == "missing-weights":
+        weights.unlink()
+    elif damage == "meta-garbage":
+        (d / "viasd-model.json").write_bytes(b"\x00{not json")
+    elif damage == "meta-list":
+        (d / "viasd-model.json").write_text("[]")
+    capsys.readouterr()
+    model = load_model(str(fake_gguf), progress=False)
+    err = capsys.readouterr().err
+    assert "is damaged" in err and "rebuilding" in err and "Traceback" not in err
+    assert len(fake_gguf.conversions) == 2
+    assert reference_ids(model) == want
+    assert verify_converted(converted_dir(fake_gguf), full=True) is None
+
+
+def test_models_lists_a_damaged_entry_without_a_traceback(fake_gguf, capsys):
+    load_model(str(fake_gguf), progress=False)
+    (converted_dir(fake_gguf) / "viasd-model.json").write_text("{")
+    assert [m.get("damaged") is not None for m in cached_models()] == [True]
+    capsys.readouterr()
+    assert main(["models"]) == 0
+    out, err = capsys.readouterr()
+    assert "damaged:" in out and "Traceback" not in err
+    assert main(["models", "--json"]) == 0
+
+
+def test_models_verify_finds_and_removes_damage(fake_gguf, capsys, monkeypatch):
+    load_model(str(fake_gguf), progress=False)
+    d = converted_dir(fake_gguf)
+    capsys.readouterr()
+    assert main(["models", "--verify"]) == 0
+    assert "ok  " in capsys.readouterr().out
+    # a change the sampled check cannot see (one byte between samples), found by the full check
+    monkeypatch.setattr(loading, "_WHOLE", 0)
+    monkeypatch.setattr(loading, "_STRIDE", 1 << 30)
+    weights = d / "model.safetensors"
+    meta = json.loads((d / "viasd-model.json").read_text())
+    for name in meta["files"]:
+        meta["files"][name]["sampled"] = sampled_hash(d / name)
+    (d / "viasd-model.json").write_text(json.dumps(meta))
+    with open(weights, "r+b") as f:
+        f.seek(weights.stat().st_size - 5000)
+        byte = f.read(1)
+        f.seek(-1, 1)
+        f.write(bytes([byte[0] ^ 0xFF]))
+    assert verify_converted(d) is None and verify_converted(d, full=True) is not None
+    assert main(["models", "--verify"]) == 1
+    out = capsys.readouterr().out
+    assert "DAMAGED, removed" in out and "1 damaged" in out
+    assert not d.exists()
+    load_model(str(fake_gguf), progress=False)  # rebuilt on next use
+    assert len(fake_gguf.conversions) == 2
+
+
+def test_sampled_hash_sees_a_megabyte_of_garbage(tmp_path):
+    f = tmp_path / "big.bin"
+    f.write_bytes(os.urandom(20 << 20))
+    before = sampled_hash(f)
+    with open(f, "r+b") as fh:  # garbage of a little over the stride, anywhere
+        fh.seek(7 * (1 << 20) + 12345)
+        fh.write(os.urandom((1 << 20) + 4096))
+    assert sampled_hash(f) != before
+
+
+def test_load_error_with_good_checksums_names_what_to_do(fake_gguf, monkeypatch):
+    load_model(str(fake_gguf), progress=False)
+
+    def broken(*a, **k):
+        from viasd.errors import CorruptFileError
+
+        raise CorruptFileError("simulated")
+
+    monkeypatch.setattr(loading, "_load_dir", broken)
+    with pytest.raises(CorruptCacheError, match="fails to load .* although its checksums match: delete it and run again"):
+        load_model(str(fake_gguf), progress=False)
+
+
+def test_orphans_of_killed_conversions_are_removed(fake_gguf):
+    models = loading.cache_dir() / "models"
+    orphan = models / ".convert-999999999-abc"
+    recent = models / ".convert-999999998-abc"  # dead PID, but written to a moment ago: left alone
+    for d in (orphan, recent):
+        d.mkdir(parents=True)
+        (d / "model.safetensors").write_bytes(b"x" * 1000)
+    idle = time.time() - 120
+    for p in (orphan, orphan / "model.safetensors"):
+        os.utime(p, (idle, idle))
+    live = models / f".convert-{os.getpid()}-live"
+    live.mkdir()
+    os.utime(live, (idle, idle))
+    load_model(str(fake_gguf), progress=False)  # a conversion clears what dead processes left
+    assert not orphan.exists() and live.exists() and recent.exists()
+    shutil.rmtree(live)
+    shutil.rmtree(recent)
+    orphan.mkdir()
+    os.utime(orphan, (idle, idle))
+    assert any("killed conversion" in (why or "") for _, why in verify_cache())
+    assert not orphan.exists()
+
+
+def test_cache_that_is_a_file(fake_gguf, tmp_path, monkeypatch):
+    f = tmp_path / "cachefile"
+    f.write_text("x")
+    monkeypatch.setenv("VIASD_CACHE", str(f))
+    with pytest.raises(NotWritableError, match="is a file, not a directory"):
+        load_model(str(fake_gguf), progress=False)
+    assert f.read_text() == "x"
+
+
+def test_damaged_calibration_cache_is_rebuilt(tiny, tmp_path, monkeypatch, capsys):
+    from viasd.routing.search import build_calibration
+
+    monkeypatch.setenv("VIASD_CACHE", str(tmp_path / "cache"))
+    first = build_calibration(tiny, seq_len=8, progress=False, prompts=[[1, 2, 3, 4]])
+    (path,) = (tmp_path / "cache" / "calibration").glob("*.pt")
+    path.write_bytes(b"garbage" * 100)
+    again = build_calibration(tiny, seq_len=8, progress=False, prompts=[[1, 2, 3, 4]])
+    assert "rebuilding it" in capsys.readouterr().err
+    assert torch.equal(first.sequences[0], again.sequences[0])
+    build_calibration(tiny, seq_len=8, progress=False, prompts=[[1, 2, 3, 4]])  # the rebuilt file reads
+    assert "rebuilding" not in capsys.readouterr().err
+
+
+def test_damaged_optuna_database_is_moved_aside(tmp_path, capsys):
+    from viasd.routing.search import open_storage
+
+    db = tmp_path / "r.optuna.sqlite"
+    db.write_bytes(b"this is not a database" * 50)
+    storage = open_storage(f"sqlite:///{db}")
+    assert storage is not None and storage.get_all_studies() == []
+    (aside,) = tmp_path.glob("r.optuna.sqlite.corrupt-*")
+    assert aside.read_bytes().startswith(b"this is not a database")  # kept, not deleted
+    assert "moved it to" in capsys.readouterr().err

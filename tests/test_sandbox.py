@@ -1,0 +1,135 @@
+"""Issue 14, class 8: the HumanEval sandbox. Nothing a program starts outlives it, nothing it writes
+to /tmp or /dev/shm persists, a leftover holder of stderr cannot hang the run, a fork bomb leaves no
+zombies, and only a program that ran to the end of the test harness passes."""
+
+from __future__ import annotations
+
+import secrets
+import subprocess
+import time
+from pathlib import Path
+
+import pytest
+
+from viasd.datasets import human_eval
+from viasd.quality import humaneval_pass, run_untrusted, sandbox_mode
+
+namespaces = pytest.mark.skipif(sandbox_mode() != "namespaces", reason="no PID/mount namespaces here: weak sandbox (see README)")
+
+
+def alive(marker: str) -> list[str]:
+    """Processes whose command line holds `marker`."""
+    out = subprocess.run(["ps", "-eo", "pid,stat,args"], capture_output=True, text=True).stdout
+    return [line for line in out.splitlines() if marker in line and "ps -eo" not in line]
+
+
+def zombies() -> int:
+    out = subprocess.run(["ps", "-eo", "stat"], capture_output=True, text=True).stdout
+    return sum(line.strip().startswith("Z") for line in out.splitlines())
+
+
+@pytest.fixture(scope="module")
+def problem():
+    return human_eval()[0]
+
+
+def test_canonical_solution_passes(problem):
+    assert humaneval_pass(problem, problem["canonical_solution"]) == (True, "passed")
+
+
+@pytest.mark.parametrize("completion", [
+    "    import sys; sys.exit(0)\n",
+    "    import os; os._exit(0)\n",
+    "    raise SystemExit(0)\n",
+    "    exit()\n",
+    "    import os, signal; os.kill(os.getpid(), signal.SIGKILL)\n",
+])
+def test_exiting_early_is_not_a_pass(problem, completion):
+    ok, why = humaneval_pass(problem, completion)
+    assert not ok, why
+
+
+def test_exit_at_module_level_is_not_a_pass():
+    assert run_untrusted("import sys\nsys.exit(0)\n")[0] is False
+    assert run_untrusted("x = 1\n") == (True, "passed")
+
+
+@namespaces
+@pytest.mark.parametrize("how", ["setsid", "double-fork", "popen-new-session"])
+def test_nothing_outlives_the_program(how):
+    marker = f"{secrets.randbelow(10**6)}.{secrets.randbelow(10**6)}"  # a unique `sleep` argument
+    program = {
+        "setsid": f"import os\nif os.fork() == 0:\n    os.setsid()\n    os.execv('/bin/sleep', ['sleep', '{marker}'])\n",
+        "double-fork": f"import os\nif os.fork() == 0:\n    if os.fork() == 0:\n        os.execv('/bin/sleep', ['sleep', '{marker}'])\n    os._exit(0)\nos.wait()\n",
+        "popen-new-session": f"import subprocess\nsubprocess.Popen(['/bin/sleep', '{marker}'], start_new_session=True)\n",
+    }[how]
+    ok, why = run_untrusted(program, timeout_s=5)
+    assert ok, why
+    time.sleep(0.2)
+    assert alive(marker) == []
+
+
+@namespaces
+def test_a_child_holding_stderr_open_cannot_hang_the_run():
+    marker = f"{secrets.randbelow(10**6)}.5"
+    program = (f"import os, sys\nif os.fork() == 0:\n    os.setsid()\n    os.execv('/bin/sleep', ['sleep', '{marker}'])\n"
+               "sys.stderr.write('still here')\n")
+    start = time.monotonic()
+    ok, why = run_untrusted(program, timeout_s=5)
+    assert ok and time.monotonic() - start < 4, why
+    assert alive(marker) == []
+
+
+@namespaces
+def test_a_timeout_kills_everything():
+    marker = f"{secrets.randbelow(10**6)}.25"
+    program = f"import os, time\nif os.fork() == 0:\n    os.setsid()\n    os.execv('/bin/sleep', ['sleep', '{marker}'])\ntime.sleep(60)\n"
+    start = time.monotonic()
+    assert run_untrusted(program, timeout_s=2) == (False, "timeout")
+    assert time.monotonic() - start < 10
+    time.sleep(0.2)
+    assert alive(marker) == []
+
+
+@namespaces
+def test_tmp_and_shm_are_private():
+    name = f"viasd-escape-{secrets.token_hex(6)}"
+    program = "".join(f"open('{d}/{name}', 'w').write('x')\n" for d in ("/tmp", "/dev/shm", "/var/tmp"))
+    assert run_untrusted(program) == (True, "passed")
+    for d in ("/tmp", "/dev/shm", "/var/tmp"):
+        assert not Path(d, name).exists()
+
+
+@namespaces
+def test_fork_bomb_leaves_no_zombies_and_the_next_run_works(problem):
+    before = zombies()
+    ok, _ = run_untrusted("import os\nwhile True:\n    os.fork()\n", timeout_s=3)
+    assert not ok
+    time.sleep(0.3)
+    assert zombies() <= before
+    assert humaneval_pass(problem, problem["canonical_solution"]) == (True, "passed")
+
+
+@namespaces
+def test_runs_unprivileged_in_its_own_pid_namespace_without_network():
+    program = ("import os, socket\n"
+               "pids = sorted(int(p) for p in os.listdir('/proc') if p.isdigit())\n"
+               "assert pids[0] == 1 and len(pids) <= 4, pids\n"
+               "assert os.geteuid() != 0 or not os.path.exists('/usr/bin/python3')\n"
+               "try:\n    socket.create_connection(('1.1.1.1', 53), timeout=2)\n    raise SystemExit(3)\nexcept OSError:\n    pass\n")
+    assert run_untrusted(program) == (True, "passed")
+
+
+def test_hostile_programs_are_contained_in_either_mode():
+    start = time.monotonic()
+    assert run_untrusted("while True:\n    pass\n", timeout_s=2) == (False, "timeout")
+    ok, why = run_untrusted("x = bytearray(8 << 30)\n", timeout_s=3)
+    assert not ok and "MemoryError" in why
+    assert time.monotonic() - start < 15
+
+
+def test_weak_mode_still_refuses_early_exits(problem, monkeypatch):
+    monkeypatch.setenv("VIASD_SANDBOX", "weak")
+    assert sandbox_mode() == "weak"
+    assert humaneval_pass(problem, problem["canonical_solution"]) == (True, "passed")
+    assert humaneval_pass(problem, "    import os; os._exit(0)\n")[0] is False
