@@ -273,8 +273,8 @@ API_CASES = [
     ("load-model-surrogate", lambda m: load_model("m\udcff"), errors.InvalidPromptError, "model is not valid UTF-8"),
     ("load-model-device", lambda m: load_model(str(m.path), device="nonsense"), errors.InvalidArgumentError, "unknown device 'nonsense'"),
     ("load-model-dtype", lambda m: load_model(str(m.path), dtype="float32"), errors.UsageError, "dtype must be torch.float32"),
-    ("validate-alpha-inf", lambda m: GenerateConfig(alpha=math.inf).validate(), errors.InvalidArgumentError, "alpha must be finite"),
-    ("validate-full-block-str", lambda m: GenerateConfig(full_block="8").validate(), errors.InvalidArgumentError, "full_block must be an integer"),
+    ("validate-alpha-inf", lambda m: GenerateConfig.from_settings(alpha=math.inf).validate(), errors.InvalidArgumentError, "alpha must be finite"),
+    ("validate-full-block-str", lambda m: GenerateConfig.from_settings(full_block="8").validate(), errors.InvalidArgumentError, "full_block must be an integer"),
 ]
 
 
