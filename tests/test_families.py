@@ -114,3 +114,53 @@ def test_unsupported_architecture_has_a_one_line_error():
 
     with pytest.raises(UnsupportedArchitectureError, match=r"unsupported architecture 'gpt2': the runtime supports llama, .*gemma2"):
         ModelConfig.from_hf(AutoConfig.for_model("gpt2"))
+
+
+def test_models_lists_the_families(capsys):
+    from viasd.cli import main
+
+    assert main(["models"]) == 0
+    out = capsys.readouterr().out
+    assert "gemma3-270m" in out and "not supported" not in out
+    assert "llama: llama (SmolLM2), qwen2, mistral" in out and "gemma: gemma2, gemma3" in out
+
+
+# ------------------------------------------------------------------ gemma3-270m from the zoo
+
+PROMPTS = ["The capital of France is Paris, and the capital of Germany is",
+           'def fibonacci(n):\n    """Return the n-th Fibonacci number."""']
+
+
+@pytest.mark.model
+def test_gemma3_270m_logits_match_transformers(gemma3):
+    from transformers import AutoModelForCausalLM
+
+    hf = AutoModelForCausalLM.from_pretrained(gemma3.path, dtype=torch.float32).eval()
+    assert type(hf).__name__ == "Gemma3ForCausalLM"
+    for prompt in PROMPTS:
+        ids = torch.tensor(gemma3.encode(prompt, chat=False))
+        with torch.no_grad():
+            ref = hf(ids[None]).logits[0]
+        ours = cached_logits(gemma3, ids, [len(ids) - 3, 1, 2])
+        # measured 4e-5 / 8e-5 absolute at logit scales 24 / 34 (prepacked oneDNN products)
+        assert (ours - ref).abs().max() < 1e-5 * ref.abs().max()
+        assert torch.equal(ours.argmax(-1), ref.argmax(-1))
+
+
+@pytest.mark.model
+def test_gemma3_270m_lossless_strategies_equal_ar(gemma3):
+    prompt = gemma3.encode("Repeat after me: one two three, one two three, one two", chat=False)
+    expected = run_ar(gemma3, prompt, 10, gemma3.eos_token_ids)
+    for strategy, extra in [("pld", {}), ("self-sd", {}), ("viasd", dict(mode="lossless", draft="pld")),
+                            ("viasd", dict(mode="lossless", draft="self"))]:
+        res = generate(prompt, gemma3, strategy=strategy, max_new_tokens=10, k=3, **extra)
+        assert res.token_ids == expected, (strategy, extra)
+
+
+@pytest.mark.model
+def test_generate_streams_gemma3_270m(capsys, gemma3):
+    from viasd.cli import main
+
+    assert main(["generate", "The capital of France is", "-m", "gemma3-270m", "-s", "ar", "-n", "6", "-q"]) == 0
+    out, err = capsys.readouterr()
+    assert out.strip() and "tok/s" in err

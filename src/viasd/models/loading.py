@@ -190,7 +190,7 @@ class LoadedModel:
     name: str  # alias, path or hub id as the user gave it
     path: Path  # the transformers-format directory the weights came from
     config: ModelConfig
-    decoder: Decoder
+    decoder: Decoder  # or models.t5.EncoderDecoder (same forward and cache interface, plus encode)
     tokenizer: object = field(repr=False)
     source_sha256: str | None = None  # of the GGUF for zoo / GGUF sources
 
@@ -316,7 +316,12 @@ def load_model(
     except Exception as e:
         raise ModelNotFoundError(f"{path}: unreadable config.json ({type(e).__name__}: {e})") from None
     config = ModelConfig.from_hf(hf_config)
-    decoder = Decoder.from_state_dict(config, load_state_dict(path), dtype=dtype, device=device, pack=pack)
+    if config.family == "t5":  # encoder-decoder: transformers' encoder, our routed decoder
+        from viasd.models.t5 import EncoderDecoder
+
+        decoder = EncoderDecoder.from_pretrained(path, hf_config, load_state_dict(path), dtype=dtype, device=device, pack=pack)
+    else:
+        decoder = Decoder.from_state_dict(config, load_state_dict(path), dtype=dtype, device=device, pack=pack)
     tokenizer = AutoTokenizer.from_pretrained(path)
     return LoadedModel(name=source, path=path, config=config, decoder=decoder, tokenizer=tokenizer, source_sha256=digest)
 

@@ -23,15 +23,28 @@ The Llama path runs none of the Gemma code: each switch is a constant of the mod
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import ClassVar
 
 import torch
 import torch.nn.functional as F
 
 from viasd.errors import UnsupportedArchitectureError
 
-SUPPORTED_ARCHITECTURES = ("llama", "qwen2", "mistral", "gemma2", "gemma3", "gemma3_text")
+SUPPORTED_ARCHITECTURES = ("llama", "qwen2", "mistral", "gemma2", "gemma3", "gemma3_text", "t5")
 # model_type -> family: one forward pass per family, switched by ModelConfig fields
-FAMILIES = {"llama": "llama", "qwen2": "llama", "mistral": "llama", "gemma2": "gemma", "gemma3": "gemma", "gemma3_text": "gemma"}
+FAMILIES = {"llama": "llama", "qwen2": "llama", "mistral": "llama", "gemma2": "gemma", "gemma3": "gemma", "gemma3_text": "gemma",
+            "t5": "t5"}
+# what `viasd models` says of each family: (architectures, what the runtime implements, what runs on it)
+FAMILY_SUPPORT = {
+    "llama": ("llama (SmolLM2), qwen2, mistral", "decoder-only; RoPE, GQA, QKV bias (qwen2)",
+              "routes (layer and sub-layer), every strategy, DIMR search"),
+    "gemma": ("gemma2, gemma3 (text)", "decoder-only; sqrt(hidden) embedding scale, (1+w) sandwich norms, tanh-GeLU, "
+              "q/k norms (3), soft-capping (2), sliding-window layers with a local RoPE base",
+              "routes (layer and sub-layer), every strategy, DIMR search"),
+    "t5": ("t5 (T5, T5 v1.1 / Flan-T5 gated-GeLU)", "encoder-decoder; transformers' encoder run once per prompt, our "
+           "decoder with relative position bias and cross-attention K/V cached once",
+           "decoder routes, every strategy (drafters: a smaller T5, n-gram lookup over the source, a decoder route)"),
+}
 
 
 def _rope_theta(params: dict | None, default: float) -> tuple[float, float]:
@@ -83,6 +96,10 @@ class ModelConfig:
             )
         if FAMILIES[arch] == "gemma":
             return cls._gemma_from_hf(getattr(hf, "text_config", None) or hf)
+        if FAMILIES[arch] == "t5":
+            from viasd.models.t5 import t5_config
+
+            return t5_config(hf)
         rope = getattr(hf, "rope_parameters", None) or {}
         rope_type = rope.get("rope_type", rope.get("type", "default"))
         if rope_type not in ("default", None):
@@ -326,6 +343,7 @@ def _attention(q, k, v, mask, scale: float, softcap: float | None, gqa: bool) ->
 class Decoder:
     """Weights of one model and its forward pass. Holds no per-request state (that is the KVCache)."""
 
+    is_encoder_decoder: ClassVar[bool] = False  # see models/t5.py for the encoder-decoder one
     config: ModelConfig
     embed: torch.Tensor  # [vocab, hidden]
     layers: list[_Layer]
