@@ -132,9 +132,9 @@ LOSSLESS = [("ar", {}), ("pld", {}), ("self-sd", dict(draft_layers=(0, 3))), ("s
             ("viasd", dict(mode="lossless", draft="model", slim_layers=(0, 2, 3)))]
 
 
-@pytest.mark.parametrize("k", [1, 4])
-def test_every_lossless_strategy_equals_transformers_greedy(t5, t5_dir, t5_drafter, k):
-    for seed in range(2):
+@pytest.mark.parametrize("k,seed", [(1, 0), (4, 1)])
+def test_every_lossless_strategy_equals_transformers_greedy(t5, t5_dir, t5_drafter, k, seed):
+    for seed in [seed]:
         g = torch.Generator().manual_seed(seed)
         # a source with repeats, so n-gram lookup over it has something to find
         half = torch.randint(0, 61, (6,), generator=g).tolist()
