@@ -173,3 +173,11 @@ def test_ngram_drafts_come_from_the_source(t5):
     d = NgramDrafter()
     d.begin(16, v)
     assert d.propose([PAD, 10], 2).tokens == [11, 12]
+
+
+def test_dimr_search_refuses_an_encoder_decoder(t5):
+    from viasd.errors import UsageError
+    from viasd.routing.search import search_route
+
+    with pytest.raises(UsageError, match="DIMR search calibrates on decoder-only text"):
+        search_route(t5, budget=0.5, trials=1)

@@ -43,7 +43,8 @@ FAMILY_SUPPORT = {
               "routes (layer and sub-layer), every strategy, DIMR search"),
     "t5": ("t5 (T5, T5 v1.1 / Flan-T5 gated-GeLU)", "encoder-decoder; transformers' encoder run once per prompt, our "
            "decoder with relative position bias and cross-attention K/V cached once",
-           "decoder routes, every strategy (drafters: a smaller T5, n-gram lookup over the source, a decoder route)"),
+           "decoder routes (given as layers or a route file; no DIMR search), every strategy (drafters: a smaller T5, "
+           "n-gram lookup over the source, a decoder route)"),
 }
 
 

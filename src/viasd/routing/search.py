@@ -173,6 +173,9 @@ def search_route(
         raise UsageError(f"budget must be in (0, 1], got {budget}")
     if trials < 1:
         raise UsageError(f"trials must be >= 1, got {trials}")
+    if model.decoder.is_encoder_decoder:
+        raise UsageError(f"{model.name}: DIMR search calibrates on decoder-only text; give an encoder-decoder "
+                         "model's decoder route as layers (--slim-layers, --draft-layers) or a route file")
     n = model.config.n_layers
     n_keep = max(1, round(budget * n))
     pinned = sorted({0, n - 1}) if pin_ends and n_keep >= 2 else []
