@@ -181,3 +181,14 @@ def test_dimr_search_refuses_an_encoder_decoder(t5):
 
     with pytest.raises(UsageError, match="DIMR search calibrates on decoder-only text"):
         search_route(t5, budget=0.5, trials=1)
+
+
+def test_cli_generate_on_a_t5_directory(capsys, t5_dir):
+    import json
+
+    from viasd.cli import main
+
+    assert main(["generate", "w5 w6 w7 w5 w6 <eos>", "-m", str(t5_dir), "--no-chat", "-s", "viasd", "--draft", "pld",
+                 "--slim-layers", "0", "1", "3", "-n", "6", "--json", "-q"]) == 0
+    res = json.loads(capsys.readouterr().out)
+    assert 1 <= res["stats"]["new_tokens"] <= 6 and res["config"]["model"] == str(t5_dir)
