@@ -147,7 +147,7 @@ class ModelConfig:
                 raise UnsupportedArchitectureError(f"unsupported RoPE scaling of {arch}'s sliding layers")
         else:  # gemma2: one RoPE for both kinds
             theta, factor = _rope_theta(rope, getattr(hf, "rope_theta", 10000.0))
-            local = theta
+            local = None
         head_dim = getattr(hf, "head_dim", None) or hf.hidden_size // hf.num_attention_heads
         window = getattr(hf, "sliding_window", None)
         return cls(
@@ -174,7 +174,7 @@ class ModelConfig:
             final_softcap=getattr(hf, "final_logit_softcapping", None),
             sliding_window=int(window) if window and any(sliding) else None,
             sliding_layers=sliding if window else (False,) * n_layers,
-            rope_local_theta=float(local),
+            rope_local_theta=local,
             rope_factor=factor,
         )
 
