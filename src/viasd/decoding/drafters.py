@@ -99,6 +99,11 @@ class ModelDrafter(_AutoregressiveDrafter):
         super().begin(max_len, verifier)
         self.cache = self.decoder.new_cache(max_len)
         self.cached_ids: list[int] = []  # token ids at cache positions 0 .. n_full-1
+        if getattr(verifier, "source", None) is not None:  # an encoder-decoder drafter reads the verifier's source
+            if not self.decoder.is_encoder_decoder:
+                raise ValueError("an encoder-decoder verifier needs an encoder-decoder drafter model")
+            self.decoder.encode(torch.tensor(verifier.source), self.cache)
+            self.stats.observe_call(CallKind.DRAFT, verifier_share=self.verifier_share)
 
     def _sync(self, context: list[int]) -> tuple[KVCache, int]:
         n = min(len(self.cached_ids), self.cache.n_full, len(context))
@@ -136,7 +141,8 @@ class SelfDrafter(_AutoregressiveDrafter):
 class NgramDrafter:
     """Prompt lookup decoding (Saxena 2023; vLLM `ngram`): copy what followed the latest earlier
     occurrence of the context's last n tokens, for n from `max_ngram` down to `min_ngram`.
-    Model-free: no calls, deterministic proposals (q = None)."""
+    Model-free: no calls, deterministic proposals (q = None). With an encoder-decoder verifier the
+    lookup runs over the source followed by the decoder's tokens."""
 
     def __init__(self, max_ngram: int = 3, min_ngram: int = 1):
         if not 1 <= min_ngram <= max_ngram:
@@ -144,11 +150,14 @@ class NgramDrafter:
         self.max_ngram = max_ngram
         self.min_ngram = min_ngram
 
+    source: list[int] = []
+
     def begin(self, max_len: int, verifier: Verifier) -> None:
-        pass
+        self.source = getattr(verifier, "source", None) or []
 
     def propose(self, context: list[int], k: int) -> Draft:
-        return Draft(ngram_lookup(np.asarray(context), k, self.max_ngram, self.min_ngram), None)
+        seq = self.source + context if self.source else context
+        return Draft(ngram_lookup(np.asarray(seq), k, self.max_ngram, self.min_ngram), None)
 
 
 def ngram_lookup(context: np.ndarray, k: int, max_ngram: int, min_ngram: int) -> list[int]:

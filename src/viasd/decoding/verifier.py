@@ -5,6 +5,10 @@ every committed token but the last (whose logits the next pass computes together
 comes after it). In tiered VIA-SD the full model may lag further behind: positions n_full ..
 len(tokens)-1 are then *pending* and the next full pass processes them first.
 `models.runtime.KVCache` enforces which positions a routed pass may write (never below n_full).
+
+An encoder-decoder verifier (T5) reads the prompt as its *source*: `prefill` encodes it once (the
+cross-attention K/V go into the cache) and the committed tokens start with the decoder's start
+token; everything after that is the decoder-only loop.
 """
 
 from __future__ import annotations
@@ -51,7 +55,10 @@ class Verifier:
     def __init__(self, decoder: Decoder, req: DecodeRequest, max_len: int):
         self.decoder, self.req, self.stats = decoder, req, req.stats
         self.cache: KVCache = decoder.new_cache(max_len)
-        self.tokens: list[int] = list(req.prompt)  # every committed token, prompt included
+        # encoder-decoder: the prompt is the encoder's source; the decoder starts from its start token
+        self.source: list[int] | None = list(req.prompt) if decoder.is_encoder_decoder else None
+        # every committed token, prompt included (decoder-only) or the start token (encoder-decoder)
+        self.tokens: list[int] = [decoder.start_token] if self.source is not None else list(req.prompt)
         self.out: list[int] = []  # the new tokens
         self.done = req.max_new_tokens <= 0
 
@@ -72,7 +79,11 @@ class Verifier:
     def prefill(self, with_last: bool = False) -> torch.Tensor | None:
         """The prompt through the full model: every token but the last, whose logits come with the
         first pass; or (`with_last`, plain decoding) every token, returning the last one's logits [V]
-        (the first commit then restores the invariant)."""
+        (the first commit then restores the invariant). For an encoder-decoder, the source first goes
+        through the encoder (counted as one full call)."""
+        if self.source is not None:
+            self.decoder.encode(torch.tensor(self.source), self.cache)
+            self.stats.observe_call(CallKind.FULL, verifier_share=1.0)
         n = len(self.tokens) - (not with_last)
         if n < 1:
             return None

@@ -353,7 +353,7 @@ class LoadedModel:
     name: str  # alias, path or hub id as the user gave it
     path: Path  # the transformers-format directory the weights came from
     config: ModelConfig
-    decoder: Decoder
+    decoder: Decoder  # or models.t5.EncoderDecoder (same forward and cache interface, plus encode)
     tokenizer: object = field(repr=False)
     source_sha256: str | None = None  # of the GGUF for zoo / GGUF sources
 
@@ -538,7 +538,12 @@ def _load_dir(source: str, path: Path, digest: str | None, dtype, device, pack) 
     except Exception as e:  # safetensors raises its own error types on a damaged file
         raise CorruptFileError(f"{path}: unreadable weights ({type(e).__name__}: {_first_line(e)})") from None
     try:
-        decoder = Decoder.from_state_dict(config, state, dtype=dtype, device=device, pack=pack)
+        if config.family == "t5":  # encoder-decoder: transformers' encoder, our routed decoder
+            from viasd.models.t5 import EncoderDecoder
+
+            decoder = EncoderDecoder.from_pretrained(path, hf_config, state, dtype=dtype, device=device, pack=pack)
+        else:
+            decoder = Decoder.from_state_dict(config, state, dtype=dtype, device=device, pack=pack)
     except (KeyError, ValueError, RuntimeError, TypeError) as e:
         raise CorruptFileError(f"{path}: weights do not match config.json ({type(e).__name__}: {_first_line(e)})") from None
     try:

@@ -1,4 +1,5 @@
-"""A lean decoder forward pass for the Llama family (llama / SmolLM2, qwen2, mistral), with routes.
+"""A lean decoder forward pass for the Llama family (llama / SmolLM2, qwen2, mistral) and the Gemma
+family (gemma2, gemma3), with routes.
 
 Glossary
 - route: which sub-layers of the verifier run. `LayerMask(attn, mlp)`, one bool per layer each; a
@@ -11,20 +12,50 @@ Glossary
   recomputes every layer, overwriting routed entries. `KVCache` enforces this: a pass that would
   read entries its route did not write raises.
 
-The forward pass is written once for the whole family; architectures differ only in
-`ModelConfig` fields (QKV bias for qwen2).
+The forward pass is written once; architectures differ only in `ModelConfig` fields, read once at
+construction (QKV bias for qwen2; for Gemma: embedding scale sqrt(hidden), RMSNorm weights (1 + w)
+folded in when the weights are loaded, norms after attention and MLP as well as before, gated tanh-GeLU,
+query/key norms (gemma3), attention and final logit soft-capping (gemma2), sliding-window layers
+interleaved with global ones, each kind with its own RoPE base, and `query_pre_attn_scalar`).
+The Llama path runs none of the Gemma code: each switch is a constant of the model.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import ClassVar
 
 import torch
 import torch.nn.functional as F
 
 from viasd.errors import UnsupportedArchitectureError
 
-SUPPORTED_ARCHITECTURES = ("llama", "qwen2", "mistral")
+SUPPORTED_ARCHITECTURES = ("llama", "qwen2", "mistral", "gemma2", "gemma3", "gemma3_text", "t5")
+# model_type -> family: one forward pass per family, switched by ModelConfig fields
+FAMILIES = {"llama": "llama", "qwen2": "llama", "mistral": "llama", "gemma2": "gemma", "gemma3": "gemma", "gemma3_text": "gemma",
+            "t5": "t5"}
+# what `viasd models` says of each family: (architectures, what the runtime implements, what runs on it)
+FAMILY_SUPPORT = {
+    "llama": ("llama (SmolLM2), qwen2, mistral", "decoder-only; RoPE, GQA, QKV bias (qwen2)",
+              "routes (layer and sub-layer), every strategy, DIMR search"),
+    "gemma": ("gemma2, gemma3 (text)", "decoder-only; sqrt(hidden) embedding scale, (1+w) sandwich norms, tanh-GeLU, "
+              "q/k norms (3), soft-capping (2), sliding-window layers with a local RoPE base",
+              "routes (layer and sub-layer), every strategy, DIMR search"),
+    "t5": ("t5 (T5, T5 v1.1 / Flan-T5 gated-GeLU)", "encoder-decoder; transformers' encoder run once per prompt, our "
+           "decoder with relative position bias and cross-attention K/V cached once",
+           "decoder routes (given as layers or a route file; no DIMR search), every strategy (drafters: a smaller T5, "
+           "n-gram lookup over the source, a decoder route)"),
+}
+
+
+def _rope_theta(params: dict | None, default: float) -> tuple[float, float]:
+    """(theta, linear scaling factor) from a transformers rope_parameters dict; only default/linear RoPE."""
+    params = params or {}
+    rope_type = params.get("rope_type", params.get("type", "default"))
+    if rope_type not in ("default", "linear", None):
+        raise UnsupportedArchitectureError(f"unsupported RoPE scaling {rope_type!r}")
+    factor = float(params.get("factor", 1.0)) if rope_type == "linear" else 1.0
+    return float(params.get("rope_theta", default)), factor
 
 
 @dataclass(frozen=True)
@@ -42,6 +73,19 @@ class ModelConfig:
     qkv_bias: bool
     tied_embeddings: bool
     max_positions: int
+    # --- family switches (defaults: the Llama family) ---
+    family: str = "llama"
+    embed_scale: float | None = None  # multiply embeddings by this (Gemma: sqrt(hidden))
+    sandwich_norms: bool = False  # norms after attention and after the MLP too (Gemma)
+    activation: str = "silu"  # gated MLP activation: "silu" or "gelu_tanh"
+    qk_norm: bool = False  # RMSNorm of queries and keys per head (gemma3)
+    attn_scale: float | None = None  # softmax scale; None: head_dim ** -0.5
+    attn_softcap: float | None = None  # tanh soft-capping of attention logits (gemma2)
+    final_softcap: float | None = None  # tanh soft-capping of output logits (gemma2)
+    sliding_window: int | None = None  # window of the sliding layers (keys q - window < p <= q)
+    sliding_layers: tuple[bool, ...] = ()  # per layer: True = sliding-window layer ('local')
+    rope_local_theta: float | None = None  # RoPE base of the sliding layers (None: rope_theta)
+    rope_factor: float = 1.0  # linear RoPE scaling of the global layers
 
     @classmethod
     def from_hf(cls, hf) -> "ModelConfig":
@@ -51,6 +95,12 @@ class ModelConfig:
             raise UnsupportedArchitectureError(
                 f"unsupported architecture {arch!r}: the runtime supports {', '.join(SUPPORTED_ARCHITECTURES)}"
             )
+        if FAMILIES[arch] == "gemma":
+            return cls._gemma_from_hf(getattr(hf, "text_config", None) or hf)
+        if FAMILIES[arch] == "t5":
+            from viasd.models.t5 import t5_config
+
+            return t5_config(hf)
         rope = getattr(hf, "rope_parameters", None) or {}
         rope_type = rope.get("rope_type", rope.get("type", "default"))
         if rope_type not in ("default", None):
@@ -76,6 +126,56 @@ class ModelConfig:
             qkv_bias=arch == "qwen2" or bool(getattr(hf, "attention_bias", False)),
             tied_embeddings=bool(getattr(hf, "tie_word_embeddings", False)),
             max_positions=int(max_pos),
+        )
+
+    @classmethod
+    def _gemma_from_hf(cls, hf) -> "ModelConfig":
+        arch = hf.model_type
+        if getattr(hf, "use_bidirectional_attention", False):
+            raise UnsupportedArchitectureError(f"{arch} with bidirectional attention is not a decoder")
+        act = getattr(hf, "hidden_activation", None) or getattr(hf, "hidden_act", "gelu_pytorch_tanh")
+        if act not in ("gelu_pytorch_tanh", "gelu_tanh"):
+            raise UnsupportedArchitectureError(f"unsupported {arch} activation {act!r}")
+        n_layers = hf.num_hidden_layers
+        types = list(getattr(hf, "layer_types", None) or ["sliding_attention" if (i + 1) % 2 else "full_attention" for i in range(n_layers)])
+        sliding = tuple(t == "sliding_attention" for t in types)
+        rope = getattr(hf, "rope_parameters", None) or {}
+        if "full_attention" in rope or "sliding_attention" in rope:  # gemma3: one per layer kind
+            theta, factor = _rope_theta(rope.get("full_attention"), getattr(hf, "rope_theta", 1e6))
+            local, local_factor = _rope_theta(rope.get("sliding_attention"), getattr(hf, "rope_local_base_freq", 1e4))
+            if local_factor != 1.0:
+                raise UnsupportedArchitectureError(f"unsupported RoPE scaling of {arch}'s sliding layers")
+        else:  # gemma2: one RoPE for both kinds
+            theta, factor = _rope_theta(rope, getattr(hf, "rope_theta", 10000.0))
+            local = None
+        head_dim = getattr(hf, "head_dim", None) or hf.hidden_size // hf.num_attention_heads
+        window = getattr(hf, "sliding_window", None)
+        return cls(
+            architecture=arch,
+            n_layers=n_layers,
+            hidden=hf.hidden_size,
+            n_heads=hf.num_attention_heads,
+            n_kv_heads=getattr(hf, "num_key_value_heads", None) or hf.num_attention_heads,
+            head_dim=head_dim,
+            intermediate=hf.intermediate_size,
+            vocab_size=hf.vocab_size,
+            rope_theta=theta,
+            rms_eps=float(hf.rms_norm_eps),
+            qkv_bias=bool(getattr(hf, "attention_bias", False)),
+            tied_embeddings=bool(getattr(hf, "tie_word_embeddings", True)),
+            max_positions=int(hf.max_position_embeddings),
+            family="gemma",
+            embed_scale=float(hf.hidden_size) ** 0.5,
+            sandwich_norms=True,
+            activation="gelu_tanh",
+            qk_norm=arch != "gemma2",
+            attn_scale=float(hf.query_pre_attn_scalar) ** -0.5,
+            attn_softcap=getattr(hf, "attn_logit_softcapping", None),
+            final_softcap=getattr(hf, "final_logit_softcapping", None),
+            sliding_window=int(window) if window and any(sliding) else None,
+            sliding_layers=sliding if window else (False,) * n_layers,
+            rope_local_theta=local,
+            rope_factor=factor,
         )
 
 
@@ -197,6 +297,13 @@ class _Layer:
     mlp_norm: torch.Tensor  # [hidden]
     gate_up: PackedLinear  # hidden -> 2 intermediate
     down: PackedLinear  # intermediate -> hidden
+    # Gemma only (None in the Llama family)
+    post_attn_norm: torch.Tensor | None = None  # [hidden]
+    post_mlp_norm: torch.Tensor | None = None  # [hidden]
+    q_norm: torch.Tensor | None = None  # [head_dim]
+    k_norm: torch.Tensor | None = None  # [head_dim]
+    sliding: bool = False  # a sliding-window layer
+    rope: int = 0  # which RoPE table (0 global, 1 local)
 
 
 def _rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -208,10 +315,36 @@ def _rotate_half(x: torch.Tensor) -> torch.Tensor:
     return torch.cat((-x2, x1), dim=-1)
 
 
+def _softcap(x: torch.Tensor, cap: float) -> torch.Tensor:
+    return torch.tanh(x / cap) * cap
+
+
+def _rope_table(theta: float, factor: float, head_dim: int, n_pos: int) -> torch.Tensor:
+    """[n_pos, head_dim] rotation angles (float64), halves duplicated as transformers lays them out."""
+    inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.float64) / head_dim)) / factor
+    angles = torch.outer(torch.arange(n_pos, dtype=torch.float64), inv_freq)
+    return torch.cat([angles, angles], dim=-1)
+
+
+def _attention(q, k, v, mask, scale: float, softcap: float | None, gqa: bool) -> torch.Tensor:
+    """q [1, H, T, d], k/v [1, Hkv, S, d], mask [T, S] bool or None -> [1, H, T, d]."""
+    if softcap is None:
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale, enable_gqa=gqa)
+    # SDPA has no soft-capping: the eager product (gemma2)
+    if gqa:
+        rep = q.shape[1] // k.shape[1]
+        k, v = k.repeat_interleave(rep, dim=1), v.repeat_interleave(rep, dim=1)
+    scores = _softcap(q @ k.transpose(-1, -2) * scale, softcap)
+    if mask is not None:
+        scores = scores.masked_fill(~mask, float("-inf"))
+    return torch.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype) @ v
+
+
 @dataclass
 class Decoder:
     """Weights of one model and its forward pass. Holds no per-request state (that is the KVCache)."""
 
+    is_encoder_decoder: ClassVar[bool] = False  # see models/t5.py for the encoder-decoder one
     config: ModelConfig
     embed: torch.Tensor  # [vocab, hidden]
     layers: list[_Layer]
@@ -219,7 +352,7 @@ class Decoder:
     lm_head: PackedLinear  # hidden -> vocab
     dtype: torch.dtype
     device: torch.device
-    _cos: torch.Tensor = field(repr=False)  # [max_positions, head_dim]
+    _cos: torch.Tensor = field(repr=False)  # [n_tables, max_positions, head_dim]: global, then local RoPE
     _sin: torch.Tensor = field(repr=False)
 
     @classmethod
@@ -240,36 +373,57 @@ class Decoder:
         def linear(weight: torch.Tensor, bias: torch.Tensor | None = None) -> PackedLinear:
             return PackedLinear(weight, bias, pack)
 
+        gemma = config.family == "gemma"
+        if gemma and "model.embed_tokens.weight" not in state:  # a multimodal Gemma 3 checkpoint: its text model
+            state = {("model." + k[len("model.language_model."):] if k.startswith("model.language_model.") else k): w
+                     for k, w in state.items()}
+
         def get(name: str) -> torch.Tensor:
             if name not in state:
                 raise UnsupportedArchitectureError(f"checkpoint lacks tensor {name!r} expected for {config.architecture}")
             return state[name].to(device=device, dtype=dtype)
+
+        def norm(name: str) -> torch.Tensor:
+            # Gemma's RMSNorm multiplies by (1 + w): folded into the weight once, here
+            if not gemma:
+                return get(name)
+            get(name)  # (a missing tensor: the clear error)
+            return (state[name].to(device=device, dtype=torch.float32) + 1.0).to(dtype)
 
         layers = []
         for i in range(config.n_layers):
             p = f"model.layers.{i}."
             qkv_w = torch.cat([get(p + f"self_attn.{n}_proj.weight") for n in "qkv"])
             qkv_b = torch.cat([get(p + f"self_attn.{n}_proj.bias") for n in "qkv"]) if config.qkv_bias else None
+            sliding = bool(config.sliding_layers and config.sliding_layers[i])
             layers.append(
                 _Layer(
-                    attn_norm=get(p + "input_layernorm.weight"),
+                    attn_norm=norm(p + "input_layernorm.weight"),
                     qkv=linear(qkv_w, qkv_b),
                     o=linear(get(p + "self_attn.o_proj.weight")),
-                    mlp_norm=get(p + "post_attention_layernorm.weight"),
+                    # Llama names its pre-MLP norm post_attention_layernorm; Gemma has both
+                    mlp_norm=norm(p + ("pre_feedforward_layernorm.weight" if config.sandwich_norms else "post_attention_layernorm.weight")),
                     gate_up=linear(torch.cat([get(p + "mlp.gate_proj.weight"), get(p + "mlp.up_proj.weight")])),
                     down=linear(get(p + "mlp.down_proj.weight")),
+                    post_attn_norm=norm(p + "post_attention_layernorm.weight") if config.sandwich_norms else None,
+                    post_mlp_norm=norm(p + "post_feedforward_layernorm.weight") if config.sandwich_norms else None,
+                    q_norm=norm(p + "self_attn.q_norm.weight") if config.qk_norm else None,
+                    k_norm=norm(p + "self_attn.k_norm.weight") if config.qk_norm else None,
+                    sliding=sliding,
+                    rope=1 if sliding and config.rope_local_theta is not None else 0,
                 )
             )
         embed = get("model.embed_tokens.weight")
         head = embed if config.tied_embeddings or "lm_head.weight" not in state else get("lm_head.weight")
-        inv_freq = 1.0 / (config.rope_theta ** (torch.arange(0, config.head_dim, 2, dtype=torch.float64) / config.head_dim))
-        angles = torch.outer(torch.arange(config.max_positions, dtype=torch.float64), inv_freq)
-        angles = torch.cat([angles, angles], dim=-1)
+        tables = [_rope_table(config.rope_theta, config.rope_factor, config.head_dim, config.max_positions)]
+        if any(layer.rope == 1 for layer in layers):
+            tables.append(_rope_table(config.rope_local_theta, 1.0, config.head_dim, config.max_positions))
+        angles = torch.stack(tables)  # [n_tables, max_positions, head_dim]
         return cls(
             config=config,
             embed=embed,
             layers=layers,
-            norm=get("model.norm.weight"),
+            norm=norm("model.norm.weight"),
             lm_head=linear(head),
             dtype=dtype,
             device=device,
@@ -307,12 +461,23 @@ class Decoder:
         cache._begin(route, start, n_tokens)
 
         x = self.embed[tokens]  # [T, hidden]
-        cos = self._cos[start:end, None, :]  # [T, 1, head_dim]
-        sin = self._sin[start:end, None, :]
+        if cfg.embed_scale is not None:
+            x = x * cfg.embed_scale
+        # per RoPE table (global, local): [T, 1, head_dim]
+        ropes = [(self._cos[t, start:end, None, :], self._sin[t, start:end, None, :]) for t in range(self._cos.shape[0])]
         mask = None
         if n_tokens > 1:
             # query i (position start+i) sees keys at positions <= start+i: [T, end]
             mask = torch.arange(end, device=self.device)[None, :] <= torch.arange(start, end, device=self.device)[:, None]
+        lo, local_mask = 0, mask
+        if cfg.sliding_window is not None:
+            # sliding layers see keys q - window < p <= q: read from lo, the first position any query sees
+            lo = max(0, start - cfg.sliding_window + 1)
+            q_pos = torch.arange(start, end, device=self.device)[:, None]
+            k_pos = torch.arange(lo, end, device=self.device)[None, :]
+            local_mask = (k_pos <= q_pos) & (k_pos > q_pos - cfg.sliding_window) if n_tokens > 1 or lo > 0 else None
+        scale = cfg.attn_scale if cfg.attn_scale is not None else cfg.head_dim ** -0.5
+        gqa = cfg.n_heads != cfg.n_kv_heads
         nq, nkv, hd = cfg.n_heads * cfg.head_dim, cfg.n_kv_heads * cfg.head_dim, cfg.head_dim
         for i, layer in enumerate(self.layers):
             if route is None or route.attn[i]:
@@ -321,23 +486,40 @@ class Decoder:
                 q = qkv[:, :nq].view(n_tokens, cfg.n_heads, hd)
                 k = qkv[:, nq : nq + nkv].view(n_tokens, cfg.n_kv_heads, hd)
                 v = qkv[:, nq + nkv :].view(n_tokens, cfg.n_kv_heads, hd)
+                if layer.q_norm is not None:
+                    q = _rms_norm(q, layer.q_norm, cfg.rms_eps)
+                    k = _rms_norm(k, layer.k_norm, cfg.rms_eps)
+                cos, sin = ropes[layer.rope]
                 q = q * cos + _rotate_half(q) * sin
                 k = k * cos + _rotate_half(k) * sin
                 cache.k[i, :, start:end] = k.transpose(0, 1)
                 cache.v[i, :, start:end] = v.transpose(0, 1)
-                attn = F.scaled_dot_product_attention(
+                first, m = (lo, local_mask) if layer.sliding else (0, mask)
+                attn = _attention(
                     q.transpose(0, 1)[None],  # [1, n_heads, T, hd]
-                    cache.k[i, None, :, :end],  # [1, n_kv_heads, end, hd]
-                    cache.v[i, None, :, :end],
-                    attn_mask=mask,
-                    enable_gqa=cfg.n_heads != cfg.n_kv_heads,
+                    cache.k[i, None, :, first:end],  # [1, n_kv_heads, end - first, hd]
+                    cache.v[i, None, :, first:end],
+                    m,
+                    scale,
+                    cfg.attn_softcap,
+                    gqa,
                 )  # [1, n_heads, T, hd]
-                x = x + layer.o(attn[0].transpose(0, 1).reshape(n_tokens, nq))
+                a = layer.o(attn[0].transpose(0, 1).reshape(n_tokens, nq))
+                if layer.post_attn_norm is not None:
+                    a = _rms_norm(a, layer.post_attn_norm, cfg.rms_eps)
+                x = x + a
             if route is None or route.mlp[i]:
                 h = _rms_norm(x, layer.mlp_norm, cfg.rms_eps)
                 gate, up = layer.gate_up(h).chunk(2, dim=-1)
-                x = x + layer.down(F.silu(gate) * up)
+                gate = F.silu(gate) if cfg.activation == "silu" else F.gelu(gate, approximate="tanh")
+                m_out = layer.down(gate * up)
+                if layer.post_mlp_norm is not None:
+                    m_out = _rms_norm(m_out, layer.post_mlp_norm, cfg.rms_eps)
+                x = x + m_out
         cache._commit(route, start, end)
         if last_only:
             x = x[-1:]
-        return self.lm_head(_rms_norm(x, self.norm, cfg.rms_eps)).float()
+        logits = self.lm_head(_rms_norm(x, self.norm, cfg.rms_eps)).float()
+        if cfg.final_softcap is not None:
+            logits = _softcap(logits, cfg.final_softcap)
+        return logits

