@@ -263,6 +263,17 @@ class KVCache:
             self._routed = {r: length for r, length in self._routed.items() if length > self.n_full}
 
 
+def begin_pass(config: ModelConfig, cache: KVCache, route: LayerMask | None, start: int, n_tokens: int) -> tuple[LayerMask | None, int]:
+    """Checks shared by every decoder forward: a route keeping every layer is the full pass, a route
+    must fit the model, and the cache must allow a pass along it at `start`. Returns (route, end)."""
+    if route is not None and route.is_full:
+        route = None
+    if route is not None and route.n_layers != config.n_layers:
+        raise ValueError(f"route has {route.n_layers} layers, model has {config.n_layers}")
+    cache._begin(route, start, n_tokens)
+    return route, start + n_tokens
+
+
 class PackedLinear:
     """y = x @ W.T (+ b), with W prepacked for oneDNN on CPU.
 
@@ -451,14 +462,9 @@ class Decoder:
         A routed pass runs only the sub-layers `route` keeps and writes K/V only for its kept
         attention layers; see the module docstring for the n_full invariant.
         """
-        if route is not None and route.is_full:
-            route = None
-        if route is not None and route.n_layers != self.config.n_layers:
-            raise ValueError(f"route has {route.n_layers} layers, model has {self.config.n_layers}")
-        cfg = self.config
         n_tokens = tokens.shape[0]
-        end = start + n_tokens
-        cache._begin(route, start, n_tokens)
+        route, end = begin_pass(self.config, cache, route, start, n_tokens)
+        cfg = self.config
 
         x = self.embed[tokens]  # [T, hidden]
         if cfg.embed_scale is not None:

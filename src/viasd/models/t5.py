@@ -22,7 +22,7 @@ import torch
 import torch.nn.functional as F
 
 from viasd.errors import UnsupportedArchitectureError
-from viasd.models.runtime import KVCache, LayerMask, ModelConfig, PackedLinear, _rms_norm
+from viasd.models.runtime import KVCache, LayerMask, ModelConfig, PackedLinear, _rms_norm, begin_pass
 
 T5_ARCHITECTURES = ("t5",)
 
@@ -161,14 +161,9 @@ class EncoderDecoder:
         """Decoder logits for `tokens` at decoder positions start .. start+T-1 (after `encode`)."""
         if cache.cross_k is None:
             raise ValueError("encoder-decoder model: encode the source into this cache first")
-        if route is not None and route.is_full:
-            route = None
-        if route is not None and route.n_layers != self.config.n_layers:
-            raise ValueError(f"route has {route.n_layers} layers, model has {self.config.n_layers}")
-        cfg = self.config
         n_tokens = tokens.shape[0]
-        end = start + n_tokens
-        cache._begin(route, start, n_tokens)
+        route, end = begin_pass(self.config, cache, route, start, n_tokens)
+        cfg = self.config
         x = self.embed[tokens]  # [T, hidden]
         bias = self._position_bias(start, end)[None].to(self.dtype)  # [1, H, T, end]
         inner = cfg.n_heads * cfg.head_dim
