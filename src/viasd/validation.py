@@ -21,6 +21,8 @@ from viasd.errors import InvalidArgumentError, InvalidPromptError, MalformedFile
 
 SEED_MAX = 2**64 - 1  # torch.Generator.manual_seed takes an unsigned 64-bit seed
 DEVICE_TYPES = ("cpu", "cuda", "mps")
+# --weights: the model file's own format ("native"), or every weight dequantized to a float type
+WEIGHT_FORMATS = ("native", "float32", "bfloat16", "float16")
 
 
 # ------------------------------------------------------------------------------------------ numbers

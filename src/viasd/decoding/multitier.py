@@ -30,7 +30,7 @@ from viasd.models.runtime import Decoder, LayerMask
 
 def viasd_lossless_decode(decoder: Decoder, drafter: Drafter, route: LayerMask, req: DecodeRequest, k: int, full_block: int = 8) -> list[int]:
     """Lossless VIA-SD: blocks of up to `full_block` slim-verified tokens, each checked by one full pass."""
-    v = Verifier.start(decoder, drafter, req, len(req.prompt) + req.max_new_tokens + k + full_block + 2)
+    v = Verifier.start(decoder, drafter, req, len(req.prompt) + req.max_new_tokens + k + full_block + 2, tiers=True)
     while not v.done:
         # 1. slim stage: speculative decoding drafter -> slim builds a block distributed as q'
         block, origin, block_q = _slim_stage(v, drafter, route, k, full_block)
@@ -84,7 +84,7 @@ def viasd_tiered_decode(decoder: Decoder, drafter: Drafter, route: LayerMask, re
                         thresholds: TierThresholds) -> list[int]:
     """Tiered VIA-SD (lossy): tier 1 accepts, tier 2 the slim verifier settles, tier 3 the full model decides."""
     params, stats = req.params, req.stats
-    v = Verifier.start(decoder, drafter, req, len(req.prompt) + req.max_new_tokens + k + 2)
+    v = Verifier.start(decoder, drafter, req, len(req.prompt) + req.max_new_tokens + k + 2, tiers=True)
     while not v.done:
         # 1. draft, and score the drafts and the bonus position with one slim pass
         k_eff = min(k, v.budget - 1)

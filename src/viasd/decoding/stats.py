@@ -89,6 +89,12 @@ class DecodeStats:
     def finish(self) -> None:
         self.wall_s = time.perf_counter() - self._t0
 
+    @property
+    def decode_tokens_per_s(self) -> float:
+        if self.first_token_s is None or self.new_tokens < 2 or self.wall_s <= self.first_token_s:
+            return 0.0
+        return round((self.new_tokens - 1) / (self.wall_s - self.first_token_s), 3)
+
     def to_dict(self) -> dict:
         full = self.calls.get("full", 0)
         return {
@@ -97,6 +103,9 @@ class DecodeStats:
             "wall_s": round(self.wall_s, 4),
             "first_token_s": None if self.first_token_s is None else round(self.first_token_s, 4),
             "tokens_per_s": round(self.new_tokens / self.wall_s, 3) if self.wall_s > 0 else 0.0,
+            # decode-only: the tokens after the first over the time after it (the prompt's prefill and
+            # first token excluded), as llama.cpp's tg figures count
+            "decode_tokens_per_s": self.decode_tokens_per_s,
             # tokens committed per verification round (accepted drafts + the recovered/bonus token),
             # as vLLM and Spec-Bench count it
             "mean_accepted_length": round(self.new_tokens / self.rounds, 4) if self.rounds else 0.0,

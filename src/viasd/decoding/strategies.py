@@ -14,16 +14,12 @@ from viasd.models.runtime import Decoder
 
 def autoregressive_decode(decoder: Decoder, req: DecodeRequest) -> list[int]:
     """Plain decoding: one full-model call per token."""
-    v = Verifier(decoder, req, len(req.prompt) + req.max_new_tokens + 1)
-    if v.done:
-        return v.out
-    logits = v.prefill(with_last=True)  # [V] the position after the prompt
-    while True:
+    v = Verifier.start(decoder, None, req, len(req.prompt) + req.max_new_tokens + 1)
+    while not v.done:
+        logits = v.full([])[0]  # [V] the position after the last committed token
         req.stats.observe_round(0, 0)
         v.commit([req.params.next_token(logits, req.generator)])
-        if v.done:
-            return v.out
-        logits = v.full([])[0]  # [V] the position after the token just committed
+    return v.out
 
 
 def speculative_decode(

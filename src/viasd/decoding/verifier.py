@@ -22,6 +22,7 @@ import torch
 
 from viasd.decoding.acceptance import SamplingParams
 from viasd.decoding.stats import DecodeStats
+from viasd.decoding.tiers import Tier
 from viasd.models.runtime import Decoder, KVCache, LayerMask
 
 if TYPE_CHECKING:
@@ -63,12 +64,24 @@ class Verifier:
         self.done = req.max_new_tokens <= 0
 
     @classmethod
-    def start(cls, decoder: Decoder, drafter: Drafter | None, req: DecodeRequest, max_len: int) -> Verifier:
-        """A verifier with the prompt prefilled and `drafter` begun on it."""
+    def start(cls, decoder: Decoder, drafter: Drafter | None, req: DecodeRequest, max_len: int,
+              tiers: bool = False) -> Verifier:
+        """A verifier with the whole prompt prefilled, the first new token committed from the prefill's
+        last row (a round of its own; `tiers`: counted as decided by the full model), and `drafter`
+        begun on it.
+
+        Every strategy starts the same way, so every lossless one runs the prompt through exactly the
+        passes `ar` runs: with batch-invariant passes (see `models.runtime`) their outputs are then equal
+        token for token, not merely equal up to rounding."""
         verifier = cls(decoder, req, max_len)
         if drafter is not None:
             drafter.begin(max_len, verifier)
-        verifier.prefill()
+        if verifier.done:
+            return verifier
+        logits = verifier.prefill()  # [V] the position after the prompt
+        if logits is not None:
+            req.stats.observe_round(0, 0)
+            verifier.commit([req.params.next_token(logits, req.generator)], [Tier.FULL] if tiers else None)
         return verifier
 
     @property
@@ -76,20 +89,18 @@ class Verifier:
         """New tokens the request may still commit."""
         return self.req.max_new_tokens - len(self.out)
 
-    def prefill(self, with_last: bool = False) -> torch.Tensor | None:
-        """The prompt through the full model: every token but the last, whose logits come with the
-        first pass; or (`with_last`, plain decoding) every token, returning the last one's logits [V]
-        (the first commit then restores the invariant). For an encoder-decoder, the source first goes
-        through the encoder (counted as one full call)."""
+    def prefill(self) -> torch.Tensor | None:
+        """The whole prompt through the full model; returns the last row's logits [V] (the first commit
+        then restores the invariant), None for an empty prompt. For an encoder-decoder, the source first
+        goes through the encoder (counted as one full call)."""
         if self.source is not None:
             self.decoder.encode(torch.tensor(self.source), self.cache)
             self.stats.observe_call(CallKind.FULL, verifier_share=1.0)
-        n = len(self.tokens) - (not with_last)
-        if n < 1:
+        if not self.tokens:
             return None
-        logits = self.decoder.forward(torch.tensor(self.tokens[:n]), 0, self.cache, last_only=True)
+        logits = self.decoder.forward(torch.tensor(self.tokens), 0, self.cache, last_only=True)
         self.stats.observe_call(CallKind.FULL, verifier_share=1.0)
-        return logits[0] if with_last else None
+        return logits[0]
 
     def full(self, ahead: list[int], n_rows: int | None = None) -> torch.Tensor:
         """One full pass over the pending positions, the last committed token and `ahead` (tokens past

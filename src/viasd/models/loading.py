@@ -38,6 +38,7 @@ from viasd.errors import (
     UsageError,
     VocabularyMismatchError,
 )
+from viasd.models.native import NATIVE_ARCHITECTURES, read_native
 from viasd.models.runtime import SUPPORTED_ARCHITECTURES, Decoder, ModelConfig
 from viasd.models.zoo import ZOO, ZooEntry
 
@@ -356,6 +357,7 @@ class LoadedModel:
     decoder: Decoder  # or models.t5.EncoderDecoder (same forward and cache interface, plus encode)
     tokenizer: object = field(repr=False)
     source_sha256: str | None = None  # of the GGUF for zoo / GGUF sources
+    weights: str = "float32"  # the weight format it runs: "native" (the GGUF's own blocks) or a float type
 
     @property
     def eos_token_ids(self) -> frozenset[int]:
@@ -469,44 +471,62 @@ def _from_hub(repo_id: str) -> Path:
         raise ModelNotFoundError(f"could not load hub model {repo_id!r}: {hint} ({type(e).__name__})") from None
 
 
-def load_state_dict(path: Path) -> dict[str, torch.Tensor]:
-    from safetensors.torch import load_file
+def load_state_dict(path: Path, skip: "set[str] | frozenset[str]" = frozenset()) -> dict[str, torch.Tensor]:
+    """Every tensor of the directory's safetensors files, except those named in `skip` (not read)."""
+    from safetensors import safe_open
 
     files = sorted(path.glob("*.safetensors"))
     if not files:
         raise ModelNotFoundError(f"{path}: no *.safetensors weights found")
     state: dict[str, torch.Tensor] = {}
     for f in files:
-        state.update(load_file(f))
+        with safe_open(f, framework="pt") as st:
+            state.update({k: st.get_tensor(k) for k in st.keys() if k not in skip})
     return state
 
 
 def load_model(
     source: str,
-    dtype: torch.dtype = torch.float32,
+    dtype: torch.dtype | None = None,
     device: str = "cpu",
     progress: bool = True,
     pack: bool = True,
+    weights: str | None = None,
 ) -> LoadedModel:
     """Load `source` (zoo alias, GGUF path, transformers directory or hub id) into the lean runtime.
 
+    `weights`: "native" (the default: a GGUF's own quantized weights, multiplied by ggml's kernels; a
+    model without a GGUF runs its own float weights in float32), or "float32" / "bfloat16" / "float16"
+    (every weight dequantized to that type; float32 is the reference). `dtype` is the older spelling of
+    a float format. Native weights need the CPU and the ggml kernels: by default, where either is
+    missing, the model runs in float32 instead (said on stderr); asked for by name, that is an error.
     `pack=False`: plain MKL products instead of prepacked oneDNN ones (slower; bit-closer to transformers).
     """
     from viasd.errors import ViasdError
-    from viasd.validation import check_device, check_text
+    from viasd.validation import WEIGHT_FORMATS, check_device, check_text
 
     if isinstance(source, os.PathLike):
         source = os.fspath(source)
     if not isinstance(source, str) or not source.strip():
         raise UnknownModelError(f"model must be a zoo alias, a path or a hub id (a non-empty str), got {source!r}")
     check_text("model", source)
-    if dtype not in (torch.float32, torch.bfloat16, torch.float16):
+    if dtype is not None and dtype not in (torch.float32, torch.bfloat16, torch.float16):
         raise UsageError(f"dtype must be torch.float32, torch.bfloat16 or torch.float16, got {dtype!r}")
+    if weights is not None and weights not in WEIGHT_FORMATS:
+        raise UsageError(f"weights must be one of {', '.join(WEIGHT_FORMATS)}, got {weights!r}")
+    if weights is not None and dtype is not None and weights != str(dtype).removeprefix("torch."):
+        raise UsageError(f"weights={weights!r} and dtype={dtype} disagree: give one of them")
     device = check_device(device)
+    asked = weights or (str(dtype).removeprefix("torch.") if dtype is not None else None)
+    weights = asked or "native"
     path, digest = resolve(source, progress)
+    native_from = None
+    if weights == "native":
+        native_from = _native_source(source, progress, device, explicit=asked == "native")
+    dtype = torch.float32 if weights == "native" else getattr(torch, weights)
     cached = path.resolve().is_relative_to((cache_dir() / "models").resolve())
     try:
-        return _load_dir(source, path, digest, dtype, device, pack)
+        return _load_dir(source, path, digest, dtype, device, pack, native_from)
     except ViasdError as e:
         if not cached or isinstance(e, UnsupportedArchitectureError):
             raise
@@ -518,10 +538,56 @@ def load_model(
     _log(f"viasd: the cached conversion {path} is damaged ({why}); rebuilding it")
     shutil.rmtree(path, ignore_errors=True)
     path, digest = resolve(source, progress)
-    return _load_dir(source, path, digest, dtype, device, pack)
+    return _load_dir(source, path, digest, dtype, device, pack, native_from)
 
 
-def _load_dir(source: str, path: Path, digest: str | None, dtype, device, pack) -> LoadedModel:
+def _native_source(source: str, progress: bool, device: str, explicit: bool) -> Path | None:
+    """The GGUF whose own weights a native load uses; None: the model runs in float32 (see load_model)."""
+    from viasd.models import ggml_kernels
+
+    if source in ZOO:
+        gguf = zoo_gguf_verified(ZOO[source], progress)
+    else:
+        path = Path(source).expanduser()
+        gguf = path if path.is_file() else None
+    if gguf is None:
+        return None  # a transformers directory: its own weights are float already
+    why = None
+    if torch.device(device).type != "cpu":
+        why = f"native weights run on the CPU, not {device}"
+    elif not ggml_kernels.available():
+        try:
+            ggml_kernels.lib()
+        except ggml_kernels.NativeWeightsUnavailable as e:
+            why = str(e)
+    if why is None:
+        return gguf
+    if explicit:
+        raise UsageError(why)
+    _log(f"viasd: {why}; running {source} in float32")
+    return None
+
+
+def zoo_gguf_verified(entry: ZooEntry, progress: bool = True) -> Path:
+    """The zoo entry's GGUF, fetched if absent. Its full sha256 is checked once, then its size and
+    sampled hash (recorded beside it) at each use, as for converted directories."""
+    dest = zoo_gguf_path(entry)
+    stamp = dest.with_name(dest.name + ".verified.json")
+    if dest.exists() and stamp.exists():
+        try:
+            want = json.loads(stamp.read_text())
+        except (OSError, ValueError):
+            want = None
+        if want == {"sha256": entry.sha256, "sampled": sampled_hash(dest)}:
+            return dest
+    dest = fetch_zoo(entry, progress)
+    tmp = stamp.with_name(stamp.name + f".{os.getpid()}.tmp")
+    tmp.write_text(json.dumps({"sha256": entry.sha256, "sampled": sampled_hash(dest)}))
+    os.replace(tmp, stamp)
+    return dest
+
+
+def _load_dir(source: str, path: Path, digest: str | None, dtype, device, pack, native_from: Path | None = None) -> LoadedModel:
     """Config, weights and tokenizer of a transformers directory; every way a file there is bad is a
     CorruptFileError naming it."""
     from transformers import AutoConfig, AutoTokenizer
@@ -531,8 +597,11 @@ def _load_dir(source: str, path: Path, digest: str | None, dtype, device, pack) 
     except Exception as e:
         raise ModelNotFoundError(f"{path}: unreadable config.json ({type(e).__name__}: {_first_line(e)})") from None
     config = ModelConfig.from_hf(hf_config)
+    native = None
+    if native_from is not None and config.architecture in NATIVE_ARCHITECTURES:
+        native = read_native(native_from, config)  # the float copies of these are not read
     try:
-        state = load_state_dict(path)
+        state = load_state_dict(path, skip=set(native or ()))
     except (ModelNotFoundError, CorruptFileError):
         raise
     except Exception as e:  # safetensors raises its own error types on a damaged file
@@ -543,7 +612,7 @@ def _load_dir(source: str, path: Path, digest: str | None, dtype, device, pack) 
 
             decoder = EncoderDecoder.from_pretrained(path, hf_config, state, dtype=dtype, device=device, pack=pack)
         else:
-            decoder = Decoder.from_state_dict(config, state, dtype=dtype, device=device, pack=pack)
+            decoder = Decoder.from_state_dict(config, state, dtype=dtype, device=device, pack=pack, native=native)
     except (KeyError, ValueError, RuntimeError, TypeError) as e:
         raise CorruptFileError(f"{path}: weights do not match config.json ({type(e).__name__}: {_first_line(e)})") from None
     try:
@@ -552,7 +621,9 @@ def _load_dir(source: str, path: Path, digest: str | None, dtype, device, pack) 
         raise CorruptFileError(f"{path}: unreadable tokenizer ({type(e).__name__}: {_first_line(e)})") from None
     if tokenizer is None or not callable(getattr(tokenizer, "decode", None)) or isinstance(tokenizer, bool):
         raise CorruptFileError(f"{path}: no usable tokenizer (tokenizer.json missing?)")
-    return LoadedModel(name=source, path=path, config=config, decoder=decoder, tokenizer=tokenizer, source_sha256=digest)
+    weights = "native" if getattr(decoder, "native", None) else str(dtype).removeprefix("torch.")
+    return LoadedModel(name=source, path=path, config=config, decoder=decoder, tokenizer=tokenizer, source_sha256=digest,
+                       weights=weights)
 
 
 def _first_line(e: BaseException) -> str:

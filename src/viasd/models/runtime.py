@@ -29,6 +29,7 @@ import torch
 import torch.nn.functional as F
 
 from viasd.errors import UnsupportedArchitectureError
+from viasd.models.ggml_kernels import NativeLayer, NativeTensor, QuantEmbedding, QuantLinear
 
 SUPPORTED_ARCHITECTURES = ("llama", "qwen2", "mistral", "gemma2", "gemma3", "gemma3_text", "t5")
 # model_type -> family: one forward pass per family, switched by ModelConfig fields
@@ -263,6 +264,9 @@ class KVCache:
             self._routed = {r: length for r, length in self._routed.items() if length > self.n_full}
 
 
+ROW_ATTENTION_MAX = 64  # passes of up to this many rows attend row by row (batch-invariant; see Decoder.forward)
+
+
 def begin_pass(config: ModelConfig, cache: KVCache, route: LayerMask | None, start: int, n_tokens: int) -> tuple[LayerMask | None, int]:
     """Checks shared by every decoder forward: a route keeping every layer is the full pass, a route
     must fit the model, and the cache must allow a pass along it at `start`. Returns (route, end)."""
@@ -300,14 +304,27 @@ class PackedLinear:
         return F.linear(x, self.weight, self.bias)
 
 
+class Embedding:
+    """Rows of a float table: ids [T] -> [T, hidden]."""
+
+    def __init__(self, table: torch.Tensor):
+        self.table = table  # [vocab, hidden]
+
+    def __call__(self, ids: torch.Tensor) -> torch.Tensor:
+        return self.table[ids]
+
+
+Linear = PackedLinear | QuantLinear
+
+
 @dataclass
 class _Layer:
     attn_norm: torch.Tensor  # [hidden]
-    qkv: PackedLinear  # hidden -> (n_heads + 2 n_kv_heads) * head_dim
-    o: PackedLinear  # n_heads * head_dim -> hidden
+    qkv: Linear  # hidden -> (n_heads + 2 n_kv_heads) * head_dim
+    o: Linear  # n_heads * head_dim -> hidden
     mlp_norm: torch.Tensor  # [hidden]
-    gate_up: PackedLinear  # hidden -> 2 intermediate
-    down: PackedLinear  # intermediate -> hidden
+    gate_up: Linear  # hidden -> 2 intermediate
+    down: Linear  # intermediate -> hidden
     # Gemma only (None in the Llama family)
     post_attn_norm: torch.Tensor | None = None  # [hidden]
     post_mlp_norm: torch.Tensor | None = None  # [hidden]
@@ -315,6 +332,7 @@ class _Layer:
     k_norm: torch.Tensor | None = None  # [head_dim]
     sliding: bool = False  # a sliding-window layer
     rope: int = 0  # which RoPE table (0 global, 1 local)
+    native: NativeLayer | None = None  # its dense math as ggml graphs (weights in the file's format)
 
 
 def _rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -357,10 +375,10 @@ class Decoder:
 
     is_encoder_decoder: ClassVar[bool] = False  # see models/t5.py for the encoder-decoder one
     config: ModelConfig
-    embed: torch.Tensor  # [vocab, hidden]
+    embed: Embedding | QuantEmbedding  # ids [T] -> [T, hidden]
     layers: list[_Layer]
     norm: torch.Tensor  # [hidden]
-    lm_head: PackedLinear  # hidden -> vocab
+    lm_head: Linear  # hidden -> vocab
     dtype: torch.dtype
     device: torch.device
     _cos: torch.Tensor = field(repr=False)  # [n_tables, max_positions, head_dim]: global, then local RoPE
@@ -374,15 +392,23 @@ class Decoder:
         dtype: torch.dtype = torch.float32,
         device: str | torch.device = "cpu",
         pack: bool = True,
+        native: dict[str, NativeTensor] | None = None,
     ) -> "Decoder":
         """Build from transformers-named weights (`model.layers.{i}.self_attn.q_proj.weight`, ...).
 
         `pack=False` keeps plain `F.linear` (MKL) products: slower here, bit-closer to transformers.
+        `native`: weights in the model file's own (quantized) format, by the same names; those it holds
+        are multiplied and looked up by ggml's kernels (models/ggml_kernels.py), the rest come from `state`.
         """
         device = torch.device(device)
+        native = native or {}
+        if native and (device.type != "cpu" or dtype != torch.float32):
+            raise ValueError("native weights run on the CPU with float32 activations")
 
-        def linear(weight: torch.Tensor, bias: torch.Tensor | None = None) -> PackedLinear:
-            return PackedLinear(weight, bias, pack)
+        def linear(names: list[str], bias: torch.Tensor | None = None) -> Linear:
+            if all(n in native for n in names):
+                return QuantLinear([native[n] for n in names], bias)
+            return PackedLinear(torch.cat([get(n) for n in names]), bias, pack)
 
         gemma = config.family == "gemma"
         if gemma and "model.embed_tokens.weight" not in state:  # a multimodal Gemma 3 checkpoint: its text model
@@ -404,18 +430,17 @@ class Decoder:
         layers = []
         for i in range(config.n_layers):
             p = f"model.layers.{i}."
-            qkv_w = torch.cat([get(p + f"self_attn.{n}_proj.weight") for n in "qkv"])
             qkv_b = torch.cat([get(p + f"self_attn.{n}_proj.bias") for n in "qkv"]) if config.qkv_bias else None
             sliding = bool(config.sliding_layers and config.sliding_layers[i])
             layers.append(
                 _Layer(
                     attn_norm=norm(p + "input_layernorm.weight"),
-                    qkv=linear(qkv_w, qkv_b),
-                    o=linear(get(p + "self_attn.o_proj.weight")),
+                    qkv=linear([p + f"self_attn.{n}_proj.weight" for n in "qkv"], qkv_b),
+                    o=linear([p + "self_attn.o_proj.weight"]),
                     # Llama names its pre-MLP norm post_attention_layernorm; Gemma has both
                     mlp_norm=norm(p + ("pre_feedforward_layernorm.weight" if config.sandwich_norms else "post_attention_layernorm.weight")),
-                    gate_up=linear(torch.cat([get(p + "mlp.gate_proj.weight"), get(p + "mlp.up_proj.weight")])),
-                    down=linear(get(p + "mlp.down_proj.weight")),
+                    gate_up=linear([p + "mlp.gate_proj.weight", p + "mlp.up_proj.weight"]),
+                    down=linear([p + "mlp.down_proj.weight"]),
                     post_attn_norm=norm(p + "post_attention_layernorm.weight") if config.sandwich_norms else None,
                     post_mlp_norm=norm(p + "post_feedforward_layernorm.weight") if config.sandwich_norms else None,
                     q_norm=norm(p + "self_attn.q_norm.weight") if config.qk_norm else None,
@@ -424,23 +449,36 @@ class Decoder:
                     rope=1 if sliding and config.rope_local_theta is not None else 0,
                 )
             )
-        embed = get("model.embed_tokens.weight")
-        head = embed if config.tied_embeddings or "lm_head.weight" not in state else get("lm_head.weight")
+        head = "model.embed_tokens.weight" if config.tied_embeddings or "lm_head.weight" not in state else "lm_head.weight"
+        if "model.embed_tokens.weight" in native:
+            embed = QuantEmbedding(native["model.embed_tokens.weight"])
+        else:
+            embed = Embedding(get("model.embed_tokens.weight"))
         tables = [_rope_table(config.rope_theta, config.rope_factor, config.head_dim, config.max_positions)]
         if any(layer.rope == 1 for layer in layers):
             tables.append(_rope_table(config.rope_local_theta, 1.0, config.head_dim, config.max_positions))
         angles = torch.stack(tables)  # [n_tables, max_positions, head_dim]
+        if native:
+            positions = torch.arange(config.max_positions, dtype=torch.int32)
+            for layer in layers:
+                if all(isinstance(lin, QuantLinear) for lin in (layer.qkv, layer.o, layer.gate_up, layer.down)):
+                    layer.native = NativeLayer(layer, config, positions)
         return cls(
             config=config,
             embed=embed,
             layers=layers,
             norm=norm("model.norm.weight"),
-            lm_head=linear(head),
+            lm_head=linear([head]),
             dtype=dtype,
             device=device,
             _cos=angles.cos().to(device=device, dtype=dtype),
             _sin=angles.sin().to(device=device, dtype=dtype),
         )
+
+    @property
+    def native(self) -> bool:
+        """Whether it runs weights in the model file's own format (ggml kernels)."""
+        return isinstance(self.lm_head, QuantLinear) or any(isinstance(layer.qkv, QuantLinear) for layer in self.layers)
 
     def new_cache(self, max_len: int) -> KVCache:
         if max_len > self.config.max_positions:
@@ -466,55 +504,76 @@ class Decoder:
         route, end = begin_pass(self.config, cache, route, start, n_tokens)
         cfg = self.config
 
-        x = self.embed[tokens]  # [T, hidden]
+        x = self.embed(tokens)  # [T, hidden]
         if cfg.embed_scale is not None:
             x = x * cfg.embed_scale
         # per RoPE table (global, local): [T, 1, head_dim]
         ropes = [(self._cos[t, start:end, None, :], self._sin[t, start:end, None, :]) for t in range(self._cos.shape[0])]
-        mask = None
-        if n_tokens > 1:
+        # Attention is batch-invariant for blocks of up to ROW_ATTENTION_MAX rows: each query row attends
+        # alone to exactly the keys it sees, so a row's result does not depend on which other rows share
+        # its pass (a drafted block or a single token: the same kernel on the same data). Longer passes
+        # (a prompt's prefill, the same for every strategy) run one masked product.
+        batched = n_tokens > ROW_ATTENTION_MAX
+        mask = local_mask = None
+        lo = 0
+        if batched:
             # query i (position start+i) sees keys at positions <= start+i: [T, end]
             mask = torch.arange(end, device=self.device)[None, :] <= torch.arange(start, end, device=self.device)[:, None]
-        lo, local_mask = 0, mask
-        if cfg.sliding_window is not None:
-            # sliding layers see keys q - window < p <= q: read from lo, the first position any query sees
-            lo = max(0, start - cfg.sliding_window + 1)
-            q_pos = torch.arange(start, end, device=self.device)[:, None]
-            k_pos = torch.arange(lo, end, device=self.device)[None, :]
-            local_mask = (k_pos <= q_pos) & (k_pos > q_pos - cfg.sliding_window) if n_tokens > 1 or lo > 0 else None
+            local_mask = mask
+            if cfg.sliding_window is not None:
+                # sliding layers see keys q - window < p <= q: read from lo, the first position any query sees
+                lo = max(0, start - cfg.sliding_window + 1)
+                q_pos = torch.arange(start, end, device=self.device)[:, None]
+                k_pos = torch.arange(lo, end, device=self.device)[None, :]
+                local_mask = (k_pos <= q_pos) & (k_pos > q_pos - cfg.sliding_window)
+        window = cfg.sliding_window or 0
         scale = cfg.attn_scale if cfg.attn_scale is not None else cfg.head_dim ** -0.5
         gqa = cfg.n_heads != cfg.n_kv_heads
         nq, nkv, hd = cfg.n_heads * cfg.head_dim, cfg.n_kv_heads * cfg.head_dim, cfg.head_dim
         for i, layer in enumerate(self.layers):
-            if route is None or route.attn[i]:
-                h = _rms_norm(x, layer.attn_norm, cfg.rms_eps)
-                qkv = layer.qkv(h)  # [T, nq + 2 nkv]
-                q = qkv[:, :nq].view(n_tokens, cfg.n_heads, hd)
-                k = qkv[:, nq : nq + nkv].view(n_tokens, cfg.n_kv_heads, hd)
-                v = qkv[:, nq + nkv :].view(n_tokens, cfg.n_kv_heads, hd)
-                if layer.q_norm is not None:
-                    q = _rms_norm(q, layer.q_norm, cfg.rms_eps)
-                    k = _rms_norm(k, layer.k_norm, cfg.rms_eps)
-                cos, sin = ropes[layer.rope]
-                q = q * cos + _rotate_half(q) * sin
-                k = k * cos + _rotate_half(k) * sin
+            attn_on, mlp_on = route is None or route.attn[i], route is None or route.mlp[i]
+            a = None  # [T, nq]: the attention output, before the output projection
+            if attn_on:
+                if layer.native is not None:  # norm, projections, Q/K norms and RoPE in one ggml graph
+                    q, k, v = layer.native.attn_in(x, start)
+                else:
+                    h = _rms_norm(x, layer.attn_norm, cfg.rms_eps)
+                    qkv = layer.qkv(h)  # [T, nq + 2 nkv]
+                    q = qkv[:, :nq].view(n_tokens, cfg.n_heads, hd)
+                    k = qkv[:, nq : nq + nkv].view(n_tokens, cfg.n_kv_heads, hd)
+                    v = qkv[:, nq + nkv :].view(n_tokens, cfg.n_kv_heads, hd)
+                    if layer.q_norm is not None:
+                        q = _rms_norm(q, layer.q_norm, cfg.rms_eps)
+                        k = _rms_norm(k, layer.k_norm, cfg.rms_eps)
+                    cos, sin = ropes[layer.rope]
+                    q = q * cos + _rotate_half(q) * sin
+                    k = k * cos + _rotate_half(k) * sin
                 cache.k[i, :, start:end] = k.transpose(0, 1)
                 cache.v[i, :, start:end] = v.transpose(0, 1)
-                first, m = (lo, local_mask) if layer.sliding else (0, mask)
-                attn = _attention(
-                    q.transpose(0, 1)[None],  # [1, n_heads, T, hd]
-                    cache.k[i, None, :, first:end],  # [1, n_kv_heads, end - first, hd]
-                    cache.v[i, None, :, first:end],
-                    m,
-                    scale,
-                    cfg.attn_softcap,
-                    gqa,
-                )  # [1, n_heads, T, hd]
-                a = layer.o(attn[0].transpose(0, 1).reshape(n_tokens, nq))
+                qh = q.transpose(0, 1)[None]  # [1, n_heads, T, hd]
+                if batched:
+                    first, m = (lo, local_mask) if layer.sliding else (0, mask)
+                    attn = _attention(qh, cache.k[i, None, :, first:end], cache.v[i, None, :, first:end],  # [1, n_kv_heads, end - first, hd]
+                                      m, scale, cfg.attn_softcap, gqa)  # [1, n_heads, T, hd]
+                else:
+                    rows = []
+                    for j in range(n_tokens):  # position p = start + j sees keys first .. p
+                        p = start + j
+                        first = max(0, p - window + 1) if layer.sliding else 0
+                        rows.append(_attention(qh[:, :, j : j + 1], cache.k[i, None, :, first : p + 1], cache.v[i, None, :, first : p + 1],
+                                               None, scale, cfg.attn_softcap, gqa))  # [1, n_heads, 1, hd]
+                    attn = rows[0] if n_tokens == 1 else torch.cat(rows, dim=2)  # [1, n_heads, T, hd]
+                a = attn[0].transpose(0, 1).reshape(n_tokens, nq)
+            if layer.native is not None:  # output projection, residuals and MLP in one ggml graph
+                if attn_on or mlp_on:
+                    x = layer.native.out(x, a, mlp_on)
+                continue
+            if attn_on:
+                a = layer.o(a)
                 if layer.post_attn_norm is not None:
                     a = _rms_norm(a, layer.post_attn_norm, cfg.rms_eps)
                 x = x + a
-            if route is None or route.mlp[i]:
+            if mlp_on:
                 h = _rms_norm(x, layer.mlp_norm, cfg.rms_eps)
                 gate, up = layer.gate_up(h).chunk(2, dim=-1)
                 gate = F.silu(gate) if cfg.activation == "silu" else F.gelu(gate, approximate="tanh")

@@ -25,22 +25,22 @@ def _require_ray():
     return ray, serve
 
 
-def build_replica_app(model_name: str, drafter_name: str | None, settings, dtype: str = "float32", device: str = "cpu"):
+def build_replica_app(model_name: str, drafter_name: str | None, settings, weights: str = "native", device: str = "cpu"):
     """Runs on each replica when it starts: load the model, build the app."""
     from viasd.server.run import build_app
 
-    return build_app(model_name, drafter_name, settings, dtype=dtype, device=device, progress=False)
+    return build_app(model_name, drafter_name, settings, weights=weights, device=device, progress=False)
 
 
 def deploy(model_name: str, drafter_name: str | None, settings, replicas: int, host: str = "127.0.0.1", port: int = 8000,
-           dtype: str = "float32", device: str = "cpu", drain_timeout: float = 30.0, cpus_per_replica: float = 1.0,
+           weights: str = "native", device: str = "cpu", drain_timeout: float = 30.0, cpus_per_replica: float = 1.0,
            blocking_timeout_s: float = 600.0) -> str:
     """Deploy on the Ray cluster this process is connected to (ray.init done); returns the base URL
     once every replica has loaded its model."""
     _, serve = _require_ray()
     serve.start(http_options={"host": host, "port": port})
     def builder():  # a plain function: Ray Serve calls it on each replica (a partial would be taken for an ASGI app)
-        return build_replica_app(model_name, drafter_name, settings, dtype, device)
+        return build_replica_app(model_name, drafter_name, settings, weights, device)
 
     deployment = serve.deployment(
         serve.ingress(builder)(),
@@ -70,7 +70,7 @@ def serve_replicas(args, settings) -> int:
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda *_: stop.set())
     try:
-        url = deploy(args.model, args.drafter, settings, args.replicas, args.host, args.port, args.dtype, args.device,
+        url = deploy(args.model, args.drafter, settings, args.replicas, args.host, args.port, args.weights, args.device,
                      args.drain_timeout)
         print(f"viasd serve: {args.replicas} Ray Serve replica(s) of {args.model} on {url}/v1 (SIGTERM drains)", file=sys.stderr)
         stop.wait()

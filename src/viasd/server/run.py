@@ -94,19 +94,17 @@ def serve_command(args: argparse.Namespace) -> int:
         from viasd.server.ray_serve import serve_replicas
 
         return serve_replicas(args, settings)
-    app = build_app(args.model, args.drafter, settings, dtype=args.dtype, device=args.device, progress=not args.quiet)
+    app = build_app(args.model, args.drafter, settings, weights=args.weights, device=args.device, progress=not args.quiet)
     run_uvicorn(app, args.host, args.port, args.drain_timeout, args.log_level)
     return 0
 
 
-def build_app(model_name: str, drafter_name: str | None, settings, dtype: str = "float32", device: str = "cpu", progress: bool = False):
-    import torch
-
+def build_app(model_name: str, drafter_name: str | None, settings, weights: str = "native", device: str = "cpu", progress: bool = False):
     from viasd.models.loading import load_model
     from viasd.server.app import create_app
 
-    model = load_model(model_name, dtype=getattr(torch, dtype), device=device, progress=progress)
-    drafter = load_model(drafter_name, dtype=getattr(torch, dtype), device=device, progress=progress) if drafter_name else None
+    model = load_model(model_name, weights=weights, device=device, progress=progress)
+    drafter = load_model(drafter_name, weights=weights, device=device, progress=progress) if drafter_name else None
     return create_app(model, drafter, settings)
 
 

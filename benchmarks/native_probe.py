@@ -1,0 +1,189 @@
+"""Probe: what the linear products and a whole forward pass cost, per weight format.
+
+For each model, per layer: the four products of the runtime (qkv, o, gate_up, down) at 1 and 8 rows,
+for every candidate that multiplies quantized weights on this CPU, plus the float ones:
+- ggml on the file's own blocks ("native": the kernels llama.cpp runs), and ggml on Q8_0 / Q4_0
+  requantized from them;
+- onnxruntime's MatMulNBits (4-bit, block 32; accuracy level 4 = int8 activations, as ggml);
+- torch's weight-only int8 product (`aten._weight_int8pack_mm`);
+- float32 and bfloat16 through oneDNN on prepacked weights (viasd's float path).
+Then the whole forward pass at 1 and 8 tokens after a 128-token prompt, per `--weights` format:
+T(1), T(8), T(8)/T(1), and the peak RSS of a process that loads the model and runs it.
+
+    python benchmarks/native_probe.py [--models smollm2-135m,qwen2.5-coder-1.5b] [--out FILE]
+
+Appends JSONL records (run id, environment with CPU flags) to benchmarks/results/native-probe.jsonl.
+Timings are medians of repeated calls on a quiet machine; compare rows of one run only.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import resource
+import statistics
+import subprocess
+import sys
+import time
+import uuid
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).parent))
+from common import environment  # noqa: E402
+
+from viasd.models import ggml_kernels as gk  # noqa: E402
+from viasd.models.loading import load_model  # noqa: E402
+from viasd.models.native import quantize  # noqa: E402
+from viasd.models.runtime import PackedLinear  # noqa: E402
+
+OUT = Path(__file__).parent / "results" / "native-probe.jsonl"
+Q8_0, Q4_0 = 8, 2
+
+
+def median_ms(fn, reps: int = 30, warmup: int = 5) -> float:
+    for _ in range(warmup):
+        fn()
+    times = []
+    for _ in range(reps):
+        t = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t)
+    return 1000 * statistics.median(times)
+
+
+def layer_products(decoder) -> list:
+    layer = decoder.layers[len(decoder.layers) // 2]
+    return [layer.qkv, layer.o, layer.gate_up, layer.down]
+
+
+def float_weight(linear) -> torch.Tensor:
+    """[out, in] float32 weight of any linear of the runtime."""
+    if isinstance(linear, gk.QuantLinear):
+        return torch.cat([p.dequantize() for p in linear.parts])
+    return linear.weight if linear.weight is not None else None
+
+
+def _ort_session(weights: list[torch.Tensor]):
+    """One onnxruntime session per product: MatMulNBits with random 4-bit blocks of the right shape."""
+    import onnx
+    import onnxruntime as ort
+    from onnx import TensorProto, helper, numpy_helper
+
+    sessions = []
+    for w in weights:
+        n, k = w.shape
+        blocks = k // 32
+        rng = torch.Generator().manual_seed(0)
+        b = torch.randint(0, 256, (n, blocks, 16), dtype=torch.uint8, generator=rng).numpy()
+        scales = (torch.rand(n * blocks, generator=rng) * 0.01).numpy()
+        node = helper.make_node("MatMulNBits", ["A", "B", "scales"], ["Y"], domain="com.microsoft", K=k, N=n, bits=4,
+                                block_size=32, accuracy_level=4)
+        graph = helper.make_graph([node], "p", [helper.make_tensor_value_info("A", TensorProto.FLOAT, ["M", k])],
+                                  [helper.make_tensor_value_info("Y", TensorProto.FLOAT, ["M", n])],
+                                  [numpy_helper.from_array(b, "B"), numpy_helper.from_array(scales, "scales")])
+        model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17), helper.make_opsetid("com.microsoft", 1)])
+        opts = ort.SessionOptions()
+        opts.intra_op_num_threads = torch.get_num_threads()
+        opts.inter_op_num_threads = 1
+        sessions.append(ort.InferenceSession(model.SerializeToString(), opts, providers=["CPUExecutionProvider"]))
+    return sessions
+
+
+def product_candidates(native_model) -> dict:
+    """name -> (list of callables x -> y, bytes of weights) for one layer's four products."""
+    natives = layer_products(native_model.decoder)
+    floats = [float_weight(q) for q in natives]
+    cands = {"ggml-native (" + "/".join(sorted({gk.type_name(p.ggml_type) for q in natives for p in q.parts})) + ")":
+             (natives, sum(q.nbytes for q in natives))}
+    for qtype, label in ((Q8_0, "ggml-Q8_0"), (Q4_0, "ggml-Q4_0")):
+        qs = [gk.QuantLinear([next(iter(quantize({"w": w}, None, qtype, names=["w"]).values()))]) for w in floats]
+        cands[label] = (qs, sum(q.nbytes for q in qs))
+    f32 = [PackedLinear(w.clone()) for w in floats]
+    cands["float32-onednn"] = (f32, sum(w.numel() * 4 for w in floats))
+    bf16 = [PackedLinear(w.to(torch.bfloat16)) for w in floats]
+    cands["bfloat16-onednn"] = ([lambda x, lin=lin: lin(x.to(torch.bfloat16)) for lin in bf16], sum(w.numel() * 2 for w in floats))
+    int8 = []
+    for w in floats:
+        scale = w.abs().amax(dim=1).clamp(min=1e-8) / 127
+        wq = torch.round(w / scale[:, None]).to(torch.int8).contiguous()
+        int8.append(lambda x, wq=wq, s=scale: torch.ops.aten._weight_int8pack_mm(x, wq, s))
+    cands["torch-int8-weight-only"] = (int8, sum(w.numel() for w in floats))
+    try:
+        sessions = _ort_session(floats)
+        cands["onnxruntime-MatMulNBits-4bit"] = (
+            [lambda x, s=s: torch.from_numpy(s.run(None, {"A": x.numpy()})[0]) for s in sessions],
+            sum(w.numel() // 2 + w.numel() // 32 * 4 for w in floats))
+    except ImportError:
+        pass
+    return cands
+
+
+def forward_times(model, prompt_len: int = 128) -> dict:
+    dec = model.decoder
+    ids = torch.randint(100, 1000, (prompt_len + 8,), generator=torch.Generator().manual_seed(0))
+    cache = dec.new_cache(prompt_len + 16)
+    dec.forward(ids[:prompt_len], 0, cache)
+    out = {}
+    for t in (1, 8):
+        def step(t=t):
+            dec.forward(ids[prompt_len : prompt_len + t], prompt_len, cache)
+            cache.rollback(prompt_len)
+        out[t] = median_ms(step, reps=20)
+    prefill_cache = dec.new_cache(prompt_len)
+    out["prefill"] = median_ms(lambda: (dec.forward(ids[:prompt_len], 0, prefill_cache), prefill_cache.rollback(0)), reps=5, warmup=1)
+    return out
+
+
+def rss_child(model: str, weights: str) -> float:
+    """Peak RSS (MB) of a fresh process that loads `model` with `weights` and runs a forward pass."""
+    code = (f"import resource, torch; from viasd.models.loading import load_model; m = load_model({model!r}, progress=False, "
+            f"weights={weights!r}); c = m.decoder.new_cache(64); m.decoder.forward(torch.arange(1, 33), 0, c); "
+            "print(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024)")
+    return float(subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout.split()[-1])
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--models", default="smollm2-135m,qwen2.5-coder-1.5b")
+    ap.add_argument("--formats", default="native,float32,bfloat16")
+    ap.add_argument("--out", type=Path, default=OUT)
+    ap.add_argument("--no-rss", action="store_true", help="skip the peak-RSS child processes")
+    args = ap.parse_args()
+    run_id = time.strftime("%Y%m%dT%H%M%S") + "-" + uuid.uuid4().hex[:6]
+    env = {**environment(), "ggml": gk.lib().has}
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    with open(args.out, "a") as f:
+        def emit(rec):
+            rec = {"run_id": run_id, **rec, "env": env}
+            f.write(json.dumps(rec) + "\n")
+            f.flush()
+            print(json.dumps({k: v for k, v in rec.items() if k != "env"}), flush=True)
+
+        for name in args.models.split(","):
+            native = load_model(name, progress=False, weights="native")
+            x = {t: torch.randn(t, native.config.hidden) for t in (1, 8)}
+            x_down = {t: torch.randn(t, native.config.intermediate) for t in (1, 8)}
+            for cand, (prods, nbytes) in product_candidates(native).items():
+                ms = {}
+                for t in (1, 8):
+                    def layer(t=t, prods=prods):
+                        for i, p in enumerate(prods):  # down takes the intermediate size
+                            p(x[t] if i != 3 else x_down[t])
+                    ms[t] = median_ms(layer)
+                emit({"kind": "layer_products", "model": name, "candidate": cand, "weight_mb": round(nbytes / 2**20, 2),
+                      "ms_1": round(ms[1], 4), "ms_8": round(ms[8], 4), "ratio_8_1": round(ms[8] / ms[1], 3)})
+            del native
+            for weights in args.formats.split(","):
+                model = load_model(name, progress=False, weights=weights)
+                ft = forward_times(model)
+                emit({"kind": "forward", "model": name, "weights": weights, "ms_1": round(ft[1], 3), "ms_8": round(ft[8], 3),
+                      "ratio_8_1": round(ft[8] / ft[1], 3), "prefill_128_ms": round(ft["prefill"], 2),
+                      "peak_rss_mb": None if args.no_rss else round(rss_child(name, weights), 1)})
+                del model
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

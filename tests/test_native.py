@@ -1,0 +1,188 @@
+"""Native weights: the GGUF's own blocks through ggml's kernels, against dequantized references, and
+every lossless strategy equal to `ar` under each weight format."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from viasd.api import generate
+from viasd.errors import UsageError
+from viasd.models import ggml_kernels as gk
+from viasd.models.loading import load_model
+from viasd.models.native import native_names, quantize
+from viasd.models.runtime import Decoder
+
+from conftest import run_ar, write_tiny_gguf
+
+Q8_0, Q4_0, Q4_1 = 8, 2, 3
+
+
+def _native(w: torch.Tensor, ggml_type: int) -> gk.NativeTensor:
+    return next(iter(quantize({"w": w}, None, ggml_type, names=["w"]).values()))
+
+
+@pytest.mark.parametrize("ggml_type", [Q8_0, Q4_0, Q4_1, gk.F32])
+def test_quant_linear_is_the_product_with_the_dequantized_weight(ggml_type):
+    g = torch.Generator().manual_seed(0)
+    w = torch.randn(96, 64, generator=g)
+    native = _native(w, ggml_type)
+    ref_w = native.dequantize()  # ggml's own dequantization of the stored blocks
+    if ggml_type == gk.F32:
+        assert torch.equal(ref_w, w)
+    else:
+        assert 0 < (ref_w - w).abs().max() < 0.1 * w.abs().max()  # quantized: close, not equal
+    lin = gk.QuantLinear([native])
+    for rows in (1, 3, 8, 70):  # 70: past the cached graphs
+        x = torch.randn(rows, 64, generator=g)
+        ref = x @ ref_w.T
+        # ggml quantizes activations to 8 bits per block as llama.cpp does: within ~1% of the scale
+        tol = 1e-5 if ggml_type == gk.F32 else 0.02
+        assert (lin(x) - ref).abs().max() <= tol * ref.abs().max()
+        assert torch.equal(lin(x[:1]), lin(x)[:1]) or ggml_type == gk.F32  # rows are independent
+
+
+def test_quant_linear_parts_of_different_types_fill_their_columns():
+    g = torch.Generator().manual_seed(1)
+    a, b, c = torch.randn(32, 64, generator=g), torch.randn(16, 64, generator=g), torch.randn(48, 64, generator=g)
+    parts = [_native(a, Q8_0), _native(b, Q8_0), _native(c, Q4_0)]
+    lin = gk.QuantLinear(parts, bias=torch.arange(96.0))
+    assert len(lin.parts) == 2 and lin.out_features == 96  # the two Q8_0 parts merged into one product
+    x = torch.randn(5, 64, generator=g)
+    y = lin(x)
+    for part, cols in zip(lin.parts, (slice(0, 48), slice(48, 96))):
+        assert torch.equal(y[:, cols], gk.QuantLinear([part], bias=torch.arange(96.0)[cols])(x))
+
+
+def test_quant_embedding_rows_and_range():
+    w = torch.randn(50, 32, generator=torch.Generator().manual_seed(2))
+    native = _native(w, Q8_0)
+    emb = gk.QuantEmbedding(native)
+    full = native.dequantize()
+    assert torch.equal(emb(torch.tensor([3, 0, 49, 3])), full[[3, 0, 49, 3]])
+    with pytest.raises(IndexError, match=r"out of range \[0, 50\)"):
+        emb(torch.tensor([50]))
+
+
+# ------------------------------------------------------------------ the tiny model in a native format
+
+@pytest.fixture(scope="module", params=[Q8_0, Q4_0])
+def tiny_native(request, tiny):
+    """The tiny Llama with its projections, embedding and head quantized by ggml."""
+    from viasd.models.loading import LoadedModel, load_state_dict
+
+    state = load_state_dict(tiny.path)
+    native = quantize(state, tiny.config, request.param)
+    assert set(native) == set(native_names(tiny.config)) - ({"lm_head.weight"} if "lm_head.weight" not in state else set())
+    decoder = Decoder.from_state_dict(tiny.config, state, native=native)
+    assert decoder.native
+    return LoadedModel(name="tiny-native", path=tiny.path, config=tiny.config, decoder=decoder, tokenizer=tiny.tokenizer,
+                       weights="native")
+
+
+LOSSLESS = [("pld", {}), ("self-sd", {}), ("viasd", dict(mode="lossless", draft="pld")),
+            ("viasd", dict(mode="lossless", draft="self"))]
+
+
+def test_tiny_native_lossless_strategies_equal_ar(tiny_native):
+    prompt = [1, 5, 6, 7, 5, 6, 7, 5, 6]
+    expected = run_ar(tiny_native, prompt, 24)
+    for strategy, extra in LOSSLESS:
+        res = generate(prompt, tiny_native, strategy=strategy, max_new_tokens=24, k=4, **extra)
+        assert res.token_ids == expected, (strategy, extra)
+
+
+def test_tiny_native_cache_matches_cache_free_reference(tiny_native):
+    from conftest import reference_logits
+    from viasd.models.runtime import LayerMask
+
+    tokens = list(range(3, 30))
+    dec = tiny_native.decoder
+    cache = dec.new_cache(len(tokens))
+    ids = torch.tensor(tokens)
+    out = torch.cat([dec.forward(ids[:20], 0, cache), dec.forward(ids[20:21], 20, cache), dec.forward(ids[21:], 21, cache)])
+    assert torch.allclose(out, reference_logits(tiny_native, tokens, 0, None), atol=1e-4)
+    route = LayerMask.from_layers(dec.config.n_layers, [0])
+    routed = dec.forward(ids[20:24], 20, _prefilled(dec, ids, 20), route=route)
+    assert torch.allclose(routed, reference_logits(tiny_native, tokens[:24], 20, route), atol=1e-4)
+
+
+def _prefilled(dec, ids, n):
+    cache = dec.new_cache(len(ids))
+    dec.forward(ids[:n], 0, cache)
+    return cache
+
+
+# ------------------------------------------------------------------ smollm2-135m: the file's own Q4_1 blocks
+
+@pytest.mark.model
+def test_native_weights_are_the_files_blocks(smollm2):
+    """ggml's dequantization of the native weights equals transformers' of the same GGUF: the names,
+    the Q/K row order (llama.cpp permutes it) and the blocks are the file's."""
+    plain = load_model("smollm2-135m", progress=False, weights="float32", pack=False)  # unpacked: .weight readable
+    assert smollm2.weights == "native" and smollm2.decoder.native and not plain.decoder.native
+    for i in (0, 17):
+        for name in ("qkv", "o", "gate_up", "down"):
+            ours = torch.cat([p.dequantize() for p in getattr(smollm2.decoder.layers[i], name).parts])
+            assert torch.allclose(ours, getattr(plain.decoder.layers[i], name).weight, atol=1e-6), (i, name)
+    ids = torch.tensor([1, 9690, 198, 2683])
+    assert torch.allclose(smollm2.decoder.embed(ids), plain.decoder.embed(ids), atol=1e-6)
+
+
+def test_native_from_a_gguf_file_reads_its_blocks(fake_gguf):
+    """A GGUF of the tiny model as llama.cpp lays it out (Q/K rows permuted, Q8_0 blocks): the native
+    load puts the rows back in transformers' order."""
+    native = load_model(str(fake_gguf), progress=False)
+    plain = load_model(str(fake_gguf), progress=False, weights="float32", pack=False)
+    assert native.weights == "native" and plain.weights == "float32"
+    for layer, ref in zip(native.decoder.layers, plain.decoder.layers):
+        w = torch.cat([p.dequantize() for p in layer.qkv.parts])
+        assert (w - ref.qkv.weight).abs().max() < 0.02  # Q8_0 of the same rows, in the same order
+    # the same file with float32 tensors: the native path (names, row order, embedding, tied head)
+    # computes the float model's logits
+    f32 = load_model(str(write_tiny_gguf(fake_gguf.parent / "tiny-f32.gguf", plain.path, "F32")), progress=False)
+    assert f32.weights == "native" and f32.decoder.native
+    ids = torch.arange(1, 40)
+    a = f32.decoder.forward(ids, 0, f32.decoder.new_cache(40))
+    b = plain.decoder.forward(ids, 0, plain.decoder.new_cache(40))
+    assert (a - b).abs().max() < 1e-4
+
+
+@pytest.mark.model
+@pytest.mark.parametrize("weights", ["native", "float32", "bfloat16"])
+def test_smollm2_lossless_strategies_equal_ar_per_weight_format(weights, smollm2, smollm2_f32):
+    model = {"native": smollm2, "float32": smollm2_f32}.get(weights) or load_model("smollm2-135m", progress=False, weights=weights)
+    assert model.weights == weights
+    prompt = model.encode("List the days of the week: Monday, Tuesday, Wednesday,")
+    expected = run_ar(model, prompt, 24, model.eos_token_ids)
+    for strategy, extra in LOSSLESS:
+        res = generate(prompt, model, strategy=strategy, max_new_tokens=24, k=4, **extra)
+        assert res.token_ids == expected, (weights, strategy, extra)
+
+
+# ------------------------------------------------------------------ choosing the format
+
+def test_native_on_a_float_directory_runs_its_own_float_weights(tiny):
+    assert tiny.weights == "float32" and not tiny.decoder.native
+    assert load_model(str(tiny.path), progress=False, weights="native").weights == "float32"
+
+
+def test_weights_and_dtype_errors(tiny):
+    with pytest.raises(UsageError, match="weights must be one of native, float32, bfloat16, float16, got 'int4'"):
+        load_model(str(tiny.path), weights="int4")
+    with pytest.raises(UsageError, match="disagree"):
+        load_model(str(tiny.path), weights="float32", dtype=torch.bfloat16)
+    assert load_model(str(tiny.path), progress=False, dtype=torch.bfloat16).weights == "bfloat16"
+
+
+def test_without_the_ggml_kernels_native_falls_back_or_says_why(fake_gguf, monkeypatch, capsys):
+    def missing():
+        raise gk.NativeWeightsUnavailable("native weights need the ggml kernels (the ggml-py package)")
+
+    monkeypatch.setattr(gk, "available", lambda: False)
+    monkeypatch.setattr(gk, "lib", missing)
+    model = load_model(str(fake_gguf), progress=False)  # the default: float32, said on stderr
+    assert model.weights == "float32"
+    assert "native weights need the ggml kernels" in capsys.readouterr().err
+    with pytest.raises(UsageError, match="ggml-py"):
+        load_model(str(fake_gguf), progress=False, weights="native")
