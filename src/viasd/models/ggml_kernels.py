@@ -119,6 +119,7 @@ class _Lib:
         self.graph_overhead_custom = fn("ggml_graph_overhead_custom", ctypes.c_size_t, ctypes.c_size_t, ctypes.c_bool)
         self.new_tensor_1d = fn("ggml_new_tensor_1d", _T, _P, ctypes.c_int, ctypes.c_int64)
         self.new_tensor_2d = fn("ggml_new_tensor_2d", _T, _P, ctypes.c_int, ctypes.c_int64, ctypes.c_int64)
+        self.new_tensor_3d = fn("ggml_new_tensor_3d", _T, _P, ctypes.c_int, ctypes.c_int64, ctypes.c_int64, ctypes.c_int64)
         self.mul_mat = fn("ggml_mul_mat", _T, _P, _T, _T)
         self.get_rows = fn("ggml_get_rows", _T, _P, _T, _T)
         self.new_graph_custom = fn("ggml_new_graph_custom", _P, _P, ctypes.c_size_t, ctypes.c_bool)
@@ -139,6 +140,11 @@ class _Lib:
         self.view_2d = fn("ggml_view_2d", _T, _P, _T, ctypes.c_int64, ctypes.c_int64, ctypes.c_size_t, ctypes.c_size_t)
         self.view_3d = fn("ggml_view_3d", _T, _P, _T, ctypes.c_int64, ctypes.c_int64, ctypes.c_int64, ctypes.c_size_t,
                           ctypes.c_size_t, ctypes.c_size_t)
+        self.scale = fn("ggml_scale", _T, _P, _T, ctypes.c_float)
+        self.permute = fn("ggml_permute", _T, _P, _T, ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_int)
+        self.reshape_2d = fn("ggml_reshape_2d", _T, _P, _T, ctypes.c_int64, ctypes.c_int64)
+        self.set_rows = fn("ggml_set_rows", _T, _P, _T, _T, _T)
+        self.flash_attn_ext = fn("ggml_flash_attn_ext", _T, _P, _T, _T, _T, _T, ctypes.c_float, ctypes.c_float, ctypes.c_float)
         self.rope_ext = fn("ggml_rope_ext", _T, _P, _T, _T, _T, ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_float,
                            ctypes.c_float, ctypes.c_float, ctypes.c_float, ctypes.c_float, ctypes.c_float)
         self.graph_plan = fn("ggml_graph_plan", _CPlan, _P, ctypes.c_int, _P)
@@ -186,46 +192,37 @@ def row_bytes(ggml_type: int, n: int) -> int:
     return int(lib().row_size(ggml_type, n))
 
 
-class _Arena:
-    """Memory for the intermediate tensors of cached graphs. Graphs run one at a time (`RUN_LOCK`) and
-    copy nothing out of it but their outputs, so every graph lays its intermediates out from the start
-    of the same arena; a graph needing more than the arena holds gets a new, larger one (older graphs
-    keep the one they were built on)."""
-
-    def __init__(self):
-        self.buffers = [torch.empty(0, dtype=torch.uint8)]  # the last is current; graphs still use the others
-
-    def at_least(self, nbytes: int) -> int:
-        if nbytes > self.buffers[-1].numel():
-            self.buffers.append(torch.empty(max(nbytes, 2 * self.buffers[-1].numel()), dtype=torch.uint8))
-        return self.buffers[-1].data_ptr()
+RUN_LOCK = threading.Lock()  # one graph at a time: they share the thread pool
 
 
-_ARENA = _Arena()
-RUN_LOCK = threading.Lock()  # one graph at a time: they share the arena and the thread pool
+def _addr(t: _T) -> int:
+    return ctypes.addressof(t.contents)
 
 
 class _Graph:
-    """One ggml graph over a no-alloc context, with its plan and work buffer; run() computes it.
+    """One ggml graph over a no-alloc context, with its plan, work buffer and memory; run() computes it.
 
-    Leaves are bound to memory the caller owns (weights, norms, and the per-call inputs and outputs,
-    rebound before each run); every other node gets a fixed place in an arena when the graph is
-    finished: the shared one for graphs that are kept (`shared`), else one of its own.
+    Leaves are bound to memory the caller owns: weights and norms once (`f32`, `NativeTensor._bind`),
+    per-call inputs and outputs before each run (`bind`). Every other node gets a place in the
+    graph's own buffer when it is finished, reused once the node is no longer read (liveness, in
+    execution order, as ggml's graph allocator does); views point into what they view, and views
+    of a per-call leaf (a KV cache written in place) are re-pointed by `bind`.
     """
 
-    def __init__(self, n_tensors: int, n_nodes: int = 16, shared: bool = True):
+    def __init__(self, n_tensors: int, n_nodes: int = 16):
         g = lib()
         self._mem = torch.empty(n_tensors * g.tensor_overhead() + g.graph_overhead_custom(n_nodes, False) + 1024, dtype=torch.uint8)
         self.ctx = g.init(_InitParams(self._mem.numel(), self._mem.data_ptr(), True))
         self.graph = g.new_graph_custom(self.ctx, n_nodes, False)
         self.plan: _CPlan | None = None
         self._work: torch.Tensor | None = None
-        self._shared = shared
-        self._own: torch.Tensor | None = None
+        self._buffer: torch.Tensor | None = None
+        self._fixups: dict[int, list[tuple[_Tensor, int]]] = {}  # per-call leaf -> [(view, offset)]
 
     def tensor(self, ggml_type: int, *ne: int) -> _T:
         g = lib()
-        return g.new_tensor_1d(self.ctx, ggml_type, *ne) if len(ne) == 1 else g.new_tensor_2d(self.ctx, ggml_type, *ne)
+        make = {1: g.new_tensor_1d, 2: g.new_tensor_2d, 3: g.new_tensor_3d}[len(ne)]
+        return make(self.ctx, ggml_type, *ne)
 
     def f32(self, t: torch.Tensor) -> _T:
         """A leaf over a float32 torch tensor's memory (1-D or 2-D, contiguous; the caller keeps it alive)."""
@@ -235,37 +232,80 @@ class _Graph:
         leaf.contents.data = t.data_ptr()
         return leaf
 
-    def finish(self, *outputs: _T) -> None:
+    def finish(self, *outputs: _T, expand: tuple[_T, ...] = ()) -> None:
+        """Close the graph on `outputs` (bound per call) and lay out its intermediate nodes.
+        `expand`: nodes to run, in this order, before anything the outputs need (KV cache writes)."""
         g = lib()
-        for out in outputs:
-            g.build_forward_expand(self.graph, out)
-        keep = {ctypes.addressof(o.contents) for o in outputs}
+        for t in (*expand, *outputs):
+            g.build_forward_expand(self.graph, t)
         nodes = [g.graph_node(self.graph, i) for i in range(g.graph_n_nodes(self.graph))]
-        offsets, total = [], 0
-        for node in nodes:  # bump allocation, 64-byte aligned, in execution order
+        per_call = {_addr(o) for o in outputs}
+        root = lambda t: t.view_src or ctypes.addressof(t)  # noqa: E731  (view_src is always the root)
+        last_use: dict[int, int] = {}
+        for j, node in enumerate(nodes):
             t = node.contents
-            if t.view_src or ctypes.addressof(t) in keep:
-                offsets.append(None)
-                continue
-            offsets.append(total)
-            total += (g.nbytes(node) + 63) // 64 * 64
-        if self._shared:
-            base = _ARENA.at_least(total)
-        else:
-            self._own = torch.empty(max(total, 1), dtype=torch.uint8)
-            base = self._own.data_ptr()
-        for node, offset in zip(nodes, offsets):
+            last_use[root(t)] = max(last_use.get(root(t), j), j)
+            for src in t.src:
+                if src:
+                    r = root(ctypes.cast(src, _T).contents)
+                    last_use[r] = max(last_use.get(r, j), j)
+        free: list[tuple[int, int]] = []  # (offset, size) blocks, sorted by offset
+        top = 0
+
+        def alloc(size: int) -> int:
+            nonlocal top
+            for i, (off, sz) in enumerate(free):
+                if sz >= size:
+                    free[i : i + 1] = [(off + size, sz - size)] if sz > size else []
+                    return off
+            top += size
+            return top - size
+
+        def release(off: int, size: int) -> None:
+            free.append((off, size))
+            free.sort()
+            merged = [free[0]]
+            for o, sz in free[1:]:
+                if merged[-1][0] + merged[-1][1] == o:
+                    merged[-1] = (merged[-1][0], merged[-1][1] + sz)
+                else:
+                    merged.append((o, sz))
+            free[:] = merged
+
+        offsets: dict[int, int] = {}
+        live: dict[int, tuple[int, int]] = {}  # root -> (offset, size) while it is still read
+        for j, node in enumerate(nodes):
             t = node.contents
-            if offset is not None:
-                t.data = base + offset
-            elif t.view_src:
+            a = ctypes.addressof(t)
+            if not t.view_src and a not in per_call and not t.data:
+                size = (g.nbytes(node) + 63) // 64 * 64
+                offsets[a] = alloc(size)
+                live[a] = (offsets[a], size)
+            for r in [r for r in live if last_use.get(r, -1) <= j]:  # read for the last time by node j
+                release(*live.pop(r))
+        self._buffer = torch.empty(max(top, 1), dtype=torch.uint8)
+        base = self._buffer.data_ptr()
+        for node in nodes:
+            t = node.contents
+            if ctypes.addressof(t) in offsets:
+                t.data = base + offsets[ctypes.addressof(t)]
+        for node in nodes:
+            t = node.contents
+            if t.view_src:
                 src = ctypes.cast(t.view_src, _T).contents
-                if not src.data:
-                    raise ValueError("a view of a per-call input or output cannot be laid out ahead")
-                t.data = src.data + t.view_offs
+                if src.data:
+                    t.data = src.data + t.view_offs
+                else:  # a view of a per-call leaf
+                    self._fixups.setdefault(t.view_src, []).append((t, t.view_offs))
         self.plan = g.graph_plan(self.graph, g.n_threads, g.threadpool)
         self._work = torch.empty(max(self.plan.work_size, 1), dtype=torch.uint8)
         self.plan.work_data = self._work.data_ptr()
+
+    def bind(self, leaf: _T, ptr: int) -> None:
+        """Point a per-call leaf (or output) at `ptr`, and the views of it with it."""
+        leaf.contents.data = ptr
+        for view, offset in self._fixups.get(_addr(leaf), ()):
+            view.data = ptr + offset
 
     def run(self) -> None:
         with RUN_LOCK:
@@ -336,7 +376,7 @@ class QuantLinear:
         return sum(p.nbytes for p in self.parts)
 
     def _build(self, n_rows: int) -> tuple[_Graph, _T, list[_T]]:
-        graph = _Graph(n_tensors=2 * len(self.parts) + 1, shared=n_rows <= _PLAN_CACHE_ROWS)
+        graph = _Graph(n_tensors=2 * len(self.parts) + 1)
         x = graph.tensor(F32, self.in_features, n_rows)
         outs, offset = [], 0
         for p in self.parts:
@@ -375,7 +415,7 @@ class QuantEmbedding:
         self._graphs: dict[int, tuple[_Graph, _T, _T]] = {}
 
     def _build(self, n: int) -> tuple[_Graph, _T, _T]:
-        graph = _Graph(n_tensors=3, shared=n <= _PLAN_CACHE_ROWS)
+        graph = _Graph(n_tensors=3)
         ids = graph.tensor(I32, n)
         y = lib().get_rows(graph.ctx, self.table._bind(graph), ids)
         graph.finish(y)
@@ -396,134 +436,3 @@ class QuantEmbedding:
         graph.run()
         return out
 
-
-_ROPE_NEOX = 2  # rotate-half RoPE, as transformers applies it to every family here
-
-
-class NativeLayer:
-    """The dense math of one decoder layer in the file's format, as ggml graphs: one graph from the
-    layer input to the roped Q, K and V (norm, projections, bias, Q/K norms, RoPE), one from the
-    attention output to the layer output (output projection, residual, MLP; or either part alone
-    when a route skips the other). Attention and the KV cache stay with the runtime's forward pass.
-
-    Every row is computed on its own (ggml's quantized products quantize and multiply each row
-    separately), so a row's result does not depend on the other rows of its pass.
-    """
-
-    def __init__(self, layer, cfg, positions: torch.Tensor):
-        self.layer, self.cfg = layer, cfg
-        self.positions = positions  # [max_positions] int32: RoPE positions are a slice of it
-        self.theta = cfg.rope_theta if layer.rope == 0 else cfg.rope_local_theta
-        self.freq_scale = 1.0 / cfg.rope_factor if layer.rope == 0 else 1.0
-        self._graphs: dict[tuple, tuple] = {}
-        self._keep: list[torch.Tensor] = []  # torch memory the graphs' leaves point into
-
-    # ---------------------------------------------------------------- building
-    def _f32(self, graph: _Graph, t: torch.Tensor) -> _T:
-        t = t.to(torch.float32).contiguous()
-        self._keep.append(t)
-        return graph.f32(t)
-
-    def _segments(self, graph: _Graph, lin: QuantLinear, x: _T, sizes: list[int], n_rows: int) -> list[_T]:
-        """The products of `lin` with x, cut into consecutive output segments of `sizes` rows (views
-        into the part that holds each; a segment never straddles two parts), bias added."""
-        g = lib()
-        outs, segs, part_i, used = [g.mul_mat(graph.ctx, p._bind(graph), x) for p in lin.parts], [], 0, 0
-        offset = 0
-        for size in sizes:
-            while used >= lin.parts[part_i].rows:
-                part_i, used = part_i + 1, 0
-            part, out = lin.parts[part_i], outs[part_i]
-            if used + size > part.rows:
-                raise ValueError("an output segment straddles two weight parts")
-            seg = out if size == part.rows else g.view_2d(graph.ctx, out, size, n_rows, out.contents.nb[1], used * 4)
-            if lin.bias is not None:
-                seg = g.add(graph.ctx, seg, self._f32(graph, lin.bias[offset : offset + size]))
-            segs.append(seg)
-            used, offset = used + size, offset + size
-        return segs
-
-    def _norm(self, graph: _Graph, x: _T, weight: torch.Tensor) -> _T:
-        g = lib()
-        return g.mul(graph.ctx, g.rms_norm(graph.ctx, x, self.cfg.rms_eps), self._f32(graph, weight))
-
-    def _heads(self, graph: _Graph, seg: _T, n_heads: int, n_rows: int, norm: torch.Tensor | None, pos: _T) -> _T:
-        g, d = lib(), self.cfg.head_dim
-        t = g.view_3d(graph.ctx, seg, d, n_heads, n_rows, d * 4, seg.contents.nb[1], 0)  # [T, heads, d]
-        if norm is not None:
-            t = self._norm(graph, t, norm)
-        return g.rope_ext(graph.ctx, t, pos, None, d, _ROPE_NEOX, 0, self.theta, self.freq_scale, 0.0, 1.0, 32.0, 1.0)
-
-    def _build_in(self, n_rows: int, shared: bool):
-        g, cfg, layer = lib(), self.cfg, self.layer
-        graph = _Graph(n_tensors=64, n_nodes=64, shared=shared)
-        x, pos = graph.tensor(F32, cfg.hidden, n_rows), graph.tensor(I32, n_rows)
-        h = self._norm(graph, x, layer.attn_norm)
-        nq, nkv = cfg.n_heads * cfg.head_dim, cfg.n_kv_heads * cfg.head_dim
-        q, k, v = self._segments(graph, layer.qkv, h, [nq, nkv, nkv], n_rows)
-        q = self._heads(graph, q, cfg.n_heads, n_rows, layer.q_norm, pos)
-        k = self._heads(graph, k, cfg.n_kv_heads, n_rows, layer.k_norm, pos)
-        v = g.cont(graph.ctx, v)
-        graph.finish(q, k, v)
-        return graph, (x, pos), (q, k, v)
-
-    def _build_out(self, n_rows: int, shared: bool, attn: bool, mlp: bool):
-        g, cfg, layer = lib(), self.cfg, self.layer
-        graph = _Graph(n_tensors=64, n_nodes=64, shared=shared)
-        x = graph.tensor(F32, cfg.hidden, n_rows)
-        inputs = [x]
-        if attn:
-            a_in = graph.tensor(F32, cfg.n_heads * cfg.head_dim, n_rows)
-            inputs.append(a_in)
-            (a,) = self._segments(graph, layer.o, a_in, [cfg.hidden], n_rows)
-            if layer.post_attn_norm is not None:
-                a = self._norm(graph, a, layer.post_attn_norm)
-            x = g.add(graph.ctx, x, a)
-        if mlp:
-            h = self._norm(graph, x, layer.mlp_norm)
-            gate, up = self._segments(graph, layer.gate_up, h, [cfg.intermediate, cfg.intermediate], n_rows)
-            act = (g.swiglu_split if cfg.activation == "silu" else g.geglu_split)(graph.ctx, gate, up)
-            (m,) = self._segments(graph, layer.down, act, [cfg.hidden], n_rows)
-            if layer.post_mlp_norm is not None:
-                m = self._norm(graph, m, layer.post_mlp_norm)
-            x = g.add(graph.ctx, x, m)
-        graph.finish(x)
-        return graph, inputs, x
-
-    def _get(self, key: tuple, n_rows: int, build):
-        built = self._graphs.get(key)
-        if built is None:
-            built = build(n_rows, n_rows <= _PLAN_CACHE_ROWS)
-            if n_rows <= _PLAN_CACHE_ROWS:
-                self._graphs[key] = built
-        return built
-
-    # ---------------------------------------------------------------- calls
-    def attn_in(self, x: torch.Tensor, start: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """x [T, hidden] at positions start.. -> q [T, n_heads, d], k and v [T, n_kv_heads, d] (q, k roped)."""
-        cfg, n = self.cfg, x.shape[0]
-        graph, (xt, pos), outs = self._get(("in", n), n, self._build_in)
-        x = x.contiguous()
-        q = torch.empty(n, cfg.n_heads, cfg.head_dim)
-        k, v = torch.empty(n, cfg.n_kv_heads, cfg.head_dim), torch.empty(n, cfg.n_kv_heads, cfg.head_dim)
-        xt.contents.data, pos.contents.data = x.data_ptr(), self.positions.data_ptr() + 4 * start
-        for t, out in zip(outs, (q, k, v)):
-            t.contents.data = out.data_ptr()
-        graph.run()
-        return q, k, v
-
-    def out(self, x: torch.Tensor, attn: torch.Tensor | None, mlp: bool) -> torch.Tensor:
-        """The layer's output from its input x [T, hidden]: + attention output `attn` [T, n_heads * d]
-        through the output projection (when given), then + the MLP (when `mlp`)."""
-        n = x.shape[0]
-        key = ("out", n, attn is not None, mlp)
-        graph, inputs, y = self._get(key, n, lambda rows, shared: self._build_out(rows, shared, attn is not None, mlp))
-        x = x.contiguous()
-        inputs[0].contents.data = x.data_ptr()
-        if attn is not None:
-            attn = attn.contiguous()
-            inputs[1].contents.data = attn.data_ptr()
-        out = torch.empty_like(x)
-        y.contents.data = out.data_ptr()
-        graph.run()
-        return out

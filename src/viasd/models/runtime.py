@@ -29,7 +29,8 @@ import torch
 import torch.nn.functional as F
 
 from viasd.errors import UnsupportedArchitectureError
-from viasd.models.ggml_kernels import NativeLayer, NativeTensor, QuantEmbedding, QuantLinear
+from viasd.models import ggml_forward
+from viasd.models.ggml_kernels import NativeTensor, QuantEmbedding, QuantLinear
 
 SUPPORTED_ARCHITECTURES = ("llama", "qwen2", "mistral", "gemma2", "gemma3", "gemma3_text", "t5")
 # model_type -> family: one forward pass per family, switched by ModelConfig fields
@@ -332,7 +333,6 @@ class _Layer:
     k_norm: torch.Tensor | None = None  # [head_dim]
     sliding: bool = False  # a sliding-window layer
     rope: int = 0  # which RoPE table (0 global, 1 local)
-    native: NativeLayer | None = None  # its dense math as ggml graphs (weights in the file's format)
 
 
 def _rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -383,6 +383,7 @@ class Decoder:
     device: torch.device
     _cos: torch.Tensor = field(repr=False)  # [n_tables, max_positions, head_dim]: global, then local RoPE
     _sin: torch.Tensor = field(repr=False)
+    _graph: "ggml_forward.NativeForward | None" = field(default=None, repr=False)  # native weights: the pass as a ggml graph
 
     @classmethod
     def from_state_dict(
@@ -458,12 +459,7 @@ class Decoder:
         if any(layer.rope == 1 for layer in layers):
             tables.append(_rope_table(config.rope_local_theta, 1.0, config.head_dim, config.max_positions))
         angles = torch.stack(tables)  # [n_tables, max_positions, head_dim]
-        if native:
-            positions = torch.arange(config.max_positions, dtype=torch.int32)
-            for layer in layers:
-                if all(isinstance(lin, QuantLinear) for lin in (layer.qkv, layer.o, layer.gate_up, layer.down)):
-                    layer.native = NativeLayer(layer, config, positions)
-        return cls(
+        decoder = cls(
             config=config,
             embed=embed,
             layers=layers,
@@ -474,6 +470,9 @@ class Decoder:
             _cos=angles.cos().to(device=device, dtype=dtype),
             _sin=angles.sin().to(device=device, dtype=dtype),
         )
+        if native and ggml_forward.supports(decoder):
+            decoder._graph = ggml_forward.NativeForward(decoder)  # the whole pass as one ggml graph
+        return decoder
 
     @property
     def native(self) -> bool:
@@ -483,6 +482,8 @@ class Decoder:
     def new_cache(self, max_len: int) -> KVCache:
         if max_len > self.config.max_positions:
             raise ValueError(f"sequence of {max_len} positions exceeds the model's {self.config.max_positions}")
+        if self._graph is not None:  # rounded up: graphs are built per cache length
+            max_len = ggml_forward.cache_length(max_len, self.config.max_positions)
         return KVCache(self.config, max_len, self.dtype, self.device)
 
     @torch.inference_mode()
@@ -503,6 +504,10 @@ class Decoder:
         n_tokens = tokens.shape[0]
         route, end = begin_pass(self.config, cache, route, start, n_tokens)
         cfg = self.config
+        if self._graph is not None:
+            logits = self._graph(tokens, start, cache, route, last_only)
+            cache._commit(route, start, end)
+            return _softcap(logits, cfg.final_softcap) if cfg.final_softcap is not None else logits
 
         x = self.embed(tokens)  # [T, hidden]
         if cfg.embed_scale is not None:
@@ -531,23 +536,18 @@ class Decoder:
         gqa = cfg.n_heads != cfg.n_kv_heads
         nq, nkv, hd = cfg.n_heads * cfg.head_dim, cfg.n_kv_heads * cfg.head_dim, cfg.head_dim
         for i, layer in enumerate(self.layers):
-            attn_on, mlp_on = route is None or route.attn[i], route is None or route.mlp[i]
-            a = None  # [T, nq]: the attention output, before the output projection
-            if attn_on:
-                if layer.native is not None:  # norm, projections, Q/K norms and RoPE in one ggml graph
-                    q, k, v = layer.native.attn_in(x, start)
-                else:
-                    h = _rms_norm(x, layer.attn_norm, cfg.rms_eps)
-                    qkv = layer.qkv(h)  # [T, nq + 2 nkv]
-                    q = qkv[:, :nq].view(n_tokens, cfg.n_heads, hd)
-                    k = qkv[:, nq : nq + nkv].view(n_tokens, cfg.n_kv_heads, hd)
-                    v = qkv[:, nq + nkv :].view(n_tokens, cfg.n_kv_heads, hd)
-                    if layer.q_norm is not None:
-                        q = _rms_norm(q, layer.q_norm, cfg.rms_eps)
-                        k = _rms_norm(k, layer.k_norm, cfg.rms_eps)
-                    cos, sin = ropes[layer.rope]
-                    q = q * cos + _rotate_half(q) * sin
-                    k = k * cos + _rotate_half(k) * sin
+            if route is None or route.attn[i]:
+                h = _rms_norm(x, layer.attn_norm, cfg.rms_eps)
+                qkv = layer.qkv(h)  # [T, nq + 2 nkv]
+                q = qkv[:, :nq].view(n_tokens, cfg.n_heads, hd)
+                k = qkv[:, nq : nq + nkv].view(n_tokens, cfg.n_kv_heads, hd)
+                v = qkv[:, nq + nkv :].view(n_tokens, cfg.n_kv_heads, hd)
+                if layer.q_norm is not None:
+                    q = _rms_norm(q, layer.q_norm, cfg.rms_eps)
+                    k = _rms_norm(k, layer.k_norm, cfg.rms_eps)
+                cos, sin = ropes[layer.rope]
+                q = q * cos + _rotate_half(q) * sin
+                k = k * cos + _rotate_half(k) * sin
                 cache.k[i, :, start:end] = k.transpose(0, 1)
                 cache.v[i, :, start:end] = v.transpose(0, 1)
                 qh = q.transpose(0, 1)[None]  # [1, n_heads, T, hd]
@@ -563,17 +563,11 @@ class Decoder:
                         rows.append(_attention(qh[:, :, j : j + 1], cache.k[i, None, :, first : p + 1], cache.v[i, None, :, first : p + 1],
                                                None, scale, cfg.attn_softcap, gqa))  # [1, n_heads, 1, hd]
                     attn = rows[0] if n_tokens == 1 else torch.cat(rows, dim=2)  # [1, n_heads, T, hd]
-                a = attn[0].transpose(0, 1).reshape(n_tokens, nq)
-            if layer.native is not None:  # output projection, residuals and MLP in one ggml graph
-                if attn_on or mlp_on:
-                    x = layer.native.out(x, a, mlp_on)
-                continue
-            if attn_on:
-                a = layer.o(a)
+                a = layer.o(attn[0].transpose(0, 1).reshape(n_tokens, nq))
                 if layer.post_attn_norm is not None:
                     a = _rms_norm(a, layer.post_attn_norm, cfg.rms_eps)
                 x = x + a
-            if mlp_on:
+            if route is None or route.mlp[i]:
                 h = _rms_norm(x, layer.mlp_norm, cfg.rms_eps)
                 gate, up = layer.gate_up(h).chunk(2, dim=-1)
                 gate = F.silu(gate) if cfg.activation == "silu" else F.gelu(gate, approximate="tanh")

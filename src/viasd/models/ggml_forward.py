@@ -1,0 +1,201 @@
+"""The forward pass of a decoder with native weights, as one ggml graph.
+
+The same pass as `runtime.Decoder.forward` (the same family switches, routes and KV-cache invariant,
+which `Decoder.forward` checks before and records after calling this), built with ggml's ops so that a
+decoding step is one call into C instead of some twenty torch ops a layer: embedding lookup (and
+Gemma's scale), per layer the norm, the Q/K/V products (+ bias), Q/K norms, RoPE, the writes of K and
+V into the cache at their positions, attention, the output projection, the MLP, the residuals and
+Gemma's extra norms; then the final norm and the LM head.
+
+Graphs are built per (rows, route, last_only, cache length) and kept (a few dozen: decoding uses a
+handful of block sizes). Nothing in a graph depends on the position: token ids, RoPE positions,
+the cache rows to write and the attention masks are inputs, so one graph serves every step.
+
+Batch invariance: every op computes each row on its own, and attention (ggml's flash attention)
+runs each query row alone over exactly the keys its mask leaves visible, in key order. A row's result
+is therefore the same whether it is decoded alone or inside a block of drafts, which is what lets
+every lossless strategy equal `ar` token for token.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from typing import TYPE_CHECKING
+
+import torch
+
+from viasd.models import ggml_kernels as gk
+from viasd.models.ggml_kernels import F32, I32, QuantLinear, lib
+
+if TYPE_CHECKING:
+    from viasd.models.runtime import Decoder, KVCache, LayerMask
+
+F16, I64 = 1, 27
+_ROPE_NEOX = 2  # rotate-half RoPE, as transformers applies it to every family here
+_KEEP_GRAPHS = 48
+_CACHE_ALIGN = 256  # native caches are allocated in multiples of this many positions (fewer graphs)
+
+
+def supports(decoder: Decoder) -> bool:
+    """Whether every product of `decoder` runs on native weights (then the whole pass can be a graph)."""
+    return isinstance(decoder.lm_head, QuantLinear) and isinstance(decoder.embed, gk.QuantEmbedding) and all(
+        isinstance(lin, QuantLinear) for layer in decoder.layers for lin in (layer.qkv, layer.o, layer.gate_up, layer.down))
+
+
+def cache_length(n: int, max_positions: int) -> int:
+    return min(max_positions, -(-n // _CACHE_ALIGN) * _CACHE_ALIGN)
+
+
+class NativeForward:
+    """`decoder.forward` for native weights: logits [T, V] (or [1, V] with last_only) of `tokens` at
+    positions start.., reading and writing `cache` along `route` (None: every layer)."""
+
+    def __init__(self, decoder: Decoder):
+        self.dec = decoder
+        cfg = decoder.config
+        self.pos32 = torch.arange(cfg.max_positions, dtype=torch.int32)
+        self.pos64 = torch.arange(cfg.max_positions, dtype=torch.int64)
+        self._graphs: OrderedDict[tuple, tuple] = OrderedDict()
+        self._keep: list[torch.Tensor] = []  # float copies the graphs' leaves point into (norms, biases)
+
+    # ------------------------------------------------------------------ building blocks
+    def _f32(self, graph: gk._Graph, t: torch.Tensor) -> gk._T:
+        t = t.to(torch.float32).contiguous()
+        self._keep.append(t)
+        return graph.f32(t)
+
+    def _norm(self, graph: gk._Graph, x: gk._T, weight: torch.Tensor) -> gk._T:
+        g = lib()
+        return g.mul(graph.ctx, g.rms_norm(graph.ctx, x, self.dec.config.rms_eps), self._f32(graph, weight))
+
+    def _segments(self, graph: gk._Graph, lin: QuantLinear, x: gk._T, sizes: list[int], n_rows: int) -> list[gk._T]:
+        """x through `lin`, cut into consecutive output segments of `sizes` rows (views into the part
+        holding each; a segment never straddles two parts), bias added: [size, n_rows] each."""
+        g = lib()
+        outs = [g.mul_mat(graph.ctx, p._bind(graph), x) for p in lin.parts]
+        segs, part_i, used, offset = [], 0, 0, 0
+        for size in sizes:
+            while used >= lin.parts[part_i].rows:
+                part_i, used = part_i + 1, 0
+            part, out = lin.parts[part_i], outs[part_i]
+            if used + size > part.rows:
+                raise ValueError("an output segment straddles two weight parts")
+            seg = out if size == part.rows else g.view_2d(graph.ctx, out, size, n_rows, out.contents.nb[1], used * 4)
+            if lin.bias is not None:
+                seg = g.add(graph.ctx, seg, self._f32(graph, lin.bias[offset : offset + size]))
+            segs.append(seg)
+            used, offset = used + size, offset + size
+        return segs
+
+    def _heads(self, graph: gk._Graph, seg: gk._T, n_heads: int, n_rows: int, norm: torch.Tensor | None,
+               pos: gk._T | None, theta: float, freq_scale: float) -> gk._T:
+        """[n_heads * d, T] -> [d, n_heads, T], per-head norm and RoPE applied (when given)."""
+        g, d = lib(), self.dec.config.head_dim
+        t = g.view_3d(graph.ctx, seg, d, n_heads, n_rows, d * 4, seg.contents.nb[1], 0)
+        if norm is not None:
+            t = self._norm(graph, t, norm)
+        if pos is None:
+            return t
+        return g.rope_ext(graph.ctx, t, pos, None, d, _ROPE_NEOX, 0, theta, freq_scale, 0.0, 1.0, 32.0, 1.0)
+
+    # ------------------------------------------------------------------ the graph
+    def _build(self, n_rows: int, route: LayerMask | None, last_only: bool, max_len: int) -> tuple:
+        g, cfg, dec = lib(), self.dec.config, self.dec
+        n_layers = cfg.n_layers
+        graph = gk._Graph(n_tensors=48 * n_layers + 64, n_nodes=48 * n_layers + 64)
+        ctx = graph.ctx
+        ids, pos = graph.tensor(I32, n_rows), graph.tensor(I32, n_rows)
+        rows = graph.tensor(I64, n_rows)  # cache rows written: the positions
+        mask = graph.tensor(F16, max_len, n_rows)  # 0 where a query row sees a key, -inf elsewhere
+        local_mask = graph.tensor(F16, max_len, n_rows) if cfg.sliding_window is not None else None
+        leaves = {"ids": ids, "pos": pos, "rows": rows, "mask": mask, "local_mask": local_mask, "k": [], "v": []}
+        x = g.get_rows(ctx, dec.embed.table._bind(graph), ids)  # [hidden, T]
+        if cfg.embed_scale is not None:
+            x = g.scale(ctx, x, cfg.embed_scale)
+        nq, nkv, d = cfg.n_heads * cfg.head_dim, cfg.n_kv_heads * cfg.head_dim, cfg.head_dim
+        scale = cfg.attn_scale if cfg.attn_scale is not None else d ** -0.5
+        writes = []
+        for i, layer in enumerate(dec.layers):
+            k_cache, v_cache = graph.tensor(F32, d, max_len, cfg.n_kv_heads), graph.tensor(F32, d, max_len, cfg.n_kv_heads)
+            leaves["k"].append(k_cache)
+            leaves["v"].append(v_cache)
+            if route is None or route.attn[i]:
+                theta = cfg.rope_theta if layer.rope == 0 else cfg.rope_local_theta
+                freq_scale = 1.0 / cfg.rope_factor if layer.rope == 0 else 1.0
+                h = self._norm(graph, x, layer.attn_norm)
+                q, k, v = self._segments(graph, layer.qkv, h, [nq, nkv, nkv], n_rows)
+                q = self._heads(graph, q, cfg.n_heads, n_rows, layer.q_norm, pos, theta, freq_scale)  # [d, H, T]
+                k = self._heads(graph, k, cfg.n_kv_heads, n_rows, layer.k_norm, pos, theta, freq_scale)  # [d, Hkv, T]
+                v = self._heads(graph, v, cfg.n_kv_heads, n_rows, None, None, 0.0, 1.0)
+                # K and V rows into the cache at their positions (run before this layer's attention)
+                for cache_t, new in ((k_cache, k), (v_cache, v)):
+                    w = g.set_rows(ctx, cache_t, g.permute(ctx, new, 0, 2, 1, 3), rows)  # new: [d, T, Hkv]
+                    g.build_forward_expand(graph.graph, w)
+                    writes.append(w)
+                attn = g.flash_attn_ext(ctx, g.permute(ctx, q, 0, 2, 1, 3), k_cache, v_cache,  # q: [d, T, H]
+                                        local_mask if layer.sliding else mask, scale, 0.0, cfg.attn_softcap or 0.0)
+                (a,) = self._segments(graph, layer.o, g.reshape_2d(ctx, attn, nq, n_rows), [cfg.hidden], n_rows)
+                if layer.post_attn_norm is not None:
+                    a = self._norm(graph, a, layer.post_attn_norm)
+                x = g.add(ctx, x, a)
+            if route is None or route.mlp[i]:
+                h = self._norm(graph, x, layer.mlp_norm)
+                gate, up = self._segments(graph, layer.gate_up, h, [cfg.intermediate, cfg.intermediate], n_rows)
+                act = (g.swiglu_split if cfg.activation == "silu" else g.geglu_split)(ctx, gate, up)
+                (m,) = self._segments(graph, layer.down, act, [cfg.hidden], n_rows)
+                if layer.post_mlp_norm is not None:
+                    m = self._norm(graph, m, layer.post_mlp_norm)
+                x = g.add(ctx, x, m)
+        if last_only and n_rows > 1:
+            x = g.view_2d(ctx, x, cfg.hidden, 1, x.contents.nb[1], (n_rows - 1) * x.contents.nb[1])
+        x = self._norm(graph, x, dec.norm)
+        (logits,) = self._segments(graph, dec.lm_head, x, [dec.lm_head.out_features], 1 if last_only else n_rows)
+        graph.finish(logits, expand=tuple(writes))
+        return graph, leaves, logits
+
+    # ------------------------------------------------------------------ a call
+    def _masks(self, start: int, end: int, max_len: int) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """[T, max_len] float16: 0 where query row j (position start+j) sees key p, -inf elsewhere."""
+        cfg = self.dec.config
+        q_pos = torch.arange(start, end)[:, None]
+        k_pos = torch.arange(max_len)[None, :]
+        seen = k_pos <= q_pos
+        neg = torch.tensor(float("-inf"), dtype=torch.float16)
+        zero = torch.tensor(0.0, dtype=torch.float16)
+        mask = torch.where(seen, zero, neg).contiguous()
+        local = None
+        if cfg.sliding_window is not None:
+            local = torch.where(seen & (k_pos > q_pos - cfg.sliding_window), zero, neg).contiguous()
+        return mask, local
+
+    def __call__(self, tokens: torch.Tensor, start: int, cache: KVCache, route: LayerMask | None, last_only: bool) -> torch.Tensor:
+        n_rows, end = tokens.shape[0], start + tokens.shape[0]
+        max_len = cache.k.shape[2]
+        key = (n_rows, route, last_only and n_rows > 1, max_len)
+        built = self._graphs.get(key)
+        if built is None:
+            built = self._build(n_rows, route, key[2], max_len)
+            self._graphs[key] = built
+            if len(self._graphs) > _KEEP_GRAPHS:
+                self._graphs.popitem(last=False)
+        else:
+            self._graphs.move_to_end(key)
+        graph, leaves, logits_t = built
+        ids = tokens.to(torch.int32).contiguous()
+        if ids.numel() and (int(ids.min()) < 0 or int(ids.max()) >= self.dec.embed.table.rows):
+            raise IndexError(f"token id out of range [0, {self.dec.embed.table.rows})")
+        mask, local = self._masks(start, end, max_len)
+        graph.bind(leaves["ids"], ids.data_ptr())
+        graph.bind(leaves["pos"], self.pos32.data_ptr() + 4 * start)
+        graph.bind(leaves["rows"], self.pos64.data_ptr() + 8 * start)
+        graph.bind(leaves["mask"], mask.data_ptr())
+        if local is not None:
+            graph.bind(leaves["local_mask"], local.data_ptr())
+        k_base, v_base, stride = cache.k.data_ptr(), cache.v.data_ptr(), cache.k.stride(0) * 4
+        for i in range(len(leaves["k"])):
+            graph.bind(leaves["k"][i], k_base + i * stride)
+            graph.bind(leaves["v"][i], v_base + i * stride)
+        out = torch.empty(1 if key[2] else n_rows, self.dec.lm_head.out_features)
+        graph.bind(logits_t, out.data_ptr())
+        graph.run()
+        return out
