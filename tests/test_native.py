@@ -209,7 +209,6 @@ def test_without_the_ggml_kernels_native_falls_back_or_says_why(fake_gguf, monke
     def missing():
         raise gk.NativeWeightsUnavailable("native weights need the ggml kernels (the ggml-py package)")
 
-    monkeypatch.setattr(gk, "available", lambda: False)
     monkeypatch.setattr(gk, "lib", missing)
     model = load_model(str(fake_gguf), progress=False)  # the default: float32, said on stderr
     assert model.weights == "float32"

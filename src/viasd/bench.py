@@ -203,6 +203,8 @@ def run_bench(model, drafter, methods: list[tuple[str, dict]], prompts: list[Pro
     if not todo:
         return 0
     env = environment()
+    # one id per invocation: a resumed file holds several runs, which a comparison must not mix
+    run_id = time.strftime("%Y%m%dT%H%M%S") + "-" + os.urandom(3).hex()
     available = {}
     for name, settings in methods:  # methods that cannot run here are reported, not faked
         needs_model = _draft_kind(settings, drafter is not None) is DraftKind.MODEL
@@ -217,7 +219,8 @@ def run_bench(model, drafter, methods: list[tuple[str, dict]], prompts: list[Pro
     with open(out, "a") as f:
         for prompt, (name, settings) in todo:
             bar.set_postfix_str(f"{name} on {prompt.task}/{prompt.id}" + (f", speed-up {sorted(speedups)[len(speedups) // 2]:.2f}x" if speedups else ""))
-            record = {"task": prompt.task, "prompt_id": prompt.id, "method": name, "time": time.strftime("%Y-%m-%dT%H:%M:%S")}
+            record = {"task": prompt.task, "prompt_id": prompt.id, "method": name, "time": time.strftime("%Y-%m-%dT%H:%M:%S"),
+                      "run_id": run_id, "weights": {"model": model.weights, "drafter": drafter.weights if drafter else None}}
             if available[name]:
                 record["unavailable"] = available[name]
             else:

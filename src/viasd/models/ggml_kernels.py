@@ -176,14 +176,6 @@ def lib() -> _Lib:
         return _lib
 
 
-def available() -> bool:
-    try:
-        lib()
-        return True
-    except NativeWeightsUnavailable:
-        return False
-
-
 def type_name(ggml_type: int) -> str:
     return lib().type_name(ggml_type).decode()
 

@@ -555,7 +555,7 @@ def _native_source(source: str, progress: bool, device: str, explicit: bool) -> 
     why = None
     if torch.device(device).type != "cpu":
         why = f"native weights run on the CPU, not {device}"
-    elif not ggml_kernels.available():
+    else:
         try:
             ggml_kernels.lib()
         except ggml_kernels.NativeWeightsUnavailable as e:
