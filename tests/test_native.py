@@ -120,6 +120,15 @@ def test_native_pass_is_batch_invariant(tiny_native):
             out.append(dec.forward(ids[start : start + n], start, cache))
             start += n
         assert torch.equal(torch.cat(out), whole), chunks
+    # a cache of 512 positions or more: ggml then splits a single query row's keys across threads
+    long = torch.arange(300) * 7 % 61
+    block, rows = dec.new_cache(400), dec.new_cache(400)
+    assert block.k.shape[2] >= 512
+    dec.forward(long[:290], 0, block)
+    dec.forward(long[:290], 0, rows)
+    out_block = dec.forward(long[290:], 290, block)
+    out_rows = torch.cat([dec.forward(long[j : j + 1], j, rows) for j in range(290, 300)])
+    assert torch.equal(out_block, out_rows)
 
 
 def _prefilled(dec, ids, n):

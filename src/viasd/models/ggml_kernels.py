@@ -141,6 +141,7 @@ class _Lib:
         self.view_3d = fn("ggml_view_3d", _T, _P, _T, ctypes.c_int64, ctypes.c_int64, ctypes.c_int64, ctypes.c_size_t,
                           ctypes.c_size_t, ctypes.c_size_t)
         self.scale = fn("ggml_scale", _T, _P, _T, ctypes.c_float)
+        self.concat = fn("ggml_concat", _T, _P, _T, _T, ctypes.c_int)
         self.permute = fn("ggml_permute", _T, _P, _T, ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_int)
         self.reshape_2d = fn("ggml_reshape_2d", _T, _P, _T, ctypes.c_int64, ctypes.c_int64)
         self.set_rows = fn("ggml_set_rows", _T, _P, _T, _T, _T)
