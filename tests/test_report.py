@@ -39,3 +39,26 @@ def test_report_refuses_what_is_not_bench_results(tmp_path):
     (tmp_path / "x.jsonl").write_text('{"a": 1}\n')
     with pytest.raises(UsageError, match="not `viasd bench` results"):
         load_records(tmp_path / "x.jsonl")
+
+
+def test_report_compares_within_one_run(tiny, tmp_path):
+    """A resumed bench holds several runs: the report refuses to mix their speeds, --run picks one,
+    and records from before run ids count as one run."""
+    out = tmp_path / "results.jsonl"
+    methods = parse_methods("ar,pld")
+    tasks = bench_tasks(tmp_path)
+    run_bench(tiny, None, methods, tasks[:2], out, BENCH_BASE, progress=False)
+    run_bench(tiny, None, methods, tasks, out, BENCH_BASE, progress=False)  # resumed: the third prompt
+    records = load_records(out)
+    runs = list(dict.fromkeys(r["run_id"] for r in records))
+    assert len(runs) == 2 and all(r["weights"] == {"model": "float32", "drafter": None} for r in records)
+    with pytest.raises(UsageError, match=r"holds 2 bench runs: .*\(4 records\), .*\(2 records\); .*--run ID"):
+        report(out, tmp_path / "r")
+    md, _ = report(out, tmp_path / "r", run=runs[1])
+    assert "| overall | ar | 1.00x | 1.00x |" in md.read_text()  # decode-only speed-up column
+    with pytest.raises(UsageError, match="no records of run 'nope'"):
+        report(out, tmp_path / "r", run="nope")
+    assert main(["report", str(out), "--out", str(tmp_path / "r3")]) == 2
+    legacy = tmp_path / "legacy.jsonl"
+    legacy.write_text("".join(json.dumps({k: v for k, v in r.items() if k != "run_id"}) + "\n" for r in records))
+    report(legacy, tmp_path / "r4")  # one (unnamed) run

@@ -250,7 +250,7 @@ def _report(args: argparse.Namespace) -> int:
     from viasd.report import report
     from viasd.validation import check_text
 
-    md, pngs = report(Path(check_text("results", args.results)), Path(check_text("--out", args.out)))
+    md, pngs = report(Path(check_text("results", args.results)), Path(check_text("--out", args.out)), args.run_id)
     print(md.read_text())
     print("plots: " + ", ".join(str(p) for p in pngs))
     return 0
@@ -259,6 +259,7 @@ def _report(args: argparse.Namespace) -> int:
 def _add_report(p: argparse.ArgumentParser) -> None:
     p.add_argument("results", help="JSONL written by `viasd bench`")
     p.add_argument("--out", "-o", default="report", help="directory for report.md and the plots (default: %(default)s)")
+    p.add_argument("--run", dest="run_id", metavar="ID", help="the bench run to report, when the file holds several (a resumed bench)")
 
 
 def _add_generate(p: argparse.ArgumentParser) -> None:

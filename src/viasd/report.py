@@ -86,6 +86,9 @@ def summarize(records: list[dict]) -> dict[tuple[str, str], dict]:
     """(task or "overall", method) -> aggregated figures."""
     ar = {(r["task"], r["prompt_id"]): r["stats"]["tokens_per_s"] for r in records if r["method"] == BASELINE and "stats" in r}
     ar = {k: v for k, v in ar.items() if v > 0}
+    # decode-only (the tokens after the first over the time after it; records since native weights)
+    ar_decode = {(r["task"], r["prompt_id"]): r["stats"].get("decode_tokens_per_s") for r in records if r["method"] == BASELINE and "stats" in r}
+    ar_decode = {k: v for k, v in ar_decode.items() if v}
     groups: dict[tuple[str, str], list[dict]] = defaultdict(list)
     for r in records:
         groups[(r["task"], r["method"])].append(r)
@@ -100,6 +103,8 @@ def summarize(records: list[dict]) -> dict[tuple[str, str], dict]:
         drafted = sum(r["stats"]["drafted"] for r in ok)
         accepted = sum(r["stats"]["accepted"] for r in ok)
         ratios = [r["stats"]["tokens_per_s"] / ar[(r["task"], r["prompt_id"])] for r in ok if ar.get((r["task"], r["prompt_id"]))]
+        decode = [r["stats"]["decode_tokens_per_s"] / ar_decode[(r["task"], r["prompt_id"])] for r in ok
+                  if ar_decode.get((r["task"], r["prompt_id"])) and r["stats"].get("decode_tokens_per_s")]
         tiers = defaultdict(int)
         for r in ok:
             for t, n in r["stats"].get("tiers", {}).items():
@@ -113,6 +118,7 @@ def summarize(records: list[dict]) -> dict[tuple[str, str], dict]:
         out[key] = {
             "prompts": len(ok),
             "speedup": statistics.median(ratios) if ratios else None,
+            "decode_speedup": statistics.median(decode) if decode else None,
             "tokens_per_s": statistics.median(r["stats"]["tokens_per_s"] for r in ok),
             "mean_accepted_length": sum(r["stats"]["mean_accepted_length"] for r in ok) / len(ok),
             "rejection_rate": (drafted - accepted) / drafted if drafted else 0.0,
@@ -129,21 +135,22 @@ def summarize(records: list[dict]) -> dict[tuple[str, str], dict]:
 def markdown(summary: dict[tuple[str, str], dict]) -> str:
     tasks = sorted({t for t, _ in summary if t != "overall"}) + ["overall"]
     methods = list(dict.fromkeys(m for _, m in summary))
-    lines = ["| task | method | speed-up vs ar | tok/s | mean acc. len | rejection | full-model rejection | full calls/tok | layer-passes/tok | tiers (accept/slim/full) | quality |",
-             "|---|---|---|---|---|---|---|---|---|---|---|"]
+    lines = ["| task | method | speed-up vs ar | decode-only speed-up | tok/s | mean acc. len | rejection | full-model rejection | full calls/tok | layer-passes/tok | tiers (accept/slim/full) | quality |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for task in tasks:
         for method in methods:
             s = summary.get((task, method))
             if s is None:
                 continue
             if "unavailable" in s:
-                lines.append(f"| {task} | {method} | unavailable: {s['unavailable']} | | | | | | | | |")
+                lines.append(f"| {task} | {method} | unavailable: {s['unavailable']} | | | | | | | | | |")
                 continue
             tiers = "/".join(f"{s['tier_shares'].get(t, 0):.2f}" for t in ("accept", "slim", "full")) if s["tier_shares"] else "-"
             quality = ", ".join(f"{m} {v:.3g}" for m, v in sorted(s["quality"].items())) or "-"
             speedup = f"{s['speedup']:.2f}x" if s["speedup"] is not None else "-"
             full_rej = f"{s['full_rejection_rate']:.2f}" if s["full_rejection_rate"] is not None else "-"
-            lines.append(f"| {task} | {method} | {speedup} | {s['tokens_per_s']:.1f} | {s['mean_accepted_length']:.2f} | "
+            decode = f"{s['decode_speedup']:.2f}x" if s.get("decode_speedup") is not None else "-"
+            lines.append(f"| {task} | {method} | {speedup} | {decode} | {s['tokens_per_s']:.1f} | {s['mean_accepted_length']:.2f} | "
                          f"{s['rejection_rate']:.2f} | {full_rej} | {s['full_calls_per_token']:.3f} | {s['layer_passes_per_token']:.3f} | {tiers} | {quality} |")
     return "\n".join(lines) + "\n"
 
@@ -206,7 +213,8 @@ def _save(fig, path: Path) -> Path:
 
 
 COLUMNS = """
-Columns: speed-up = median over prompts of tok/s / `ar`'s tok/s on the same prompt (same run); tok/s =
+Columns: speed-up = median over prompts of tok/s / `ar`'s tok/s on the same prompt (same run);
+decode-only speed-up = the same for the tokens after the first over the time after it; tok/s =
 median; mean acc. len = committed tokens per verification round (bonus token included); rejection =
 drafter tokens not committed / drafter tokens; full-model rejection = of the proposed tokens the full
 verifier judged (drafts in SD, the slim-verified block in lossless VIA-SD, tier-3 drafts in tiered
@@ -217,8 +225,24 @@ full model; quality = task metrics averaged over prompts.
 """
 
 
-def report(results: Path, out: Path) -> tuple[Path, list[Path]]:
+def one_run(records: list[dict], run: str | None, path: Path) -> list[dict]:
+    """The records of one bench run: speeds of different runs (another load, another day) must not
+    meet in one comparison. A file with several runs (a resumed bench) needs `run` to choose one;
+    records written before run ids existed count as one run."""
+    runs = list(dict.fromkeys(r.get("run_id") for r in records))
+    if run is not None:
+        chosen = [r for r in records if r.get("run_id") == run]
+        if not chosen:
+            raise UsageError(f"{path}: no records of run {run!r} (runs: {', '.join(str(x) for x in runs)})")
+        return chosen
+    if len(runs) > 1:
+        counts = ", ".join(f"{x} ({sum(r.get('run_id') == x for r in records)} records)" for x in runs)
+        raise UsageError(f"{path} holds {len(runs)} bench runs: {counts}; a comparison uses one run: choose it with --run ID")
+    return records
+
+
+def report(results: Path, out: Path, run: str | None = None) -> tuple[Path, list[Path]]:
     check_writable_dir(out, "report directory")  # before the work
-    summary = summarize(load_records(results))
+    summary = summarize(one_run(load_records(results), run, results))
     md = atomic_write_text(out / "report.md", f"# viasd bench report: {results.name}\n\n" + markdown(summary) + COLUMNS)
     return md, plots(summary, out)

@@ -209,6 +209,12 @@ class NativeForward:
         if ids.numel() and (int(ids.min()) < 0 or int(ids.max()) >= self.dec.embed.table.rows):
             raise IndexError(f"token id out of range [0, {self.dec.embed.table.rows})")
         mask, local = self._masks(start, end, max_len)
+        out = torch.empty(1 if key[2] else n_rows, self.dec.lm_head.out_features)
+        with gk.RUN_LOCK:  # binding and running a shared graph must not interleave between threads
+            self._bind_and_run(graph, leaves, logits_t, ids, start, cache, mask, local, out)
+        return out
+
+    def _bind_and_run(self, graph, leaves, logits_t, ids, start, cache, mask, local, out) -> None:
         graph.bind(leaves["ids"], ids.data_ptr())
         graph.bind(leaves["pos"], self.pos32.data_ptr() + 4 * start)
         graph.bind(leaves["rows"], self.pos64.data_ptr() + 8 * start)
@@ -219,7 +225,5 @@ class NativeForward:
         for i in range(len(leaves["k"])):
             graph.bind(leaves["k"][i], k_base + i * stride)
             graph.bind(leaves["v"][i], v_base + i * stride)
-        out = torch.empty(1 if key[2] else n_rows, self.dec.lm_head.out_features)
         graph.bind(logits_t, out.data_ptr())
         graph.run()
-        return out

@@ -185,7 +185,9 @@ def row_bytes(ggml_type: int, n: int) -> int:
     return int(lib().row_size(ggml_type, n))
 
 
-RUN_LOCK = threading.Lock()  # one graph at a time: they share the thread pool
+# One graph at a time: graphs share the thread pool, and a call binds its inputs and outputs to a
+# cached graph before running it, so binding and running must not interleave between threads.
+RUN_LOCK = threading.RLock()
 
 
 def _addr(t: _T) -> int:
@@ -390,11 +392,12 @@ class QuantLinear:
             self._graphs[n_rows] = built
         graph, xt, outs = built
         out = torch.empty(n_rows, self.out_features, dtype=torch.float32)
-        xt.contents.data = x.data_ptr()
-        base = out.data_ptr()
-        for y, offset in outs:
-            y.contents.data = base + offset
-        graph.run()
+        with RUN_LOCK:
+            xt.contents.data = x.data_ptr()
+            base = out.data_ptr()
+            for y, offset in outs:
+                y.contents.data = base + offset
+            graph.run()
         if self.bias is not None:
             out += self.bias
         return out.view(*shape[:-1], self.out_features)
@@ -424,8 +427,9 @@ class QuantEmbedding:
             self._graphs[n] = built
         graph, idt, y = built
         out = torch.empty(n, self.table.cols, dtype=torch.float32)
-        idt.contents.data = ids.data_ptr()
-        y.contents.data = out.data_ptr()
-        graph.run()
+        with RUN_LOCK:
+            idt.contents.data = ids.data_ptr()
+            y.contents.data = out.data_ptr()
+            graph.run()
         return out
 
