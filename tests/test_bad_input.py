@@ -354,6 +354,11 @@ def test_bench_resume_leaves_a_file_report_reads(tiny, tmp_path, capsys):
     assert n == 1
     lines = out.read_bytes().split(b"\n")
     assert lines[-1] == b"" and not any(line.startswith(b'{"task": "file:x", "prompt_id": "1", "meth') and not line.endswith(b"}") for line in lines)
-    md, _ = report(out, tmp_path / "rep")
+    from viasd.report import load_records
+
+    with pytest.raises(errors.UsageError, match="holds 2 bench runs"):  # the resumed part is a run of its own
+        report(out, tmp_path / "rep")
+    runs = list(dict.fromkeys(r["run_id"] for r in load_records(out)))
+    md, _ = report(out, tmp_path / "rep", run=runs[1])
     assert "| file:x | pld |" in md.read_text()
     assert "skipped 2 line(s)" in capsys.readouterr().err
