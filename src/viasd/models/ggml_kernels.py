@@ -2,14 +2,15 @@
 
 ggml comes from the `ggml-py` package (its C library is built from source when it is installed, for
 the CPU it is built on). That package's Python module declares ggml's structs as an older ggml laid
-them out, so this module binds the few functions it needs itself, from the headers of the pinned
-version, and checks the struct size against the library when it loads.
+them out, so this module binds the functions it needs itself, from the headers of the pinned version,
+and checks the tensor layout against the library when it loads.
 
-What runs in ggml: the linear products (`QuantLinear`: y = x @ W.T with W in the file's block format,
-activations quantized per row by ggml as llama.cpp does) and embedding lookups (`QuantEmbedding`). Each
-graph is built once per (weights, number of rows) and reused: a call sets two data pointers and runs
-it on a persistent thread pool. Everything else in the forward pass (norms, RoPE, attention, the KV
-cache, routes) stays in torch, unchanged.
+- `NativeTensor`: a 2-D weight as the file stores it (rows of quantized blocks).
+- `QuantLinear` / `QuantEmbedding`: one product / one lookup as a small cached graph per row count
+  (used on their own where a model is only partly native, and by the tests).
+- `_Graph`: a ggml graph over memory the caller owns, its intermediates laid out once with liveness
+  reuse; `models/ggml_forward.py` builds the whole forward pass as one of these.
+Graphs run one at a time on one persistent thread pool (`RUN_LOCK`).
 """
 
 from __future__ import annotations

@@ -18,6 +18,12 @@ folded in when the weights are loaded, norms after attention and MLP as well as 
 query/key norms (gemma3), attention and final logit soft-capping (gemma2), sliding-window layers
 interleaved with global ones, each kind with its own RoPE base, and `query_pre_attn_scalar`).
 The Llama path runs none of the Gemma code: each switch is a constant of the model.
+
+Weights in the model file's own format (`native`, the default for a GGUF) run the same pass as one
+ggml graph (`models/ggml_forward.py`); `Decoder.forward` still checks the route and the cache
+invariant around it. The torch code below is the float path (float32, the reference; bfloat16).
+Passes of up to ROW_ATTENTION_MAX rows attend row by row in both, so that a row's result does not
+depend on the other rows of its pass (what makes lossless strategies equal `ar` token for token).
 """
 
 from __future__ import annotations
