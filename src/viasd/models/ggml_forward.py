@@ -8,7 +8,7 @@ V into the cache at their positions, attention, the output projection, the MLP, 
 Gemma's extra norms; then the final norm and the LM head.
 
 Graphs are built per (rows, route, last_only, cache length) and kept (a few dozen: decoding uses a
-handful of block sizes). Nothing in a graph depends on the position: token ids, RoPE positions,
+handful of block sizes); a prompt's prefill graph is built, run and dropped. Nothing in a graph depends on the position: token ids, RoPE positions,
 the cache rows to write and the attention masks are inputs, so one graph serves every step.
 
 Batch invariance: every op computes each row on its own, and attention (ggml's flash attention)
@@ -33,6 +33,7 @@ if TYPE_CHECKING:
 F16, I64 = 1, 27
 _ROPE_NEOX = 2  # rotate-half RoPE, as transformers applies it to every family here
 _KEEP_GRAPHS = 48
+_KEEP_ROWS = 64  # graphs of passes up to this many rows are kept (decoding steps, drafted blocks)
 _CACHE_ALIGN = 256  # native caches are allocated in multiples of this many positions (fewer graphs)
 
 
@@ -199,9 +200,10 @@ class NativeForward:
         built = self._graphs.get(key)
         if built is None:
             built = self._build(n_rows, route, key[2], max_len)
-            self._graphs[key] = built
-            if len(self._graphs) > _KEEP_GRAPHS:
-                self._graphs.popitem(last=False)
+            if n_rows <= _KEEP_ROWS:  # a prompt's prefill (one of many lengths, large buffers) is not kept
+                self._graphs[key] = built
+                if len(self._graphs) > _KEEP_GRAPHS:
+                    self._graphs.popitem(last=False)
         else:
             self._graphs.move_to_end(key)
         graph, leaves, logits_t = built
