@@ -33,7 +33,6 @@ if TYPE_CHECKING:
 F16, I64 = 1, 27
 _ROPE_NEOX = 2  # rotate-half RoPE, as transformers applies it to every family here
 _KEEP_GRAPHS = 48
-_KEEP_ROWS = 64  # graphs of passes up to this many rows are kept (decoding steps, drafted blocks)
 _CACHE_ALIGN = 256  # native caches are allocated in multiples of this many positions (fewer graphs)
 
 
@@ -200,7 +199,7 @@ class NativeForward:
         built = self._graphs.get(key)
         if built is None:
             built = self._build(n_rows, route, key[2], max_len)
-            if n_rows <= _KEEP_ROWS:  # a prompt's prefill (one of many lengths, large buffers) is not kept
+            if n_rows <= gk.KEEP_GRAPH_ROWS:  # a prompt's prefill (one of many lengths, large buffers) is not kept
                 self._graphs[key] = built
                 if len(self._graphs) > _KEEP_GRAPHS:
                     self._graphs.popitem(last=False)

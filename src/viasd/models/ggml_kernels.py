@@ -28,7 +28,7 @@ from viasd.errors import ViasdError
 F32, F16, BF16, I32 = 0, 1, 30, 26
 GGML_MAX_DIMS, GGML_MAX_SRC, GGML_MAX_OP_PARAMS, GGML_MAX_NAME, GGML_MAX_N_THREADS = 4, 10, 64, 64, 512
 _OBJECT_SIZE = 32  # sizeof(struct ggml_object)
-_PLAN_CACHE_ROWS = 64  # graphs for up to this many rows are kept; longer (prefill) ones are built per call
+KEEP_GRAPH_ROWS = 64  # graphs for up to this many rows are kept; longer (prefill) ones are built per call
 
 
 class NativeWeightsUnavailable(ViasdError):
@@ -389,7 +389,7 @@ class QuantLinear:
         x = x.reshape(-1, self.in_features).to(torch.float32).contiguous()
         n_rows = x.shape[0]
         built = self._graphs.get(n_rows) or self._build(n_rows)
-        if n_rows <= _PLAN_CACHE_ROWS:
+        if n_rows <= KEEP_GRAPH_ROWS:
             self._graphs[n_rows] = built
         graph, xt, outs = built
         out = torch.empty(n_rows, self.out_features, dtype=torch.float32)
@@ -424,7 +424,7 @@ class QuantEmbedding:
             raise IndexError(f"token id out of range [0, {self.table.rows})")
         n = ids.numel()
         built = self._graphs.get(n) or self._build(n)
-        if n <= _PLAN_CACHE_ROWS:
+        if n <= KEEP_GRAPH_ROWS:
             self._graphs[n] = built
         graph, idt, y = built
         out = torch.empty(n, self.table.cols, dtype=torch.float32)

@@ -64,19 +64,16 @@ def settings_from_args(args: argparse.Namespace) -> dict:
 def check_args(args: argparse.Namespace) -> dict:
     """Every flag checked before a model is fetched; UsageError (exit 2) otherwise."""
     from viasd.api import GenerateConfig
+    from viasd.validation import check_float, check_int
 
     defaults = settings_from_args(args)
     GenerateConfig.from_settings(**defaults).validate()
     if not 0 <= args.port <= 65535:
         raise UsageError(f"--port must be in 0..65535, got {args.port}")
-    if args.max_queue < 0:
-        raise UsageError(f"--max-queue must be >= 0, got {args.max_queue}")
-    if args.max_body_kb < 1:
-        raise UsageError(f"--max-body-kb must be >= 1, got {args.max_body_kb}")
-    if args.drain_timeout < 0:
-        raise UsageError(f"--drain-timeout must be >= 0, got {args.drain_timeout}")
-    if args.replicas < 0:
-        raise UsageError(f"--replicas must be >= 0, got {args.replicas}")
+    check_int("--max-queue", args.max_queue, 0)
+    check_int("--max-body-kb", args.max_body_kb, 1)
+    check_float("--drain-timeout", args.drain_timeout, 0, allow_inf=True)
+    check_int("--replicas", args.replicas, 0)
     if args.ray_address and not args.replicas:
         raise UsageError("--ray-address needs --replicas N")
     if args.api_key is not None and not args.api_key.strip():
