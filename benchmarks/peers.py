@@ -149,7 +149,7 @@ def main() -> int:
     eos = set(model.eos_token_ids)
     run_id = time.strftime("%Y%m%dT%H%M%S") + "-" + uuid.uuid4().hex[:6]
     env = {**environment(), "llama_cpp_python": peer.info["version"], "llama_cpp_system_info": peer.info["system_info"],
-           "weights": model.weights}
+           "weights": model.weights, "kernels": model.kernels, "drafter_kernels": drafter.kernels if drafter else None}
 
     # warm-up (not recorded): first calls build graphs and caches
     warm = model.encode("Hello")

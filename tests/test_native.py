@@ -54,6 +54,52 @@ def test_quant_linear_parts_of_different_types_fill_their_columns():
         assert torch.equal(y[:, cols], gk.QuantLinear([part], bias=torch.arange(96.0)[cols])(x))
 
 
+def _product(w: gk.NativeTensor, x: torch.Tensor) -> torch.Tensor:
+    """x [T, in] through `w` as the forward graph multiplies it (`ggml_kernels.matmul`)."""
+    graph = gk._Graph(n_tensors=8)
+    xt = graph.tensor(gk.F32, w.cols, x.shape[0])
+    y = gk.matmul(graph, w, xt, x.shape[0])
+    graph.finish(y)
+    out = torch.empty(x.shape[0], w.rows)
+    graph.bind(xt, x.data_ptr())
+    graph.bind(y, out.data_ptr())
+    graph.run()
+    return out
+
+
+Q4_K, Q6_K = 12, 14
+
+
+def test_packed_weights_multiply_each_row_as_decoding_does():
+    """Weights in ggml's extra buffer types (AMX, CPU_REPACK: whichever this CPU has, for the types it
+    packs) give the plain kernels' products within rounding, and a block of rows gives each row
+    exactly what that row gives alone (the repacked kernels' several-row paths would not)."""
+    kinds = [name for name, _ in gk.lib().extra_buffer_types]
+    if not kinds:
+        pytest.skip("this CPU's ggml has no extra buffer type")
+    g = torch.Generator().manual_seed(3)
+    w = torch.randn(256, 512, generator=g) * 0.05
+    x = torch.randn(7, 512, generator=g)
+    packed = []
+    for kind in kinds:
+        for ggml_type in (Q4_0, Q4_1, Q8_0, Q4_K, Q6_K):
+            plain = _native(w, ggml_type)
+            ref = _product(plain, x)
+            native = _native(w, ggml_type)
+            if native.pack((kind,)) != kind:
+                assert native.packed is None
+                continue
+            packed.append((kind, ggml_type))
+            block = _product(native, x)
+            assert (block - ref).abs().max() <= 1e-4 * ref.abs().max(), (kind, ggml_type)
+            rows = torch.cat([_product(native, x[j : j + 1].clone()) for j in range(x.shape[0])])
+            assert torch.equal(block, rows), (kind, ggml_type)
+            assert torch.equal(_product(native, x[2:5].clone()), block[2:5]), (kind, ggml_type)
+    assert packed, f"none of Q4_0, Q4_1, Q8_0, Q4_K, Q6_K packed into {kinds}"
+    # Q4_0 has a repacked kernel on every x86 CPU with AVX2 and on AMX
+    assert any(t == Q4_0 for _, t in packed)
+
+
 def test_quant_embedding_rows_and_range():
     w = torch.randn(50, 32, generator=torch.Generator().manual_seed(2))
     native = _native(w, Q8_0)
@@ -76,6 +122,8 @@ def tiny_native(request, tiny):
     assert set(native) == set(native_names(tiny.config)) - ({"lm_head.weight"} if "lm_head.weight" not in state else set())
     decoder = Decoder.from_state_dict(tiny.config, state, native=native)
     assert decoder.native
+    # each product's weight packed for this CPU's kernels where it has one (AMX, CPU_REPACK), else plain
+    assert set(decoder._graph.packed) <= {name for name, _ in gk.lib().extra_buffer_types} | {"plain"}
     return LoadedModel(name="tiny-native", path=tiny.path, config=tiny.config, decoder=decoder, tokenizer=tiny.tokenizer,
                        weights="native")
 

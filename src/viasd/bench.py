@@ -220,7 +220,8 @@ def run_bench(model, drafter, methods: list[tuple[str, dict]], prompts: list[Pro
         for prompt, (name, settings) in todo:
             bar.set_postfix_str(f"{name} on {prompt.task}/{prompt.id}" + (f", speed-up {sorted(speedups)[len(speedups) // 2]:.2f}x" if speedups else ""))
             record = {"task": prompt.task, "prompt_id": prompt.id, "method": name, "time": time.strftime("%Y-%m-%dT%H:%M:%S"),
-                      "run_id": run_id, "weights": {"model": model.weights, "drafter": drafter.weights if drafter else None}}
+                      "run_id": run_id, "weights": {"model": model.weights, "drafter": drafter.weights if drafter else None},
+                      "kernels": {"model": model.kernels, "drafter": drafter.kernels if drafter else None}}
             if available[name]:
                 record["unavailable"] = available[name]
             else:

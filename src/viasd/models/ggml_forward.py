@@ -50,9 +50,19 @@ class NativeForward:
     """`decoder.forward` for native weights: logits [T, V] (or [1, V] with last_only) of `tokens` at
     positions start.., reading and writing `cache` along `route` (None: every layer)."""
 
-    def __init__(self, decoder: Decoder):
+    def __init__(self, decoder: Decoder, pack: bool = True):
         self.dec = decoder
         cfg = decoder.config
+        # the products' weights into ggml's extra buffer types where this CPU has a kernel for them
+        # (`ggml_kernels.NativeTensor.pack`); the embedding table is looked up from the plain bytes
+        self.packed: dict[str, int] = {}  # buffer type (or "plain") -> weights
+        if pack:
+            parts = {id(p): p for layer in decoder.layers for lin in (layer.qkv, layer.o, layer.gate_up, layer.down)
+                     for p in lin.parts}
+            parts.update({id(p): p for p in decoder.lm_head.parts})
+            for p in parts.values():
+                kind = p.pack() or "plain"
+                self.packed[kind] = self.packed.get(kind, 0) + 1
         self.pos32 = torch.arange(cfg.max_positions, dtype=torch.int32)
         self.pos64 = torch.arange(cfg.max_positions, dtype=torch.int64)
         self._graphs: OrderedDict[tuple, tuple] = OrderedDict()
@@ -72,7 +82,7 @@ class NativeForward:
         """x through `lin`, cut into consecutive output segments of `sizes` rows (views into the part
         holding each; a segment never straddles two parts), bias added: [size, n_rows] each."""
         g = lib()
-        outs = [g.mul_mat(graph.ctx, p._bind(graph), x) for p in lin.parts]
+        outs = [gk.matmul(graph, p, x, n_rows) for p in lin.parts]
         segs, part_i, used, offset = [], 0, 0, 0
         for size in sizes:
             while used >= lin.parts[part_i].rows:

@@ -10,6 +10,9 @@ and checks the tensor layout against the library when it loads.
   (used on their own where a model is only partly native, and by the tests).
 - `_Graph`: a ggml graph over memory the caller owns, its intermediates laid out once with liveness
   reuse; `models/ggml_forward.py` builds the whole forward pass as one of these.
+- `NativeTensor.pack` / `matmul`: a weight copied into one of ggml's extra buffer types for this CPU
+  (AMX, CPU_REPACK: the same blocks, laid out for faster kernels, as llama.cpp loads them), and
+  multiplied one row at a time (see `matmul`: that keeps every row's result independent of its block).
 Graphs run one at a time on one persistent thread pool (`RUN_LOCK`).
 """
 
@@ -83,6 +86,16 @@ class _ThreadpoolParams(ctypes.Structure):
 
 _T = ctypes.POINTER(_Tensor)
 _P = ctypes.c_void_p
+_LogCallback = ctypes.CFUNCTYPE(None, ctypes.c_int, ctypes.c_char_p, ctypes.c_void_p)
+_LOG_WARN = 3  # enum ggml_log_level: NONE, DEBUG, INFO, WARN, ERROR, CONT
+
+
+def _log(level: int, text: bytes, _data) -> None:
+    """ggml's log: warnings and errors to stderr; its debug lines (one per repacked tensor) dropped."""
+    if level >= _LOG_WARN and text:
+        import sys
+
+        sys.stderr.write(text.decode(errors="replace"))
 
 
 def _library_dir() -> Path:
@@ -149,13 +162,36 @@ class _Lib:
         self.flash_attn_ext = fn("ggml_flash_attn_ext", _T, _P, _T, _T, _T, _T, ctypes.c_float, ctypes.c_float, ctypes.c_float)
         self.rope_ext = fn("ggml_rope_ext", _T, _P, _T, _T, _T, ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_float,
                            ctypes.c_float, ctypes.c_float, ctypes.c_float, ctypes.c_float, ctypes.c_float)
+        self.reshape_3d = fn("ggml_reshape_3d", _T, _P, _T, ctypes.c_int64, ctypes.c_int64, ctypes.c_int64)
         self.graph_plan = fn("ggml_graph_plan", _CPlan, _P, ctypes.c_int, _P)
         self.graph_compute = fn("ggml_graph_compute", ctypes.c_int, _P, ctypes.POINTER(_CPlan))
         fn("ggml_cpu_init", None)()
         params = fn("ggml_threadpool_params_default", _ThreadpoolParams, ctypes.c_int)(n_threads)
         self.n_threads = n_threads
         self.threadpool = fn("ggml_threadpool_new", _P, ctypes.POINTER(_ThreadpoolParams))(ctypes.byref(params))
-        self.has = {name: bool(fn(f"ggml_cpu_has_{name}", ctypes.c_int)()) for name in ("avx2", "avx512", "avx512_bf16", "llamafile")}
+        self.has = {name: bool(fn(f"ggml_cpu_has_{name}", ctypes.c_int)())
+                    for name in ("avx2", "avx512", "avx512_bf16", "amx_int8", "llamafile")}
+        self._log_callback = _LogCallback(_log)  # kept alive: ggml calls it
+        fn("ggml_log_set", None, _LogCallback, _P)(self._log_callback, None)
+        # backend buffers: the extra buffer types that hold repacked weights
+        self.buft_name = fn("ggml_backend_buft_name", ctypes.c_char_p, _P)
+        self.buft_alloc_buffer = fn("ggml_backend_buft_alloc_buffer", _P, _P, ctypes.c_size_t)
+        self.buft_get_alloc_size = fn("ggml_backend_buft_get_alloc_size", ctypes.c_size_t, _P, _T)
+        self.buffer_get_base = fn("ggml_backend_buffer_get_base", _P, _P)
+        self.buffer_free = fn("ggml_backend_buffer_free", None, _P)
+        self.tensor_alloc = fn("ggml_backend_tensor_alloc", ctypes.c_int, _P, _T, _P)
+        self.tensor_set = fn("ggml_backend_tensor_set", None, _T, _P, ctypes.c_size_t, ctypes.c_size_t)
+        self.dev_supports_op = fn("ggml_backend_dev_supports_op", ctypes.c_bool, _P, _T)
+        reg = fn("ggml_backend_cpu_reg", _P)()
+        self.cpu_device = fn("ggml_backend_reg_dev_get", _P, _P, ctypes.c_size_t)(reg, 0)
+        get_extra = fn("ggml_backend_reg_get_proc_address", _P, _P, ctypes.c_char_p)(reg, b"ggml_backend_dev_get_extra_bufts")
+        self.extra_buffer_types: list[tuple[str, int]] = []  # (name, buffer type), ggml's order of preference
+        if get_extra:
+            types = ctypes.CFUNCTYPE(ctypes.POINTER(_P), _P)(get_extra)(self.cpu_device)
+            i = 0
+            while types and types[i]:
+                self.extra_buffer_types.append((self.buft_name(types[i]).decode(), types[i]))
+                i += 1
 
     def fn(self, name: str, res, *args):
         """Bind a function of the library: fn(name, restype, *argtypes)."""
@@ -214,6 +250,8 @@ class _Graph:
         self._work: torch.Tensor | None = None
         self._buffer: torch.Tensor | None = None
         self._fixups: dict[int, list[tuple[_Tensor, int]]] = {}  # per-call leaf -> [(view, offset)]
+        self._element_strides: list[_T] = []  # AMX row-batch products (see `matmul`)
+        self._reshaped_outputs: dict[int, _T] = {}  # output (a reshape) -> the node it reshapes
 
     def tensor(self, ggml_type: int, *ne: int) -> _T:
         g = lib()
@@ -236,6 +274,12 @@ class _Graph:
             g.build_forward_expand(self.graph, t)
         nodes = [g.graph_node(self.graph, i) for i in range(g.graph_n_nodes(self.graph))]
         per_call = {_addr(o) for o in outputs}
+        for o in outputs:  # an output that reshapes a node: the node writes where the output is bound
+            if o.contents.view_src:
+                if o.contents.view_offs or g.nbytes(o) != g.nbytes(ctypes.cast(o.contents.view_src, _T)):
+                    raise ValueError("a graph output may only be a node or a whole reshape of one")
+                self._reshaped_outputs[_addr(o)] = ctypes.cast(o.contents.view_src, _T)
+                per_call.add(o.contents.view_src)
         root = lambda t: t.view_src or ctypes.addressof(t)  # noqa: E731  (view_src is always the root)
         last_use: dict[int, int] = {}
         for j, node in enumerate(nodes):
@@ -293,6 +337,11 @@ class _Graph:
                     t.data = src.data + t.view_offs
                 else:  # a view of a per-call leaf
                     self._fixups.setdefault(t.view_src, []).append((t, t.view_offs))
+        for t in self._element_strides:
+            # ggml-py 0.10.1's AMX kernel adds a batch's byte offset to a float pointer: its output's
+            # batch stride is given in floats, now that its memory is laid out by the byte size
+            t.contents.nb[2] //= 4
+            t.contents.nb[3] //= 4
         self.plan = g.graph_plan(self.graph, g.n_threads, g.threadpool)
         self._work = torch.empty(max(self.plan.work_size, 1), dtype=torch.uint8)
         self.plan.work_data = self._work.data_ptr()
@@ -300,6 +349,8 @@ class _Graph:
     def bind(self, leaf: _T, ptr: int) -> None:
         """Point a per-call leaf (or output) at `ptr`, and the views of it with it."""
         leaf.contents.data = ptr
+        if (node := self._reshaped_outputs.get(_addr(leaf))) is not None:
+            node.contents.data = ptr
         for view, offset in self._fixups.get(_addr(leaf), ()):
             view.data = ptr + offset
 
@@ -321,6 +372,7 @@ class NativeTensor:
     def __init__(self, data: torch.Tensor, ggml_type: int, cols: int):
         self.data, self.ggml_type, self.cols = data.contiguous(), int(ggml_type), int(cols)
         self.rows = self.data.shape[0]
+        self.packed: _Packed | None = None  # a copy in an extra buffer type (`pack`)
         if self.data.dtype != torch.uint8 or self.data.dim() != 2 or self.data.shape[1] != row_bytes(self.ggml_type, cols):
             raise ValueError(f"weight data {tuple(self.data.shape)} is not {self.rows} rows of {cols} {type_name(self.ggml_type)} values")
 
@@ -343,6 +395,81 @@ class NativeTensor:
         t = graph.tensor(self.ggml_type, self.cols, self.rows)
         t.contents.data = self.data.data_ptr()
         return t
+
+    def pack(self, allowed: tuple[str, ...] | None = None) -> str | None:
+        """Copy the weight into the first of ggml's extra buffer types here that multiplies it (AMX,
+        then CPU_REPACK; `allowed` narrows them), as llama.cpp does when it loads a model: the same
+        blocks, rearranged for that CPU's kernels. Returns the type's name, or None (kept plain).
+        The plain bytes stay (embedding lookups and `dequantize` read them)."""
+        if self.packed is not None:
+            return self.packed.kind
+        g = lib()
+        for name, buft in g.extra_buffer_types:
+            if (allowed is not None and name not in allowed) or self.ggml_type in _SLOWER_PACKED.get(name, ()):
+                continue
+            mem = torch.empty(4 * g.tensor_overhead() + 1024, dtype=torch.uint8)
+            ctx = g.init(_InitParams(mem.numel(), mem.data_ptr(), True))
+            w = g.new_tensor_2d(ctx, self.ggml_type, self.cols, self.rows)
+            # does this type multiply `w` (its type and shape) by a row batch? asked as llama.cpp asks:
+            # a product whose weight sits in an empty buffer of the type
+            probe = g.mul_mat(ctx, w, g.new_tensor_3d(ctx, F32, self.cols, 1, 2))
+            dummy = g.buft_alloc_buffer(buft, 0)
+            w.contents.buffer = dummy
+            ok = bool(dummy) and g.dev_supports_op(g.cpu_device, probe)
+            w.contents.buffer = None
+            if dummy:
+                g.buffer_free(dummy)
+            if not ok:
+                g.free(ctx)
+                continue
+            buffer = g.buft_alloc_buffer(buft, g.buft_get_alloc_size(buft, w))
+            if not buffer or g.tensor_alloc(buffer, w, g.buffer_get_base(buffer)) != 0:
+                g.free(ctx)
+                raise MemoryError(f"ggml could not allocate {name} memory for a {self.rows}x{self.cols} weight")
+            g.tensor_set(w, self.data.data_ptr(), 0, self.nbytes)  # converts to the type's layout
+            # one weight for every row of a batch: its batch strides are 0 (the AMX kernel offsets the
+            # weight by batch index times these; ggml only reads them for dims of size 1 otherwise)
+            w.contents.nb[2] = w.contents.nb[3] = 0
+            self.packed = _Packed(name, mem, ctx, w, buffer)
+            return name
+        return None
+
+
+# weight types a buffer type holds but multiplies more slowly one row at a time than the plain kernel
+# (benchmarks/pack_probe.py: AMX Q6_K 0.36-0.41 ms against 0.33-0.36 plain, 1536x8960 both ways)
+_SLOWER_PACKED = {"AMX": (14,)}  # Q6_K
+
+
+class _Packed:
+    """A weight tensor in an extra buffer: its own context and buffer, freed with it."""
+
+    def __init__(self, kind: str, mem: torch.Tensor, ctx: int, tensor: _T, buffer: int):
+        self.kind, self._mem, self._ctx, self.tensor, self._buffer = kind, mem, ctx, tensor, buffer
+
+    def __del__(self):
+        if _lib is not None and self._buffer:
+            _lib.buffer_free(self._buffer)
+            _lib.free(self._ctx)
+            self._buffer = None
+
+
+def matmul(graph: _Graph, w: NativeTensor, x: _T, n_rows: int) -> _T:
+    """x [in, T] through weight `w`: [w.rows, T] (ggml's mul_mat).
+
+    A packed weight multiplies the rows as a batch of T one-row products ([in, 1, T]): its kernels
+    take other paths for several rows (AMX tiles, 4-row repacked GEMMs) that sum in another order than
+    their one-row path, so a row would come out differently in a block of drafts than decoded alone.
+    One-row products give every row the same result in any block (and the one-row kernels are the
+    fast ones: decoding is one row). Plain weights compute every row alike at any row count.
+    """
+    g = lib()
+    if w.packed is None:
+        return g.mul_mat(graph.ctx, w._bind(graph), x)
+    rows = g.reshape_3d(graph.ctx, x, w.cols, 1, n_rows)
+    y = g.mul_mat(graph.ctx, w.packed.tensor, rows)  # [w.rows, 1, T]
+    if w.packed.kind == "AMX" and n_rows > 1:
+        graph._element_strides.append(y)
+    return g.reshape_2d(graph.ctx, y, w.rows, n_rows)
 
 
 class QuantLinear:

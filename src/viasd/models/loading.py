@@ -360,6 +360,13 @@ class LoadedModel:
     weights: str = "float32"  # the weight format it runs: "native" (the GGUF's own blocks) or a float type
 
     @property
+    def kernels(self) -> dict[str, int] | None:
+        """Native weights: how many products' weights sit in each of ggml's buffer types ("AMX",
+        "CPU_REPACK", "plain"); None for float weights."""
+        graph = getattr(self.decoder, "_graph", None)
+        return dict(graph.packed) if graph is not None else None
+
+    @property
     def eos_token_ids(self) -> frozenset[int]:
         ids = set()
         for tid in (getattr(self.tokenizer, "eos_token_id", None), _hf_eos(self.path)):

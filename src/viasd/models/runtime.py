@@ -477,7 +477,7 @@ class Decoder:
             _sin=angles.sin().to(device=device, dtype=dtype),
         )
         if native and ggml_forward.supports(decoder):
-            decoder._graph = ggml_forward.NativeForward(decoder)  # the whole pass as one ggml graph
+            decoder._graph = ggml_forward.NativeForward(decoder, pack=pack)  # the whole pass as one ggml graph
         return decoder
 
     @property
