@@ -7,7 +7,10 @@ for every candidate that multiplies quantized weights on this CPU, plus the floa
 - onnxruntime's MatMulNBits (4-bit, block 32; accuracy level 4 = int8 activations, as ggml);
 - torch's weight-only int8 product (`aten._weight_int8pack_mm`);
 - float32 and bfloat16 through oneDNN on prepacked weights (viasd's float path).
-Then the whole forward pass at 1 and 8 tokens after a 128-token prompt, per `--weights` format:
+- the same blocks packed into each of ggml's extra buffer types this CPU has (AMX, CPU_REPACK), one-row
+  products (what the forward graph runs);
+Then the whole forward pass at 1 and 8 tokens after a 128-token prompt, per `--weights` format
+(and native weights left unpacked, `native-plain`):
 T(1), T(8), T(8)/T(1), and the peak RSS of a process that loads the model and runs it.
 
     python benchmarks/native_probe.py [--models smollm2-135m,qwen2.5-coder-1.5b] [--out FILE]
@@ -91,12 +94,43 @@ def _ort_session(weights: list[torch.Tensor]):
     return sessions
 
 
+def packed_product(lin, kind: str):
+    """x -> y through `lin`'s parts packed into ggml's `kind` buffer type (one-row products, as the
+    forward graph runs them; parts the type does not take stay plain); one graph per row count."""
+    parts = [gk.NativeTensor(p.data, p.ggml_type, p.cols) for p in lin.parts]
+    kinds = [p.pack((kind,)) or "plain" for p in parts]
+    graphs = {}
+
+    def call(x):
+        t = x.shape[0]
+        if t not in graphs:
+            graph = gk._Graph(n_tensors=8 * len(parts))
+            xt = graph.tensor(gk.F32, parts[0].cols, t)
+            ys = [gk.matmul(graph, p, xt, t) for p in parts]
+            graph.finish(*ys)
+            outs = [torch.empty(t, p.rows) for p in parts]
+            graphs[t] = (graph, xt, ys, outs)
+        graph, xt, ys, outs = graphs[t]
+        graph.bind(xt, x.data_ptr())
+        for y, out in zip(ys, outs):
+            graph.bind(y, out.data_ptr())
+        graph.run()
+        return outs
+
+    return call, kinds
+
+
 def product_candidates(native_model) -> dict:
     """name -> (list of callables x -> y, bytes of weights) for one layer's four products."""
     natives = layer_products(native_model.decoder)
     floats = [float_weight(q) for q in natives]
-    cands = {"ggml-native (" + "/".join(sorted({gk.type_name(p.ggml_type) for q in natives for p in q.parts})) + ")":
-             (natives, sum(q.nbytes for q in natives))}
+    types = "/".join(sorted({gk.type_name(p.ggml_type) for q in natives for p in q.parts}))
+    cands = {f"ggml-native ({types})": (natives, sum(q.nbytes for q in natives))}
+    for kind, _ in gk.lib().extra_buffer_types:  # the file's blocks repacked for this CPU, one row at a time
+        packed = [packed_product(q, kind) for q in natives]
+        if any(k != "plain" for _, kinds in packed for k in kinds):
+            label = "+".join(sorted({k for _, kinds in packed for k in kinds}))
+            cands[f"ggml-native packed ({label}, one-row products)"] = ([c for c, _ in packed], sum(q.nbytes for q in natives))
     for qtype, label in ((Q8_0, "ggml-Q8_0"), (Q4_0, "ggml-Q4_0")):
         qs = [gk.QuantLinear([next(iter(quantize({"w": w}, None, qtype, names=["w"]).values()))]) for w in floats]
         cands[label] = (qs, sum(q.nbytes for q in qs))
@@ -136,10 +170,10 @@ def forward_times(model, prompt_len: int = 128) -> dict:
     return out
 
 
-def rss_child(model: str, weights: str) -> float:
+def rss_child(model: str, weights: str, pack: bool = True) -> float:
     """Peak RSS (MB) of a fresh process that loads `model` with `weights` and runs a forward pass."""
     code = (f"import resource, torch; from viasd.models.loading import load_model; m = load_model({model!r}, progress=False, "
-            f"weights={weights!r}); c = m.decoder.new_cache(64); m.decoder.forward(torch.arange(1, 33), 0, c); "
+            f"weights={weights!r}, pack={pack!r}); c = m.decoder.new_cache(64); m.decoder.forward(torch.arange(1, 33), 0, c); "
             "print(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024)")
     return float(subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout.split()[-1])
 
@@ -147,7 +181,8 @@ def rss_child(model: str, weights: str) -> float:
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--models", default="smollm2-135m,qwen2.5-coder-1.5b")
-    ap.add_argument("--formats", default="native,float32,bfloat16")
+    ap.add_argument("--formats", default="native,native-plain,float32,bfloat16",
+                    help="weight formats for the whole pass (native-plain: native weights left unpacked)")
     ap.add_argument("--out", type=Path, default=OUT)
     ap.add_argument("--no-rss", action="store_true", help="skip the peak-RSS child processes")
     args = ap.parse_args()
@@ -175,12 +210,13 @@ def main() -> int:
                 emit({"kind": "layer_products", "model": name, "candidate": cand, "weight_mb": round(nbytes / 2**20, 2),
                       "ms_1": round(ms[1], 4), "ms_8": round(ms[8], 4), "ratio_8_1": round(ms[8] / ms[1], 3)})
             del native
-            for weights in args.formats.split(","):
-                model = load_model(name, progress=False, weights=weights)
+            for fmt in args.formats.split(","):
+                weights, pack = fmt.removesuffix("-plain"), not fmt.endswith("-plain")  # native-plain: unpacked
+                model = load_model(name, progress=False, weights=weights, pack=pack)
                 ft = forward_times(model)
-                emit({"kind": "forward", "model": name, "weights": weights, "ms_1": round(ft[1], 3), "ms_8": round(ft[8], 3),
-                      "ratio_8_1": round(ft[8] / ft[1], 3), "prefill_128_ms": round(ft["prefill"], 2),
-                      "peak_rss_mb": None if args.no_rss else round(rss_child(name, weights), 1)})
+                emit({"kind": "forward", "model": name, "weights": fmt, "kernels": model.kernels, "ms_1": round(ft[1], 3),
+                      "ms_8": round(ft[8], 3), "ratio_8_1": round(ft[8] / ft[1], 3), "prefill_128_ms": round(ft["prefill"], 2),
+                      "peak_rss_mb": None if args.no_rss else round(rss_child(name, weights, pack), 1)})
                 del model
     return 0
 

@@ -114,6 +114,39 @@ def decode_rate(r: dict) -> float:
     return (n - 1) / (wall - first) if n > 1 and first is not None and wall > first else 0.0
 
 
+def table(path: Path, run: str | None = None) -> str:
+    """The README's Markdown table of one run of a records file: per method, medians over prompts of
+    its decode rate, its decode and wall speed ratios to llama.cpp's plain decoding and its decode
+    ratio to viasd `ar`, its time to first token, and on how many prompts its tokens equal `ar`'s and
+    llama.cpp's."""
+    records = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+    runs = sorted({r["run_id"] for r in records})
+    if run is None and len(runs) > 1:
+        sys.exit(f"{path} holds {len(runs)} runs ({', '.join(runs)}): name one with --run")
+    records = [r for r in records if r["run_id"] == (run or runs[0])]
+    by_prompt: dict[tuple, dict[str, dict]] = {}
+    for r in records:
+        by_prompt.setdefault((r["task"], r["prompt_id"]), {})[r["method"]] = r
+    methods = list(dict.fromkeys(r["method"] for r in records))
+    med = statistics.median
+    lines = ["| method | decode tok/s | decode x llama.cpp | wall x llama.cpp | decode x `ar` | TTFT ms | same tokens as `ar` | as llama.cpp |",
+             "|---|---|---|---|---|---|---|---|"]
+    for m in methods:
+        rows = [(p, p[m]) for p in by_prompt.values() if m in p]
+        rate = lambda r: r["decode_tokens_per_s"]  # noqa: E731
+        per_token = lambda r: r["new_tokens"] / r["wall_s"]  # noqa: E731
+        d_llama = [rate(r) / rate(p["llama.cpp"]) for p, r in rows if rate(r) > 0 and rate(p["llama.cpp"]) > 0]
+        w_llama = [per_token(r) / per_token(p["llama.cpp"]) for p, r in rows]
+        d_ar = [rate(r) / rate(p["ar"]) for p, r in rows if "ar" in p and rate(r) > 0 and rate(p["ar"]) > 0]
+        same_ar = sum(r["token_ids"] == p["ar"]["token_ids"] for p, r in rows if "ar" in p)
+        same_llama = sum(r["token_ids"] == p["llama.cpp"]["token_ids"] for p, r in rows)
+        name = m if m.startswith("llama.cpp") else f"`{m}`"
+        lines.append(f"| {name} | {med([rate(r) for _, r in rows]):.1f} | {med(d_llama):.2f} | {med(w_llama):.2f} | "
+                     f"{med(d_ar):.2f} | {1000 * med([r['first_token_s'] for _, r in rows]):.0f} | {same_ar}/{len(rows)} | "
+                     f"{same_llama}/{len(rows)} |")
+    return "\n".join(lines)
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("-m", "--model", default="smollm2-135m", help="a zoo alias (its GGUF is what both run)")
@@ -128,9 +161,16 @@ def main() -> int:
     ap.add_argument("--llama-worker", metavar="GGUF", help=argparse.SUPPRESS)
     ap.add_argument("--n-ctx", type=int, default=4096, help="llama.cpp context (prompts that do not fit are skipped)")
     ap.add_argument("--peer-path", help="a directory holding another llama-cpp-python build, for the llama.cpp side")
+    ap.add_argument("--table", type=Path, metavar="FILE", help="print the Markdown table of a records file (one run) and exit")
+    ap.add_argument("--run", help="with --table: the run id to tabulate, when the file holds several")
     args = ap.parse_args()
     if args.llama_worker:
         return llama_worker(args.llama_worker, args.lookup, args.n_ctx, args.threads)
+    if args.table:
+        if not args.table.is_file():
+            ap.error(f"{args.table}: no such file")
+        print(table(args.table, args.run))
+        return 0
     if args.out is None:
         ap.error("--out is required")
     if args.model not in ZOO:
@@ -155,7 +195,9 @@ def main() -> int:
     warm = model.encode("Hello")
     for name in PEERS:
         peer.run(name, warm, 4, eos)
-    generate(warm, model, strategy="ar", max_new_tokens=4)
+    for _, settings in methods:  # every method once: graphs, and the pass costs --adapt-k measures once per model
+        generate(warm, model, drafter=drafter if settings.get("strategy") == "sd" or settings.get("draft") == "model" else None,
+                 max_new_tokens=4, **settings)
     args.out.parent.mkdir(parents=True, exist_ok=True)
     ratios: dict[str, dict[str, list[float]]] = {}
     same: dict[str, list[bool]] = {}

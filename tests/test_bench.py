@@ -19,6 +19,12 @@ def test_bad_methods_tasks_and_files(tmp_path):
     with pytest.raises(UsageError, match="applies to cascade and viasd-\\* only"):
         parse_methods("ar:pld")
     assert parse_methods("viasd-tiered:self")[0][1] == {"strategy": "viasd", "mode": "tiered", "draft": "self"}
+    assert parse_methods("pld+fixed,cascade:model+adapt") == [
+        ("pld+fixed", {"strategy": "pld", "adapt_k": False}),
+        ("cascade:model+adapt", {"strategy": "cascade", "draft": "model", "adapt_k": True})]
+    for bad in ("viasd-lossless+adapt", "ar+adapt", "pld+fast"):
+        with pytest.raises(UsageError, match=r"the modifiers are \+adapt and \+fixed"):
+            parse_methods(bad)
     with pytest.raises(UsageError, match="unknown task 'spec-bench'"):
         load_tasks("spec-bench", 1)
     with pytest.raises(UsageError, match="unknown Spec-Bench category 'poetry'"):

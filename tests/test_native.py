@@ -128,7 +128,7 @@ def tiny_native(request, tiny):
                        weights="native")
 
 
-LOSSLESS = [("pld", {}), ("self-sd", {}), ("viasd", dict(mode="lossless", draft="pld")),
+LOSSLESS = [("pld", {}), ("pld", dict(adapt_k=False)), ("self-sd", {}), ("viasd", dict(mode="lossless", draft="pld")),
             ("viasd", dict(mode="lossless", draft="self"))]
 
 

@@ -8,6 +8,7 @@ import torch
 
 from viasd import generate
 from viasd.decoding.acceptance import SamplingParams
+from viasd.decoding.draft_length import DraftLength, expected_tokens, pass_times
 from viasd.decoding.drafters import Draft, ModelDrafter, NgramDrafter, SelfDrafter
 from viasd.decoding.strategies import speculative_decode
 from viasd.decoding.verifier import DecodeRequest
@@ -97,6 +98,58 @@ def small_vocab_pair(tmp_path_factory):
     verifier = load_model(str(save_tiny(tmp_path_factory.mktemp("v8"), seed=5, words=words, scale=0.4)), progress=False)
     drafter = load_model(str(save_tiny(tmp_path_factory.mktemp("d8"), seed=6, n_layers=2, words=words, scale=0.4)), progress=False)
     return verifier, drafter
+
+
+# ------------------------------------------------------------------ draft lengths from measured costs
+
+def test_draft_length_follows_costs_and_acceptance():
+    assert expected_tokens(0.5, 2) == 1.75 and expected_tokens(1.0, 3) == 4.0 and expected_tokens(0.0, 5) == 1.0
+    flat = [0.01] * 5  # a pass of 5 rows costs what one row does (float weights, oneDNN)
+    steep = [0.01 * (1 + 0.9 * j) for j in range(5)]  # each row ~0.9 of a pass (compute-bound kernels)
+    assert DraftLength(4, flat, free_drafts=True).choose() == 4  # drafts are free to verify: draft the most
+    policy = DraftLength(4, steep, free_drafts=True)
+    assert policy.choose() == 0  # at the prior acceptance (0.6) no draft pays for its row
+    for _ in range(20):
+        policy.observe(4, 4)  # everything accepted (a copied passage)
+    assert policy.alpha > 0.9 and policy.choose() == 4
+    for _ in range(20):
+        policy.observe(2, 0)
+    assert policy.alpha < 0.4 and policy.choose() == 0
+    # a drafter that costs is only scored on drafts it makes: one is tried after 8 rounds without
+    costly = DraftLength(4, steep, free_drafts=False)
+    assert [costly.choose() for _ in range(9)] == [0] * 8 + [1]
+    costly.observe(1, 0)  # the probe was rejected: the next one comes after twice as many idle rounds
+    assert [costly.choose() for _ in range(17)] == [0] * 16 + [1]
+    costly.observe_drafting(seconds=0.05, drafted=1)  # 5 one-row passes a drafted token: never worth it
+    for _ in range(20):
+        costly.observe(1, 1)
+    assert costly.choose() == 0
+    with pytest.raises(ValueError, match="pass times for 1..5 rows"):
+        DraftLength(4, [0.01] * 3, free_drafts=True)
+
+
+@pytest.mark.parametrize("steep", [False, True])
+def test_adaptive_draft_lengths_keep_every_drafter_lossless(tiny, tiny_drafter, steep):
+    """Draft lengths chosen round by round (from the tiny model's measured pass costs, or from
+    injected ones where each row costs 1.5 passes) never change the greedy output."""
+    k, prompt = 4, [1, 5, 6, 7, 5, 6, 7, 5, 6, 7]
+    expected = run_ar(tiny, prompt, 40)
+    if steep:
+        tiny.decoder.__dict__["_pass_times"] = {k + 1: [0.01 * (1 + 1.5 * j) for j in range(k + 1)]}
+    try:
+        for name, drafter in tiny_drafters(tiny, tiny_drafter).items():
+            req = DecodeRequest(prompt, 40, GREEDY, NO_EOS)
+            assert speculative_decode(tiny.decoder, drafter, req, k, adaptive=True) == expected, name
+            s = req.stats
+            assert s.new_tokens == 40 and s.accepted <= s.drafted, name
+            if steep and name.startswith("random"):  # never accepted, each row dear: it stops drafting
+                assert s.drafted <= 8, s.drafted
+            if steep and name == "pld":  # free drafts: scored on what follows, verified when they pay
+                assert s.accepted == s.drafted or s.drafted <= 8
+    finally:
+        tiny.decoder.__dict__.pop("_pass_times", None)
+    costs = pass_times(tiny.decoder, 3)
+    assert len(costs) == 3 and costs == sorted(costs) and costs[0] > 0
 
 
 @pytest.mark.parametrize("kind", ["model", "pld"])

@@ -41,6 +41,10 @@ class DraftOptions:
     draft_route: str | None = None  # self drafting: a route JSON file (instead of draft_layers)
     max_ngram: int = 3  # prompt lookup
     min_ngram: int = 1
+    # sd / pld / self-sd / cascade: k is the most; each round drafts what measured costs favour
+    # (decoding/draft_length.py). None: on for the lossless ones under greedy decoding (the output is
+    # the same at any draft length); off under sampling (a seed then reproduces the output) and for cascade
+    adapt_k: bool | None = None
 
     def validate(self) -> None:
         if self.draft not in DRAFT_KINDS:
@@ -221,7 +225,12 @@ def _loop_args(spec: Strategy, config: GenerateConfig, verifier: LoadedModel) ->
             thresholds = v.tier_thresholds(slim_file.with_suffix(".thresholds.json") if slim_file else None)
             extra["tier_thresholds"] = thresholds.to_dict()
     cascade = (DeferralRule(config.cascade.rule), config.cascade.alpha)
-    return LoopArgs(config.k, Mode(v.mode), v.full_block, slim, thresholds, cascade), extra
+    adaptive = config.drafting.adapt_k
+    if adaptive is None:
+        adaptive = config.temperature == 0 and spec.is_lossless() and not spec.multitier
+    if spec.drafter is not None and not spec.multitier:
+        extra["adaptive_k"] = adaptive
+    return LoopArgs(config.k, Mode(v.mode), v.full_block, slim, thresholds, cascade, adaptive), extra
 
 
 def check_messages(messages: Sequence[dict]) -> list[dict[str, str]]:

@@ -46,14 +46,22 @@ class Prompt:
 def parse_methods(spec: str) -> list[tuple[str, dict]]:
     out = []
     for name in [m.strip() for m in spec.split(",") if m.strip()]:
-        base, _, kind = name.partition(":")
+        head, _, modifier = name.partition("+")
+        base, _, kind = head.partition(":")
         if base not in METHODS:
-            raise UsageError(f"unknown method {name!r}: choose from {', '.join(METHODS)} (optionally :pld, :self or :model)")
+            raise UsageError(f"unknown method {name!r}: choose from {', '.join(METHODS)} (optionally :pld, :self or :model, "
+                             "and +adapt or +fixed)")
         settings = dict(METHODS[base])
         if kind:
             if kind not in (DraftKind.PLD, DraftKind.SELF, DraftKind.MODEL) or STRATEGIES[settings["strategy"]].drafter is not DraftKind.AUTO:
                 raise UsageError(f"method {name!r}: a drafter suffix (:pld, :self, :model) applies to cascade and viasd-* only")
             settings["draft"] = kind
+        if modifier:
+            spec_ = STRATEGIES[settings["strategy"]]
+            if modifier not in ("adapt", "fixed") or spec_.drafter is None or spec_.multitier:
+                raise UsageError(f"method {name!r}: the modifiers are +adapt and +fixed (draft lengths from measured "
+                                 "costs, or always k), for sd, pld, self-sd and cascade")
+            settings["adapt_k"] = modifier == "adapt"
         out.append((name, settings))
     if not out:
         raise UsageError("no methods given")
@@ -209,7 +217,11 @@ def run_bench(model, drafter, methods: list[tuple[str, dict]], prompts: list[Pro
     for name, settings in methods:  # methods that cannot run here are reported, not faked
         needs_model = _draft_kind(settings, drafter is not None) is DraftKind.MODEL
         available[name] = None if not needs_model or drafter is not None else "needs --drafter"
-    generate("Hello", model, strategy=BASELINE, max_new_tokens=4, progress=False)  # warm-up
+    # warm-up, every method once: first calls build graphs, and --adapt-k measures its pass costs once per model
+    for name, settings in methods:
+        if not available[name]:
+            chosen = drafter if _draft_kind(settings, drafter is not None) is DraftKind.MODEL else None
+            generate("Hello", model, drafter=chosen, config=base.replace(**settings, max_new_tokens=4), progress=False)
     out.parent.mkdir(parents=True, exist_ok=True)
     bar = tqdm(total=len(todo), desc="bench", disable=not progress, file=sys.stderr)
     speedups: list[float] = []

@@ -233,7 +233,9 @@ def _add_bench(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", "-m", default=DEFAULT_MODEL, help="(default: %(default)s)")
     p.add_argument("--drafter", "-d", help="drafter model for sd (and cascade / viasd-*, which otherwise draft with a route or pld)")
     p.add_argument("--methods", default="ar,pld,self-sd,cascade,viasd-lossless,viasd-tiered",
-                   help=f"comma-separated, from {', '.join(METHODS)}; cascade and viasd-* take :pld / :self / :model (default: %(default)s)")
+                   help=f"comma-separated, from {', '.join(METHODS)}; cascade and viasd-* take :pld / :self / :model; sd, pld, "
+                        "self-sd and cascade take +adapt / +fixed (draft lengths from measured costs or always --k; see --adapt-k) "
+                        "(default: %(default)s)")
     p.add_argument("--tasks", default="spec_bench,human_eval", help=f"comma-separated, from {', '.join(TASKS)} (default: %(default)s)")
     p.add_argument("--limit", type=int, default=5, help="prompts per task (default: %(default)s)")
     p.add_argument("--turns", type=int, default=1, choices=(1, 2),
@@ -275,6 +277,11 @@ def _add_generate(p: argparse.ArgumentParser) -> None:
                    help="; ".join(f"{k}: {v.help}" for k, v in STRATEGIES.items()) + " (default: %(default)s)")
     p.add_argument("--k", "-k", type=int, default=4, help="draft tokens per verification round (default: %(default)s)")
     p.add_argument("--draft-threshold", type=float, help="adaptive drafting: stop when the drafter's top probability falls below this")
+    p.add_argument("--adapt-k", action=argparse.BooleanOptionalAction, default=None,
+                   help="sd / pld / self-sd / cascade: --k is the most; each round verifies the number of drafts that "
+                        "commits the most tokens per measured second, down to none (default: on for sd, pld and self-sd "
+                        "under greedy decoding, where the output is the same at any draft length; off when sampling, "
+                        "so that --seed reproduces the output, and for cascade)")
     p.add_argument("--draft-layers", type=int, nargs="+", metavar="L", help="self drafting: verifier layers the drafting route keeps")
     p.add_argument("--draft-route", metavar="ROUTE.json", help="self-sd: drafting route from a route file (see `viasd routes show`)")
     p.add_argument("--draft", default="auto", choices=DRAFT_KINDS,

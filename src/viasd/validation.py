@@ -293,6 +293,8 @@ def check_generate_config(c) -> None:
     check_seed(c.seed)
     if c.chat is not None and not isinstance(c.chat, bool):
         raise InvalidArgumentError(f"chat must be True, False or None, got {c.chat!r}")
+    if c.adapt_k is not None and not isinstance(c.adapt_k, bool):
+        raise InvalidArgumentError(f"adapt_k must be True, False or None, got {c.adapt_k!r}")
     if c.draft_threshold is not None:
         check_float("draft_threshold", c.draft_threshold)
     check_choice("drafter kind", c.draft, _api().DRAFT_KINDS)

@@ -144,6 +144,8 @@ class NgramDrafter:
     Model-free: no calls, deterministic proposals (q = None). With an encoder-decoder verifier the
     lookup runs over the source followed by the decoder's tokens."""
 
+    free = True  # proposing costs no model call (`draft_length.DraftLength` may propose and not verify)
+
     def __init__(self, max_ngram: int = 3, min_ngram: int = 1):
         if not 1 <= min_ngram <= max_ngram:
             raise ValueError(f"need 1 <= min_ngram <= max_ngram, got {min_ngram}, {max_ngram}")

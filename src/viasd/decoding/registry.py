@@ -42,6 +42,7 @@ class LoopArgs:
     slim: LayerMask | None = None
     thresholds: TierThresholds | None = None
     cascade: tuple[DeferralRule, float] | None = None  # (rule, alpha), used by the cascade loop
+    adaptive: bool = False  # two-tier loops: draft lengths from measured pass costs (decoding/draft_length.py)
 
 
 Loop = Callable[[Decoder, Drafter | None, DecodeRequest, LoopArgs], list[int]]
@@ -85,11 +86,11 @@ class Strategy:
 
 
 def _sd(decoder: Decoder, drafter: Drafter | None, req: DecodeRequest, a: LoopArgs) -> list[int]:
-    return speculative_decode(decoder, drafter, req, a.k)
+    return speculative_decode(decoder, drafter, req, a.k, adaptive=a.adaptive)
 
 
 def _cascade(decoder: Decoder, drafter: Drafter | None, req: DecodeRequest, a: LoopArgs) -> list[int]:
-    return speculative_decode(decoder, drafter, req, a.k, a.cascade)
+    return speculative_decode(decoder, drafter, req, a.k, a.cascade, adaptive=a.adaptive)
 
 
 STRATEGIES: dict[str, Strategy] = {s.name: s for s in (

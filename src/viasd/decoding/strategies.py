@@ -6,8 +6,11 @@ Every loop goes through a `Verifier` (passes, commits, the cache invariant) and 
 
 from __future__ import annotations
 
+import time
+
 from viasd.decoding.acceptance import DeferralRule, accept, cascade_target_probs
-from viasd.decoding.drafters import NO_DRAFT, Drafter
+from viasd.decoding.draft_length import DraftLength, pass_times
+from viasd.decoding.drafters import NO_DRAFT, Draft, Drafter
 from viasd.decoding.verifier import DecodeRequest, Verifier
 from viasd.models.runtime import Decoder
 
@@ -23,7 +26,8 @@ def autoregressive_decode(decoder: Decoder, req: DecodeRequest) -> list[int]:
 
 
 def speculative_decode(
-    decoder: Decoder, drafter: Drafter, req: DecodeRequest, k: int, cascade: tuple[DeferralRule | str, float] | None = None
+    decoder: Decoder, drafter: Drafter, req: DecodeRequest, k: int, cascade: tuple[DeferralRule | str, float] | None = None,
+    adaptive: bool = False,
 ) -> list[int]:
     """Speculative decoding (Leviathan et al. 2023; Chen et al. 2023) with any drafter, k drafts a round.
 
@@ -33,19 +37,44 @@ def speculative_decode(
     `cascade=(rule, alpha)`: speculative cascades (Narasimhan et al. 2024) instead: the target at
     each draft position is pi = q where the deferral rule defers to the drafter, else p; then the
     same lossless rule runs against pi (lossy with respect to p by design).
+
+    `adaptive`: k is the most; each round verifies the number of drafts that commits the most tokens
+    per measured second (`draft_length.DraftLength`), down to none.
     """
     params, stats = req.params, req.stats
     v = Verifier.start(decoder, drafter, req, len(req.prompt) + req.max_new_tokens + k + 1)
+    policy = None
+    if adaptive and k > 0 and not decoder.is_encoder_decoder:
+        policy = DraftLength(k, pass_times(decoder, k + 1), free_drafts=getattr(drafter, "free", False))
     while not v.done:
         # 1. draft up to k tokens; never more than the budget can use (the round adds one more)
-        draft = drafter.propose(v.tokens, min(k, v.budget - 1)) if v.budget > 1 and k > 0 else NO_DRAFT
+        limit = min(k, v.budget - 1) if v.budget > 1 else 0
+        draft, peek = NO_DRAFT, None
+        if policy is None:
+            draft = drafter.propose(v.tokens, limit) if limit > 0 else NO_DRAFT
+        elif policy.free_drafts:  # propose all (free), verify the chosen prefix, score the next one
+            proposal = drafter.propose(v.tokens, limit) if limit > 0 else NO_DRAFT
+            j = min(policy.choose(), len(proposal))
+            draft = Draft(proposal.tokens[:j], None if proposal.probs is None else proposal.probs[:j])
+            peek = proposal.tokens[j] if j < len(proposal) else None
+        elif (j := min(policy.choose(), limit)) > 0:
+            t0 = time.perf_counter()
+            draft = drafter.propose(v.tokens, j)
+            policy.observe_drafting(time.perf_counter() - t0, len(draft))
         # 2. verify the last committed token and the drafts in one full pass
+        t0 = time.perf_counter()
         logits = v.full(draft.tokens)  # [k'+1, V]
+        if policy is not None:
+            policy.observe_pass(len(draft) + 1, time.perf_counter() - t0)
         # 3. accept a prefix of the drafts, plus one recovered or bonus token
         pi = cascade_target_probs(draft.probs, logits, params, *cascade) if cascade and draft.tokens else None
         n, x = accept(draft.tokens, draft.probs, logits, params, req.generator, target_probs=pi)
         stats.observe_round(len(draft), n)
         stats.observe_full_check(len(draft), n)
+        if policy is not None:
+            policy.observe(len(draft), n)
+            if peek is not None and n == len(draft):  # the token after the verified drafts: was it proposed?
+                policy.observe(1, int(x == peek))
         # 4. commit (cut at the end token and the budget)
         v.commit(draft.tokens[:n] + [x])
     return v.out

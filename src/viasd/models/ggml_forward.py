@@ -56,13 +56,12 @@ class NativeForward:
         # the products' weights into ggml's extra buffer types where this CPU has a kernel for them
         # (`ggml_kernels.NativeTensor.pack`); the embedding table is looked up from the plain bytes
         self.packed: dict[str, int] = {}  # buffer type (or "plain") -> weights
-        if pack:
-            parts = {id(p): p for layer in decoder.layers for lin in (layer.qkv, layer.o, layer.gate_up, layer.down)
-                     for p in lin.parts}
-            parts.update({id(p): p for p in decoder.lm_head.parts})
-            for p in parts.values():
-                kind = p.pack() or "plain"
-                self.packed[kind] = self.packed.get(kind, 0) + 1
+        parts = {id(p): p for layer in decoder.layers for lin in (layer.qkv, layer.o, layer.gate_up, layer.down)
+                 for p in lin.parts}
+        parts.update({id(p): p for p in decoder.lm_head.parts})
+        for p in parts.values():
+            kind = (p.pack() if pack else None) or "plain"
+            self.packed[kind] = self.packed.get(kind, 0) + 1
         self.pos32 = torch.arange(cfg.max_positions, dtype=torch.int32)
         self.pos64 = torch.arange(cfg.max_positions, dtype=torch.int64)
         self._graphs: OrderedDict[tuple, tuple] = OrderedDict()

@@ -507,7 +507,8 @@ def load_model(
     (every weight dequantized to that type; float32 is the reference). `dtype` is the older spelling of
     a float format. Native weights need the CPU and the ggml kernels: by default, where either is
     missing, the model runs in float32 instead (said on stderr); asked for by name, that is an error.
-    `pack=False`: plain MKL products instead of prepacked oneDNN ones (slower; bit-closer to transformers).
+    `pack=False`: plain MKL products instead of prepacked oneDNN ones (slower; bit-closer to transformers),
+    and for native weights ggml's plain kernels instead of its AMX / repacked ones.
     """
     from viasd.errors import ViasdError
     from viasd.validation import WEIGHT_FORMATS, check_device, check_text

@@ -1,0 +1,126 @@
+"""Draft lengths from measured costs: how many drafts a round should verify (`--k auto`).
+
+A verification pass of r rows does not cost r times a one-row pass, nor the same: with float weights
+and oneDNN it is nearly flat in r, with native quantized weights each extra row costs about half a
+one-row pass (docs/ARCHITECTURE.md, "Weights in the file's own format"). So the best draft length is a
+property of the machine and the weights, not a constant. With a per-draft acceptance rate alpha,
+j drafts commit (1 - alpha^(j+1)) / (1 - alpha) tokens on average (Leviathan et al. 2023, eq. 1)
+and cost c(j) = T(j+1)/T(1) one-row passes plus the drafting; each round takes the j in 0..k that
+commits the most tokens per unit of cost. alpha is learnt as the request decodes, from what the full
+model accepted (decayed, so that a copied passage raises it quickly and ordinary text lowers it).
+T(r) starts from a measurement on a short context (`pass_times`, once per model) and follows the
+request's own verification passes (their attention grows with the context).
+
+The choice changes only how fast a lossless strategy decodes, never what it outputs (greedy output
+equals `ar`'s and sampled output follows the verifier's distribution at every draft length); a seeded
+sampled output can differ between runs, as the measured costs do (a fixed `k` reproduces it).
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+
+import torch
+
+from viasd.models.runtime import Decoder
+
+_CONTEXT = 64  # positions already in the cache when the pass costs are measured
+_PRIOR = (1.2, 0.8)  # (accepted, rejected) pseudo-counts: alpha starts at 0.6
+_DECAY = 0.9  # weight of the past per round
+_PROBE_EVERY = 8  # rounds without drafts before one draft is tried again (drafters that cost) ...
+_PROBE_MAX = 128  # ... doubling after each probe the full model rejects, up to this
+_FOLLOW = 0.3  # weight of a new pass time in T(r)
+
+
+def pass_times(decoder: Decoder, rows: int, reps: int = 3) -> list[float]:
+    """Seconds of a forward pass of 1..rows tokens after a `_CONTEXT`-position prompt (medians, on a
+    scratch cache), measured once per decoder and row count and kept on it. Non-decreasing: a pass of
+    more rows never counts as cheaper."""
+    cached: dict[int, list[float]] = decoder.__dict__.setdefault("_pass_times", {})
+    if rows in cached:
+        return cached[rows]
+    n = max(1, min(_CONTEXT, decoder.config.max_positions - rows - 1))
+    ids = torch.arange(rows + n) % min(1000, decoder.config.vocab_size)  # any tokens: the cost is the same
+    cache = decoder.new_cache(n + rows)
+    decoder.forward(ids[:n], 0, cache)
+    times: list[float] = []
+    for r in range(1, rows + 1):
+        samples = []
+        for i in range(reps + 1):
+            t0 = time.perf_counter()
+            decoder.forward(ids[n : n + r], n, cache)
+            if i:  # the first call builds the graph
+                samples.append(time.perf_counter() - t0)
+            cache.rollback(n)
+        times.append(max(statistics.median(samples), times[-1] if times else 0.0))
+    cached[rows] = times
+    return times
+
+
+def expected_tokens(alpha: float, j: int) -> float:
+    """Tokens a round with j drafts commits on average when each draft is accepted with probability
+    alpha until the first rejection (plus the recovered or bonus token)."""
+    return float(j + 1) if alpha >= 1.0 else (1.0 - alpha ** (j + 1)) / (1.0 - alpha)
+
+
+class DraftLength:
+    """The draft length of each round: `choose()` before drafting, `observe()` after verifying.
+
+    `times[j]`: seconds of a pass of j+1 rows (`pass_times`); `free_drafts`: the drafter costs nothing
+    (prompt lookup), so it can always propose and be scored on the token that follows even when the
+    round verifies no draft.
+    """
+
+    def __init__(self, k: int, times: list[float], free_drafts: bool):
+        if len(times) < k + 1 or times[0] <= 0:
+            raise ValueError(f"need positive pass times for 1..{k + 1} rows, got {times}")
+        self.k, self.free_drafts = k, free_drafts
+        self.times = list(times[: k + 1])  # [k+1] seconds of a pass of 1..k+1 rows
+        self.accepted, self.rejected = _PRIOR
+        self.draft_s = 0.0  # seconds of drafting per drafted token (decayed mean)
+        self._idle = 0  # rounds since the last verified draft
+        self._probe_every = _PROBE_EVERY
+        self._probing = False
+
+    @property
+    def costs(self) -> list[float]:
+        """[k+1]: a pass of j+1 rows in one-row passes (never decreasing in j)."""
+        out = [t / self.times[0] for t in self.times]
+        for j in range(1, len(out)):
+            out[j] = max(out[j], out[j - 1])
+        return out
+
+    @property
+    def alpha(self) -> float:
+        return self.accepted / (self.accepted + self.rejected)
+
+    def choose(self) -> int:
+        a, costs, draft_cost = self.alpha, self.costs, self.draft_s / self.times[0]
+        rates = [expected_tokens(a, j) / (costs[j] + j * draft_cost) for j in range(self.k + 1)]
+        j = max(range(self.k + 1), key=lambda i: (rates[i], -i))  # ties: fewer drafts
+        self._probing = False
+        if j == 0 and not self.free_drafts and self.k > 0 and self._idle >= self._probe_every:
+            j, self._probing = 1, True  # a drafter that costs is only scored when its drafts are verified
+        self._idle = 0 if j > 0 else self._idle + 1
+        return j
+
+    def observe(self, drafted: int, accepted: int) -> None:
+        """A verified round: `accepted` of `drafted` drafts kept (a rejection ends the prefix)."""
+        if drafted <= 0:
+            return
+        self.accepted = _DECAY * self.accepted + accepted
+        self.rejected = _DECAY * self.rejected + (1 if accepted < drafted else 0)
+        if self._probing:  # a rejected probe waits twice as long for the next one
+            self._probe_every = _PROBE_EVERY if accepted else min(2 * self._probe_every, _PROBE_MAX)
+
+    def observe_pass(self, rows: int, seconds: float) -> None:
+        """A verification pass of `rows` rows took `seconds`."""
+        if 1 <= rows <= len(self.times) and seconds > 0:
+            self.times[rows - 1] = (1 - _FOLLOW) * self.times[rows - 1] + _FOLLOW * seconds
+
+    def observe_drafting(self, seconds: float, drafted: int) -> None:
+        """Time spent drafting `drafted` tokens (a drafter model's or route's passes)."""
+        if drafted > 0:
+            per_token = seconds / drafted
+            self.draft_s = 0.5 * self.draft_s + 0.5 * per_token if self.draft_s else per_token
