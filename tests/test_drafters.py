@@ -32,6 +32,23 @@ def test_ngram_lookup(context, k, max_n, min_n, expected):
     assert ngram_lookup(np.array(context), k, max_n, min_n) == expected
 
 
+def test_ngram_drafter_index_finds_what_the_lookup_finds():
+    """The drafter's incremental n-gram index proposes what a search of the whole context proposes,
+    as the context grows a few tokens a round, and after it is replaced by another one."""
+    rng = np.random.default_rng(0)
+    for trial in range(20):
+        drafter = NgramDrafter(max_ngram=3, min_ngram=1 + trial % 2)
+        context = rng.integers(0, 6, size=int(rng.integers(1, 5))).tolist()
+        for _ in range(40):
+            k = int(rng.integers(1, 6))
+            expected = ngram_lookup(np.array(context), k, 3, drafter.min_ngram)
+            assert drafter.propose(context, k).tokens == expected, (trial, context)
+            if rng.random() < 0.05:  # another request's context
+                context = rng.integers(0, 6, size=int(rng.integers(1, 5))).tolist()
+            else:
+                context = context + rng.integers(0, 6, size=int(rng.integers(1, 4))).tolist()
+
+
 def test_ngram_drafter_proposes_without_probabilities():
     draft = NgramDrafter(max_ngram=2).propose([4, 5, 6, 4, 5], 3)
     assert draft.tokens == [6, 4, 5] and draft.probs is None

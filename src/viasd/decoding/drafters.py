@@ -156,14 +156,38 @@ class NgramDrafter:
 
     def begin(self, max_len: int, verifier: Verifier) -> None:
         self.source = getattr(verifier, "source", None) or []
+        self._reset()
+
+    def _reset(self) -> None:
+        # what `ngram_lookup` finds, kept up to date as the sequence grows (a round adds a few tokens;
+        # searching the whole context again each round cost ~5% of a native smollm2 step):
+        # _ends[n][ngram] = the position after the latest occurrence of that n-gram that has a token after it
+        self._seq: list[int] = []
+        self._ends: list[dict[tuple[int, ...], int]] = [{} for _ in range(self.max_ngram + 1)]
 
     def propose(self, context: list[int], k: int) -> Draft:
-        seq = self.source + context if self.source else context
-        return Draft(ngram_lookup(np.asarray(seq), k, self.max_ngram, self.min_ngram), None)
+        seq = self.source + context if self.source else list(context)
+        if not hasattr(self, "_seq"):
+            self._reset()
+        n_old = len(self._seq)
+        if seq[:n_old] != self._seq:  # (a list comparison in C: microseconds)
+            self._reset()  # not a continuation of the indexed sequence: another request
+            n_old = 0
+        for p in range(max(n_old, 1), len(seq)):  # seq[p] now follows the n-grams ending at p
+            for n in range(1, min(self.max_ngram, p) + 1):
+                self._ends[n][tuple(seq[p - n : p])] = p
+        self._seq = seq
+        size = len(seq)
+        for n in range(min(self.max_ngram, size - 1), self.min_ngram - 1, -1):
+            begin = self._ends[n].get(tuple(seq[size - n :]))
+            if begin is not None:
+                return Draft(seq[begin : begin + k], None)
+        return Draft([], None)
 
 
 def ngram_lookup(context: np.ndarray, k: int, max_ngram: int, min_ngram: int) -> list[int]:
-    """context: [n] token ids -> up to k tokens following the latest earlier match of its suffix."""
+    """context: [n] token ids -> up to k tokens following the latest earlier match of its suffix.
+    The rule, searched over the whole context; `NgramDrafter` keeps an index that gives the same."""
     n_ctx = context.shape[0]
     for n in range(min(max_ngram, n_ctx - 1), min_ngram - 1, -1):
         pattern = context[n_ctx - n :]
