@@ -398,14 +398,15 @@ class NativeTensor:
 
     def pack(self, allowed: tuple[str, ...] | None = None) -> str | None:
         """Copy the weight into the first of ggml's extra buffer types here that multiplies it (AMX,
-        then CPU_REPACK; `allowed` narrows them), as llama.cpp does when it loads a model: the same
-        blocks, rearranged for that CPU's kernels. Returns the type's name, or None (kept plain).
+        then CPU_REPACK), as llama.cpp does when it loads a model: the same blocks, rearranged for
+        that CPU's kernels; not into one measured slower for its type (`_SLOWER_PACKED`) unless
+        `allowed` names the buffer types to try. Returns the type's name, or None (kept plain).
         The plain bytes stay (embedding lookups and `dequantize` read them)."""
         if self.packed is not None:
             return self.packed.kind
         g = lib()
         for name, buft in g.extra_buffer_types:
-            if (allowed is not None and name not in allowed) or self.ggml_type in _SLOWER_PACKED.get(name, ()):
+            if name not in allowed if allowed is not None else self.ggml_type in _SLOWER_PACKED.get(name, ()):
                 continue
             mem = torch.empty(4 * g.tensor_overhead() + 1024, dtype=torch.uint8)
             ctx = g.init(_InitParams(mem.numel(), mem.data_ptr(), True))
@@ -436,7 +437,8 @@ class NativeTensor:
 
 
 # weight types a buffer type holds but multiplies more slowly one row at a time than the plain kernel
-# (benchmarks/pack_probe.py: AMX Q6_K 0.36-0.41 ms against 0.33-0.36 plain, 1536x8960 both ways)
+# (`python benchmarks/pack_types.py`, run 20261130T010828-0e0e5b: AMX Q6_K 0.35 / 1.43 ms at 1 / 4 rows of
+# 8960x1536 against 0.34 / 1.07 plain)
 _SLOWER_PACKED = {"AMX": (14,)}  # Q6_K
 
 
