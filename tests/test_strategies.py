@@ -124,8 +124,6 @@ def test_draft_length_follows_costs_and_acceptance():
     for _ in range(20):
         costly.observe(1, 1)
     assert costly.choose() == 0
-    # ... not even were every draft accepted: no more probes
-    assert [costly.choose() for _ in range(200)] == [0] * 200
     with pytest.raises(ValueError, match="pass times for 1..5 rows"):
         DraftLength(4, [0.01] * 3, free_drafts=True)
 

@@ -23,7 +23,7 @@ import time
 
 import torch
 
-from viasd.models.runtime import Decoder, LayerMask
+from viasd.models.runtime import Decoder
 
 _CONTEXT = 64  # positions already in the cache when the pass costs are measured
 _PRIOR = (1.2, 0.8)  # (accepted, rejected) pseudo-counts: alpha starts at 0.6
@@ -33,14 +33,13 @@ _PROBE_MAX = 128  # ... doubling after each probe the full model rejects, up to 
 _FOLLOW = 0.3  # weight of a new pass time in T(r)
 
 
-def pass_times(decoder: Decoder, rows: int, reps: int = 3, route: LayerMask | None = None) -> list[float]:
-    """Seconds of a forward pass of 1..rows tokens (along `route`) after a `_CONTEXT`-position prompt
-    (medians, on a scratch cache), measured once per decoder, row count and route and kept on the
-    decoder. Non-decreasing: a pass of more rows never counts as cheaper."""
-    cached: dict = decoder.__dict__.setdefault("_pass_times", {})
-    key = rows if route is None else (rows, route)
-    if key in cached:
-        return cached[key]
+def pass_times(decoder: Decoder, rows: int, reps: int = 3) -> list[float]:
+    """Seconds of a forward pass of 1..rows tokens after a `_CONTEXT`-position prompt (medians, on a
+    scratch cache), measured once per decoder and row count and kept on it. Non-decreasing: a pass of
+    more rows never counts as cheaper."""
+    cached: dict[int, list[float]] = decoder.__dict__.setdefault("_pass_times", {})
+    if rows in cached:
+        return cached[rows]
     n = max(1, min(_CONTEXT, decoder.config.max_positions - rows - 1))
     ids = torch.arange(rows + n) % min(1000, decoder.config.vocab_size)  # any tokens: the cost is the same
     cache = decoder.new_cache(n + rows)
@@ -50,12 +49,12 @@ def pass_times(decoder: Decoder, rows: int, reps: int = 3, route: LayerMask | No
         samples = []
         for i in range(reps + 1):
             t0 = time.perf_counter()
-            decoder.forward(ids[n : n + r], n, cache, route=route)
+            decoder.forward(ids[n : n + r], n, cache)
             if i:  # the first call builds the graph
                 samples.append(time.perf_counter() - t0)
             cache.rollback(n)
         times.append(max(statistics.median(samples), times[-1] if times else 0.0))
-    cached[key] = times
+    cached[rows] = times
     return times
 
 
@@ -70,18 +69,16 @@ class DraftLength:
 
     `times[j]`: seconds of a pass of j+1 rows (`pass_times`); `free_drafts`: the drafter costs nothing
     (prompt lookup), so it can always propose and be scored on the token that follows even when the
-    round verifies no draft; `draft_s`: seconds a drafted token costs, when known (a drafter model's
-    or route's one-token pass), else learnt from the time drafting takes.
+    round verifies no draft.
     """
 
-    def __init__(self, k: int, times: list[float], free_drafts: bool, draft_s: float | None = None):
+    def __init__(self, k: int, times: list[float], free_drafts: bool):
         if len(times) < k + 1 or times[0] <= 0:
             raise ValueError(f"need positive pass times for 1..{k + 1} rows, got {times}")
         self.k, self.free_drafts = k, free_drafts
         self.times = list(times[: k + 1])  # [k+1] seconds of a pass of 1..k+1 rows
         self.accepted, self.rejected = _PRIOR
-        self.draft_s = draft_s or 0.0  # seconds of drafting per drafted token
-        self._draft_s_known = draft_s is not None
+        self.draft_s = 0.0  # seconds of drafting per drafted token (decayed mean)
         self._idle = 0  # rounds since the last verified draft
         self._probe_every = _PROBE_EVERY
         self._probing = False
@@ -103,11 +100,8 @@ class DraftLength:
         rates = [expected_tokens(a, j) / (costs[j] + j * draft_cost) for j in range(self.k + 1)]
         j = max(range(self.k + 1), key=lambda i: (rates[i], -i))  # ties: fewer drafts
         self._probing = False
-        # a drafter that costs is only scored when its drafts are verified: try one now and then, as
-        # long as drafting could pay at all (were every draft accepted)
-        could_pay = any((i + 1) / (costs[i] + i * draft_cost) > 1.0 for i in range(1, self.k + 1))
-        if j == 0 and not self.free_drafts and could_pay and self._idle >= self._probe_every:
-            j, self._probing = 1, True
+        if j == 0 and not self.free_drafts and self.k > 0 and self._idle >= self._probe_every:
+            j, self._probing = 1, True  # a drafter that costs is only scored when its drafts are verified
         self._idle = 0 if j > 0 else self._idle + 1
         return j
 
@@ -126,7 +120,7 @@ class DraftLength:
             self.times[rows - 1] = (1 - _FOLLOW) * self.times[rows - 1] + _FOLLOW * seconds
 
     def observe_drafting(self, seconds: float, drafted: int) -> None:
-        """Time spent drafting `drafted` tokens, for a drafter whose cost per token is not known."""
-        if drafted > 0 and not self._draft_s_known:
+        """Time spent drafting `drafted` tokens (a drafter model's or route's passes)."""
+        if drafted > 0:
             per_token = seconds / drafted
             self.draft_s = 0.5 * self.draft_s + 0.5 * per_token if self.draft_s else per_token

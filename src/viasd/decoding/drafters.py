@@ -16,7 +16,6 @@ import numpy as np
 import torch
 
 from viasd.decoding.acceptance import SamplingParams
-from viasd.decoding.draft_length import pass_times
 from viasd.decoding.stats import DecodeStats
 from viasd.decoding.verifier import CallKind, Verifier
 from viasd.models.runtime import Decoder, KVCache, LayerMask
@@ -64,11 +63,6 @@ class _AutoregressiveDrafter:
 
     def _sync(self, context: list[int]) -> tuple[KVCache, int]:
         raise NotImplementedError
-
-    def token_seconds(self) -> float:
-        """Seconds one drafted token costs: a one-token pass of the drafting decoder along its route
-        (measured once, `draft_length.pass_times`)."""
-        return pass_times(self.decoder, 1, route=self.route)[0]
 
     def begin(self, max_len: int, verifier: Verifier) -> None:
         self.stats = verifier.stats

@@ -45,9 +45,7 @@ def speculative_decode(
     v = Verifier.start(decoder, drafter, req, len(req.prompt) + req.max_new_tokens + k + 1)
     policy = None
     if adaptive and k > 0 and not decoder.is_encoder_decoder:
-        token_seconds = getattr(drafter, "token_seconds", None)  # a drafter model's or route's one-token pass
-        policy = DraftLength(k, pass_times(decoder, k + 1), free_drafts=getattr(drafter, "free", False),
-                             draft_s=token_seconds() if token_seconds else None)
+        policy = DraftLength(k, pass_times(decoder, k + 1), free_drafts=getattr(drafter, "free", False))
     while not v.done:
         # 1. draft up to k tokens; never more than the budget can use (the round adds one more)
         limit = min(k, v.budget - 1) if v.budget > 1 else 0
