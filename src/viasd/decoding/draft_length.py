@@ -1,4 +1,4 @@
-"""Draft lengths from measured costs: how many drafts a round should verify (`--k auto`).
+"""Draft lengths from measured costs: how many drafts a round should verify (`--adapt-k`).
 
 A verification pass of r rows does not cost r times a one-row pass, nor the same: with float weights
 and oneDNN it is nearly flat in r, with native quantized weights each extra row costs about half a
