@@ -265,13 +265,17 @@ def test_a_server_with_a_drafter_model_serves_sd(tiny, tiny_drafter):
     app = create_app(tiny, tiny_drafter, settings=ServeSettings(defaults={"strategy": "sd", "k": 3}, served_name="tiny"))
     with LiveServer(app) as live:
         c = live.client()
-        for ext in ({}, {"strategy": "viasd", "draft": "model", "slim_layers": [0, 1, 3]}):
+        for ext in ({}, {"adapt_k": False}, {"strategy": "viasd", "draft": "model", "slim_layers": [0, 1, 3]}):
             r = c.completions.create(model="tiny", prompt="w5 w6 w7", max_tokens=6, extra_body={"viasd": ext})
             ref = generate("w5 w6 w7", tiny, drafter=tiny_drafter, chat=False, progress=False,
                            **{"strategy": "sd", "k": 3, "max_new_tokens": 6, **{k: tuple(v) if isinstance(v, list) else v for k, v in ext.items()}})
             assert r.choices[0].text == ref.text
             assert r.model_extra["viasd"]["config"]["draft"] == "model"
             assert r.model_extra["viasd"]["stats"]["calls"].get("draft", 0) >= 1 or r.usage.completion_tokens <= 1
+            config = r.model_extra["viasd"]["config"]
+            assert config["adapt_k"] is ext.get("adapt_k")  # as asked; None: the default
+            # what ran: adaptive drafting for sd under greedy decoding unless asked not to; none for VIA-SD
+            assert config.get("adaptive_k") == (None if ext.get("strategy") == "viasd" else ext.get("adapt_k", True))
 
 
 # ---------------------------------------------------------------- bad input: never a 500, never a traceback
@@ -313,6 +317,7 @@ BAD = {
     "two prompts": ("/v1/completions", _body(prompt=["a", "b"]), 422, None),
     "bad strategy": ("/v1/completions", _body(viasd={"strategy": "magic"}), 422, None),
     "bad k": ("/v1/completions", _body(viasd={"k": 1000}), 422, "invalid_value"),
+    "adapt_k not a boolean": ("/v1/completions", _body(viasd={"adapt_k": "yes"}), 422, None),
     "unknown viasd field": ("/v1/completions", _body(viasd={"slim_route": "/etc/passwd"}), 422, "unknown_parameter"),
     "model drafting without a drafter": ("/v1/completions", _body(viasd={"strategy": "sd"}), 400, "invalid_value"),
     "slim layer out of range": ("/v1/completions", _body(viasd={"strategy": "viasd", "slim_layers": [0, 99]}), 400, "invalid_value"),
