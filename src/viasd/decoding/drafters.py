@@ -151,6 +151,7 @@ class NgramDrafter:
             raise ValueError(f"need 1 <= min_ngram <= max_ngram, got {min_ngram}, {max_ngram}")
         self.max_ngram = max_ngram
         self.min_ngram = min_ngram
+        self._reset()
 
     source: list[int] = []
 
@@ -167,8 +168,6 @@ class NgramDrafter:
 
     def propose(self, context: list[int], k: int) -> Draft:
         seq = self.source + context if self.source else list(context)
-        if not hasattr(self, "_seq"):
-            self._reset()
         n_old = len(self._seq)
         if seq[:n_old] != self._seq:  # (a list comparison in C: microseconds)
             self._reset()  # not a continuation of the indexed sequence: another request

@@ -62,7 +62,7 @@ def speculative_decode(
             draft = drafter.propose(v.tokens, j)
             policy.observe_drafting(time.perf_counter() - t0, len(draft))
         # 2. verify the last committed token and the drafts in one full pass
-        t0 = time.perf_counter()
+        t0 = time.perf_counter() if policy is not None else 0.0
         logits = v.full(draft.tokens)  # [k'+1, V]
         if policy is not None:
             policy.observe_pass(len(draft) + 1, time.perf_counter() - t0)

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import ctypes
 import importlib.util
+import sys
 import threading
 from pathlib import Path
 
@@ -93,8 +94,6 @@ _LOG_WARN = 3  # enum ggml_log_level: NONE, DEBUG, INFO, WARN, ERROR, CONT
 def _log(level: int, text: bytes, _data) -> None:
     """ggml's log: warnings and errors to stderr; its debug lines (one per repacked tensor) dropped."""
     if level >= _LOG_WARN and text:
-        import sys
-
         sys.stderr.write(text.decode(errors="replace"))
 
 
