@@ -8,9 +8,11 @@ for every candidate that multiplies quantized weights on this CPU, plus the floa
 - torch's weight-only int8 product (`aten._weight_int8pack_mm`);
 - float32 and bfloat16 through oneDNN on prepacked weights (viasd's float path).
 - the same blocks packed into each of ggml's extra buffer types this CPU has (AMX, CPU_REPACK), one-row
-  products (what the forward graph runs);
+  products (what the forward graph runs with them), and into viasd's row-exact kernel (ROW_EXACT,
+  models/rowexact.py: every row of a block in one call);
 Then the whole forward pass at 1 and 8 tokens after a 128-token prompt, per `--weights` format
-(and native weights left unpacked, `native-plain`):
+(`native`: the row-exact kernel where the CPU has it; `native-ggml`: ggml's packed layouts only;
+`native-plain`: native weights left unpacked):
 T(1), T(8), T(8)/T(1), and the peak RSS of a process that loads the model and runs it.
 
     python benchmarks/native_probe.py [--models smollm2-135m,qwen2.5-coder-1.5b] [--out FILE]
@@ -37,6 +39,7 @@ sys.path.insert(0, str(Path(__file__).parent))
 from common import environment  # noqa: E402
 
 from viasd.models import ggml_kernels as gk  # noqa: E402
+from viasd.models import rowexact  # noqa: E402
 from viasd.models.loading import load_model  # noqa: E402
 from viasd.models.native import quantize  # noqa: E402
 from viasd.models.runtime import PackedLinear  # noqa: E402
@@ -126,11 +129,13 @@ def product_candidates(native_model) -> dict:
     floats = [float_weight(q) for q in natives]
     types = "/".join(sorted({gk.type_name(p.ggml_type) for q in natives for p in q.parts}))
     cands = {f"ggml-native ({types})": (natives, sum(q.nbytes for q in natives))}
-    for kind, _ in gk.lib().extra_buffer_types:  # the file's blocks repacked for this CPU, one row at a time
+    kinds = ([gk.ROW_EXACT] if rowexact.available() else []) + [kind for kind, _ in gk.lib().extra_buffer_types]
+    for kind in kinds:  # the file's blocks repacked for this CPU (ggml's: one row at a time)
         packed = [packed_product(q, kind) for q in natives]
         if any(k != "plain" for _, kinds in packed for k in kinds):
             label = "+".join(sorted({k for _, kinds in packed for k in kinds}))
-            cands[f"ggml-native packed ({label}, one-row products)"] = ([c for c, _ in packed], sum(q.nbytes for q in natives))
+            how = "all rows in one call" if kind == gk.ROW_EXACT else "one-row products"
+            cands[f"ggml-native packed ({label}, {how})"] = ([c for c, _ in packed], sum(q.nbytes for q in natives))
     for qtype, label in ((Q8_0, "ggml-Q8_0"), (Q4_0, "ggml-Q4_0")):
         qs = [gk.QuantLinear([next(iter(quantize({"w": w}, None, qtype, names=["w"]).values()))]) for w in floats]
         cands[label] = (qs, sum(q.nbytes for q in qs))
@@ -181,8 +186,9 @@ def rss_child(model: str, weights: str, pack: bool = True) -> float:
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--models", default="smollm2-135m,qwen2.5-coder-1.5b")
-    ap.add_argument("--formats", default="native,native-plain,float32,bfloat16",
-                    help="weight formats for the whole pass (native-plain: native weights left unpacked)")
+    ap.add_argument("--formats", default="native,native-ggml,native-plain,float32,bfloat16",
+                    help="weight formats for the whole pass (native-ggml: ggml's packed layouts only; "
+                         "native-plain: native weights left unpacked)")
     ap.add_argument("--out", type=Path, default=OUT)
     ap.add_argument("--no-rss", action="store_true", help="skip the peak-RSS child processes")
     args = ap.parse_args()
@@ -211,7 +217,9 @@ def main() -> int:
                       "ms_1": round(ms[1], 4), "ms_8": round(ms[8], 4), "ratio_8_1": round(ms[8] / ms[1], 3)})
             del native
             for fmt in args.formats.split(","):
-                weights, pack = fmt.removesuffix("-plain"), not fmt.endswith("-plain")  # native-plain: unpacked
+                # native-plain: unpacked; native-ggml: ggml's packed layouts only (no row-exact kernel)
+                weights = fmt.removesuffix("-plain").removesuffix("-ggml")
+                pack = False if fmt.endswith("-plain") else "ggml" if fmt.endswith("-ggml") else True
                 model = load_model(name, progress=False, weights=weights, pack=pack)
                 ft = forward_times(model)
                 emit({"kind": "forward", "model": name, "weights": fmt, "kernels": model.kernels, "ms_1": round(ft[1], 3),

@@ -1,6 +1,7 @@
 """Probe: per weight type, a product with plain weights against the same weights packed into each of
 ggml's extra buffer types this CPU has (AMX, CPU_REPACK), one-row products as the forward graph runs
-them (`ggml_kernels.matmul`), at 1 and 4 rows. What `ggml_kernels._SLOWER_PACKED` is read from.
+them (`ggml_kernels.matmul`), at 1, 4 and 8 rows; and viasd's row-exact kernel (ROW_EXACT, models/rowexact.py), which
+multiplies every row of a block in one call. What `ggml_kernels._SLOWER_PACKED` is read from.
 
     python benchmarks/pack_types.py [--out FILE]
 
@@ -23,6 +24,7 @@ sys.path.insert(0, str(Path(__file__).parent))
 from common import Records, environment, median  # noqa: E402
 
 from viasd.models import ggml_kernels as gk  # noqa: E402
+from viasd.models import rowexact  # noqa: E402
 from viasd.models.native import quantize  # noqa: E402
 
 OUT = Path(__file__).parent / "results" / "pack-types.jsonl"
@@ -54,7 +56,7 @@ def main() -> int:
     args = ap.parse_args()
     run_id = time.strftime("%Y%m%dT%H%M%S") + "-" + uuid.uuid4().hex[:6]
     records = Records(args.out, {**environment(), "ggml": gk.lib().has})
-    kinds = ["plain"] + [name for name, _ in gk.lib().extra_buffer_types]
+    kinds = ["plain"] + ([gk.ROW_EXACT] if rowexact.available() else []) + [name for name, _ in gk.lib().extra_buffer_types]
     g = torch.Generator().manual_seed(0)
     for rows, cols in SHAPES:
         w = torch.randn(rows, cols, generator=g) * 0.05
@@ -67,10 +69,10 @@ def main() -> int:
                 if kind != "plain" and native.pack((kind,)) != kind:
                     line += f" {kind} -"
                     continue
-                ms = {r: product_ms(native, r) for r in (1, 4)}
+                ms = {r: product_ms(native, r) for r in (1, 4, 8)}
                 records.write(run_id=run_id, shape=[rows, cols], type=type_name, kernels=kind,
-                              ms_1=round(ms[1], 4), ms_4=round(ms[4], 4))
-                line += f" {kind} {ms[1]:.3f}/{ms[4]:.3f} ms"
+                              **{f"ms_{r}": round(t, 4) for r, t in ms.items()})
+                line += f" {kind} {ms[1]:.3f}/{ms[4]:.3f}/{ms[8]:.3f} ms"
             print(line, flush=True)
     print(f"run {run_id}: {args.out}")
     return 0

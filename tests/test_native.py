@@ -74,7 +74,7 @@ def test_packed_weights_multiply_each_row_as_decoding_does():
     """Weights in ggml's extra buffer types (AMX, CPU_REPACK: whichever this CPU has, for the types it
     packs) give the plain kernels' products within rounding, and a block of rows gives each row
     exactly what that row gives alone (the repacked kernels' several-row paths would not)."""
-    kinds = [name for name, _ in gk.lib().extra_buffer_types]
+    kinds = [name for name, _ in gk.lib().extra_buffer_types]  # (the row-exact kernel: the test above)
     if not kinds:
         pytest.skip("this CPU's ggml has no extra buffer type")
     g = torch.Generator().manual_seed(3)
@@ -100,6 +100,58 @@ def test_packed_weights_multiply_each_row_as_decoding_does():
     assert any(t == Q4_0 for _, t in packed)
 
 
+Q5_0 = 6
+
+
+def _row_exact_or_skip():
+    from viasd.models import rowexact
+
+    if rowexact.lib() is None:
+        pytest.skip(rowexact.unavailable_reason())
+    return rowexact
+
+
+@pytest.mark.parametrize("ggml_type", [Q4_0, Q4_1, Q5_0, Q8_0, Q4_K, Q6_K])
+def test_row_exact_kernel_keeps_the_files_values_and_each_rows_result(ggml_type):
+    """viasd's row-exact kernel (models/rowexact.py): its blocks hold exactly the file's values; its
+    products are within activation rounding of the dequantized product (as ggml's); a block of rows
+    (past the 8 rows that share a weight load) gives each row exactly what it gives alone; the
+    portable reference kernel and the AVX-512 one agree bit for bit; and the forward graph's custom
+    op computes the same as a direct call."""
+    rowexact = _row_exact_or_skip()
+    g = torch.Generator().manual_seed(ggml_type)
+    w = torch.randn(48, 512, generator=g) * 0.05
+    native = _native(w, ggml_type)
+    deq = native.dequantize()
+    u = rowexact._unpack(ggml_type, native.data.numpy(), 48, 512)
+    scale = rowexact._block_values(u.scale, u.sup_blocks)
+    values = torch.from_numpy(scale.repeat(u.blk, 1) * u.q + rowexact._block_values(u.min, u.sup_blocks, scale).repeat(u.blk, 1))
+    assert torch.equal(values, deq)  # scale * q + min is the file's value, bit for bit
+    kernel = rowexact.RowExactWeight(ggml_type, native.data, 48, 512)
+    x = torch.randn(11, 512, generator=g)
+    block = kernel(x, impl=0)
+    ref = x.double() @ deq.double().T
+    assert (block.double() - ref).norm() <= 0.02 * ref.norm()  # int8 activations per block: ~0.5%
+    rows = torch.cat([kernel(x[j : j + 1].clone(), impl=0) for j in range(11)])
+    assert torch.equal(block, rows)
+    if rowexact.available():
+        assert torch.equal(kernel(x, impl=1), block)
+        assert torch.equal(torch.cat([kernel(x[j : j + 1].clone(), impl=1) for j in range(11)]), block)
+        assert native.pack() == gk.ROW_EXACT
+        assert torch.equal(_product(native, x), block)
+
+
+def test_row_exact_kernel_refuses_what_it_cannot_hold():
+    rowexact = _row_exact_or_skip()
+    native = _native(torch.randn(40, 64), Q8_0)
+    with pytest.raises(ValueError, match="multiple of 16 rows, got 40"):
+        rowexact.RowExactWeight(Q8_0, native.data, 40, 64)
+    assert native.pack() != gk.ROW_EXACT  # such a weight stays with ggml's kernels
+    f32 = _native(torch.randn(16, 64), gk.F32)
+    with pytest.raises(ValueError, match="does not take ggml type 0"):
+        rowexact.RowExactWeight(gk.F32, f32.data, 16, 64)
+
+
 def test_quant_embedding_rows_and_range():
     w = torch.randn(50, 32, generator=torch.Generator().manual_seed(2))
     native = _native(w, Q8_0)
@@ -112,18 +164,25 @@ def test_quant_embedding_rows_and_range():
 
 # ------------------------------------------------------------------ the tiny model in a native format
 
-@pytest.fixture(scope="module", params=[Q8_0, Q4_0])
+@pytest.fixture(scope="module", params=[(Q8_0, True), (Q4_0, True), (Q4_0, "ggml")], ids=["q8_0", "q4_0", "q4_0-ggml"])
 def tiny_native(request, tiny):
-    """The tiny Llama with its projections, embedding and head quantized by ggml."""
+    """The tiny Llama with its projections, embedding and head quantized by ggml; its products on the
+    default kernels (the row-exact one where this CPU runs it) or on ggml's only."""
+    from viasd.models import rowexact
     from viasd.models.loading import LoadedModel, load_state_dict
 
+    ggml_type, pack = request.param
     state = load_state_dict(tiny.path)
-    native = quantize(state, tiny.config, request.param)
+    native = quantize(state, tiny.config, ggml_type)
     assert set(native) == set(native_names(tiny.config)) - ({"lm_head.weight"} if "lm_head.weight" not in state else set())
-    decoder = Decoder.from_state_dict(tiny.config, state, native=native)
+    decoder = Decoder.from_state_dict(tiny.config, state, native=native, pack=pack)
     assert decoder.native
-    # each product's weight packed for this CPU's kernels where it has one (AMX, CPU_REPACK), else plain
-    assert set(decoder._graph.packed) <= {name for name, _ in gk.lib().extra_buffer_types} | {"plain"}
+    # each product's weight packed for this CPU's kernels where it has one, else plain
+    ggml_kinds = {name for name, _ in gk.lib().extra_buffer_types} | {"plain"}
+    if pack == "ggml" or not rowexact.available():
+        assert set(decoder._graph.packed) <= ggml_kinds
+    else:
+        assert set(decoder._graph.packed) == {gk.ROW_EXACT}
     return LoadedModel(name="tiny-native", path=tiny.path, config=tiny.config, decoder=decoder, tokenizer=tiny.tokenizer,
                        weights="native")
 

@@ -50,17 +50,18 @@ class NativeForward:
     """`decoder.forward` for native weights: logits [T, V] (or [1, V] with last_only) of `tokens` at
     positions start.., reading and writing `cache` along `route` (None: every layer)."""
 
-    def __init__(self, decoder: Decoder, pack: bool = True):
+    def __init__(self, decoder: Decoder, pack: bool | str = True):
         self.dec = decoder
         cfg = decoder.config
-        # the products' weights into ggml's extra buffer types where this CPU has a kernel for them
-        # (`ggml_kernels.NativeTensor.pack`); the embedding table is looked up from the plain bytes
+        # the products' weights laid out for a faster kernel where this CPU has one for them
+        # (`ggml_kernels.NativeTensor.pack`: viasd's row-exact kernel, else ggml's extra buffer types;
+        # pack="ggml": ggml's only); the embedding table is looked up from the plain bytes
         self.packed: dict[str, int] = {}  # buffer type (or "plain") -> weights
         parts = {id(p): p for layer in decoder.layers for lin in (layer.qkv, layer.o, layer.gate_up, layer.down)
                  for p in lin.parts}
         parts.update({id(p): p for p in decoder.lm_head.parts})
         for p in parts.values():
-            kind = (p.pack() if pack else None) or "plain"
+            kind = (p.pack(row_exact=pack != "ggml") if pack else None) or "plain"
             self.packed[kind] = self.packed.get(kind, 0) + 1
         self.pos32 = torch.arange(cfg.max_positions, dtype=torch.int32)
         self.pos64 = torch.arange(cfg.max_positions, dtype=torch.int64)

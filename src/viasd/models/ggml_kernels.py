@@ -27,6 +27,7 @@ from pathlib import Path
 import torch
 
 from viasd.errors import ViasdError
+from viasd.models import rowexact
 
 # enum ggml_type values the loader may meet (the GGUF's tensor types use the same numbers)
 F32, F16, BF16, I32 = 0, 1, 30, 26
@@ -162,6 +163,8 @@ class _Lib:
         self.rope_ext = fn("ggml_rope_ext", _T, _P, _T, _T, _T, ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_float,
                            ctypes.c_float, ctypes.c_float, ctypes.c_float, ctypes.c_float, ctypes.c_float)
         self.reshape_3d = fn("ggml_reshape_3d", _T, _P, _T, ctypes.c_int64, ctypes.c_int64, ctypes.c_int64)
+        self.custom_4d = fn("ggml_custom_4d", _T, _P, ctypes.c_int, ctypes.c_int64, ctypes.c_int64, ctypes.c_int64,
+                            ctypes.c_int64, ctypes.POINTER(_T), ctypes.c_int, _P, ctypes.c_int, _P)
         self.graph_plan = fn("ggml_graph_plan", _CPlan, _P, ctypes.c_int, _P)
         self.graph_compute = fn("ggml_graph_compute", ctypes.c_int, _P, ctypes.POINTER(_CPlan))
         fn("ggml_cpu_init", None)()
@@ -395,15 +398,21 @@ class NativeTensor:
         t.contents.data = self.data.data_ptr()
         return t
 
-    def pack(self, allowed: tuple[str, ...] | None = None) -> str | None:
-        """Copy the weight into the first of ggml's extra buffer types here that multiplies it (AMX,
-        then CPU_REPACK), as llama.cpp does when it loads a model: the same blocks, rearranged for
-        that CPU's kernels; not into one measured slower for its type (`_SLOWER_PACKED`) unless
-        `allowed` names the buffer types to try. Returns the type's name, or None (kept plain).
+    def pack(self, allowed: tuple[str, ...] | None = None, row_exact: bool = True) -> str | None:
+        """Lay the weight out for a faster kernel. First choice (`row_exact`): viasd's row-exact
+        batched kernel (`ROW_EXACT`, models/rowexact.py), where this CPU runs it and it takes the
+        type. Else the first of ggml's extra buffer types here that multiplies it (AMX, then
+        CPU_REPACK), as llama.cpp does when it loads a model: the same blocks, rearranged for that
+        CPU's kernels; not into one measured slower for its type (`_SLOWER_PACKED`) unless
+        `allowed` names the kinds to try. Returns the kind's name, or None (kept plain).
         The plain bytes stay (embedding lookups and `dequantize` read them)."""
         if self.packed is not None:
             return self.packed.kind
         g = lib()
+        wanted = row_exact if allowed is None else ROW_EXACT in allowed
+        if wanted and self.ggml_type in rowexact.TYPES and self.rows % 16 == 0 and rowexact.available():
+            self.packed = _Packed(ROW_EXACT, rowexact.RowExactWeight(self.ggml_type, self.data, self.rows, self.cols))
+            return ROW_EXACT
         for name, buft in g.extra_buffer_types:
             if name not in allowed if allowed is not None else self.ggml_type in _SLOWER_PACKED.get(name, ()):
                 continue
@@ -430,7 +439,7 @@ class NativeTensor:
             # one weight for every row of a batch: its batch strides are 0 (the AMX kernel offsets the
             # weight by batch index times these; ggml only reads them for dims of size 1 otherwise)
             w.contents.nb[2] = w.contents.nb[3] = 0
-            self.packed = _Packed(name, mem, ctx, w, buffer)
+            self.packed = _Packed(name, w, mem, ctx, buffer)
             return name
         return None
 
@@ -441,11 +450,15 @@ class NativeTensor:
 _SLOWER_PACKED = {"AMX": (14,)}  # Q6_K
 
 
-class _Packed:
-    """A weight tensor in an extra buffer: its own context and buffer, freed with it."""
+ROW_EXACT = "ROW_EXACT"  # viasd's own row-exact batched kernel (models/rowexact.py)
 
-    def __init__(self, kind: str, mem: torch.Tensor, ctx: int, tensor: _T, buffer: int):
-        self.kind, self._mem, self._ctx, self.tensor, self._buffer = kind, mem, ctx, tensor, buffer
+
+class _Packed:
+    """A weight tensor in an extra buffer (its own context and buffer, freed with it), or a weight
+    in the row-exact kernel's layout (`tensor` is then a `rowexact.RowExactWeight`)."""
+
+    def __init__(self, kind: str, tensor, mem: torch.Tensor | None = None, ctx: int | None = None, buffer: int | None = None):
+        self.kind, self.tensor, self._mem, self._ctx, self._buffer = kind, tensor, mem, ctx, buffer
 
     def __del__(self):
         if _lib is not None and self._buffer:
@@ -466,6 +479,10 @@ def matmul(graph: _Graph, w: NativeTensor, x: _T, n_rows: int) -> _T:
     g = lib()
     if w.packed is None:
         return g.mul_mat(graph.ctx, w._bind(graph), x)
+    if w.packed.kind == ROW_EXACT:  # every row alike by construction: one op for the whole block
+        args = (_T * 1)(x)
+        return g.custom_4d(graph.ctx, F32, w.rows, n_rows, 1, 1, args, 1, rowexact.op_address(), -1,
+                           ctypes.addressof(w.packed.tensor.op))
     rows = g.reshape_3d(graph.ctx, x, w.cols, 1, n_rows)
     y = g.mul_mat(graph.ctx, w.packed.tensor, rows)  # [w.rows, 1, T]
     if w.packed.kind == "AMX" and n_rows > 1:

@@ -497,7 +497,7 @@ def load_model(
     dtype: torch.dtype | None = None,
     device: str = "cpu",
     progress: bool = True,
-    pack: bool = True,
+    pack: bool | str = True,
     weights: str | None = None,
 ) -> LoadedModel:
     """Load `source` (zoo alias, GGUF path, transformers directory or hub id) into the lean runtime.
@@ -508,7 +508,8 @@ def load_model(
     a float format. Native weights need the CPU and the ggml kernels: by default, where either is
     missing, the model runs in float32 instead (said on stderr); asked for by name, that is an error.
     `pack=False`: plain MKL products instead of prepacked oneDNN ones (slower; bit-closer to transformers),
-    and for native weights ggml's plain kernels instead of its AMX / repacked ones.
+    and for native weights ggml's plain kernels instead of viasd's row-exact kernel or ggml's AMX /
+    repacked ones; `pack="ggml"`: native weights in ggml's AMX / repacked layouts only.
     """
     from viasd.errors import ViasdError
     from viasd.validation import WEIGHT_FORMATS, check_device, check_text

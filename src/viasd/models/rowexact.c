@@ -1,0 +1,307 @@
+// Row-exact quantized matrix products for viasd's native weights (see models/rowexact.py).
+//
+// y[t, n] = sum over blocks b of  scale[n, b] * dx[t, b] * isum(t, n, b)  +  min[n, b] * sx[t, b]
+//   isum(t, n, b) = sum_i q[n, b*blk + i] * xq[t, b*blk + i]   (exact int32: u8 weight x s8 activation)
+//   xq, dx: activation row t quantized per block of blk (int8, scale amax / 127); sx = dx * sum(xq)
+//
+// Every output element is computed by the same sequence of float operations whatever the number of
+// activation rows, which rows share a call, or which thread computes it: integer sums are exact, and
+// each (t, n) accumulates its blocks in order, one fmaf per term. So a row's result never depends on
+// its block (what lossless speculative decoding needs), while several rows share each weight load
+// (what makes verifying k drafts cost much less than k one-row passes).
+//
+// Weight layout (packed by rowexact.py), per tile of 16 output rows and per block of blk inputs:
+//   8-bit: blk/4 vectors of 64 bytes; byte 4r + j of vector g = q[row r][4g + j]
+//   4-bit: blk/8 vectors of 64 bytes; byte 4r + j of vector v = q[r][4v + j] | q[r][4(v + blk/8) + j] << 4
+//   scale, min of a block: 16 lanes (row r at lane r), stored as the file allows it exactly:
+//     mode 0: float per block; 1: half per block; 2: int8 per block times a float per super-block
+//     (sup_blocks blocks, per row: the K-quants' two-level scales); min mode 3: min_mult * scale
+// Rows are a multiple of 16, columns a multiple of blk (16 or 32).
+
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+#include <math.h>
+#include <immintrin.h>
+
+typedef struct {
+    int64_t rows, cols;
+    int32_t blk, bits;
+    const uint8_t *q;
+    const void *scale, *min;  // per block [tile][block][16], in scale_mode / min_mode's type
+    const float *scale_sup, *min_sup;  // mode 2: per super-block [tile][super][16]
+    int32_t scale_mode, min_mode, sup_blocks;
+    float min_mult;  // min mode 3
+} rx_weight;
+
+static float half_to_float(uint16_t h) {
+    const uint32_t sign = (uint32_t)(h >> 15) << 31, e = (h >> 10) & 31, m = h & 1023;
+    uint32_t bits;
+    if (e == 31) bits = sign | 0x7f800000u | (m << 13);
+    else if (e) bits = sign | ((e + 112) << 23) | (m << 13);
+    else if (!m) bits = sign;
+    else {  // subnormal: value m * 2^-24, exact in float
+        const float f = (float)m * 5.9604644775390625e-8f;
+        memcpy(&bits, &f, 4);
+        bits |= sign;
+    }
+    float f;
+    memcpy(&f, &bits, 4);
+    return f;
+}
+
+// lane r of a block's scale (which = 0) or min (which = 1)
+static float block_value(const rx_weight *w, int which, int64_t tile, int64_t b, int r) {
+    const int64_t nblk = w->cols / w->blk, i = (tile * nblk + b) * 16 + r;
+    const int mode = which ? w->min_mode : w->scale_mode;
+    const void *p = which ? w->min : w->scale;
+    if (mode == 3) return w->min_mult * block_value(w, 0, tile, b, r);
+    if (mode == 0) return ((const float *)p)[i];
+    if (mode == 1) return half_to_float(((const uint16_t *)p)[i]);
+    const int64_t nsup = nblk / w->sup_blocks;
+    const float *sup = which ? w->min_sup : w->scale_sup;
+    return sup[(tile * nsup + b / w->sup_blocks) * 16 + r] * (float)((const int8_t *)p)[i];
+}
+
+// offsets into struct ggml_tensor, given by the caller (from the bound layout)
+static size_t OFF_NE, OFF_NB, OFF_SRC, OFF_DATA;
+
+void rx_set_layout(size_t ne, size_t nb, size_t src, size_t data) {
+    OFF_NE = ne; OFF_NB = nb; OFF_SRC = src; OFF_DATA = data;
+}
+
+// ---------------------------------------------------------------- activations
+// one row: x[cols] -> xq[cols] int8, dx[nb], sx[nb]
+static void quantize_row(const float *x, int64_t cols, int blk, int8_t *xq, float *dx, float *sx) {
+    for (int64_t b = 0; b < cols / blk; b++) {
+        const float *v = x + b * blk;
+        float amax = 0.0f;
+        for (int i = 0; i < blk; i++) amax = fmaxf(amax, fabsf(v[i]));
+        const float d = amax / 127.0f;
+        const float id = d != 0.0f ? 1.0f / d : 0.0f;
+        int sum = 0;
+        for (int i = 0; i < blk; i++) {
+            const int q = (int)nearbyintf(v[i] * id);
+            xq[b * blk + i] = (int8_t)q;
+            sum += q;
+        }
+        dx[b] = d;
+        sx[b] = d * (float)sum;
+    }
+}
+
+// ---------------------------------------------------------------- reference kernel (any CPU)
+static int32_t wq(const rx_weight *w, int64_t tile, int64_t b, int r, int i) {
+    // quantized weight of row 16*tile + r, input b*blk + i, from the packed layout
+    const int64_t nblk = w->cols / w->blk;
+    if (w->bits == 8) {
+        const uint8_t *p = w->q + (tile * nblk + b) * (int64_t)w->blk * 16;
+        return p[(i / 4) * 64 + r * 4 + (i % 4)];
+    }
+    const uint8_t *p = w->q + (tile * nblk + b) * (int64_t)w->blk * 8;
+    const int half = w->blk / 2;
+    const int hi = i >= half, k = i - hi * half;
+    const uint8_t byte = p[(k / 4) * 64 + r * 4 + (k % 4)];
+    return hi ? byte >> 4 : byte & 15;
+}
+
+static void tiles_ref(const rx_weight *w, int64_t t0, int64_t t1, int64_t T, const int8_t *xq, const float *dx,
+                      const float *sx, float *y, int64_t ystride) {
+    const int64_t nblk = w->cols / w->blk;
+    for (int64_t tile = t0; tile < t1; tile++)
+        for (int64_t t = 0; t < T; t++)
+            for (int r = 0; r < 16; r++) {
+                float acc = 0.0f;
+                for (int64_t b = 0; b < nblk; b++) {
+                    int32_t isum = 0;
+                    for (int i = 0; i < w->blk; i++) isum += wq(w, tile, b, r, i) * xq[t * w->cols + b * w->blk + i];
+                    const float sc = block_value(w, 0, tile, b, r), mn = block_value(w, 1, tile, b, r);
+                    acc = fmaf((float)isum, sc * dx[t * nblk + b], acc);
+                    acc = fmaf(mn, sx[t * nblk + b], acc);
+                }
+                y[t * ystride + tile * 16 + r] = acc;
+            }
+}
+
+// ---------------------------------------------------------------- AVX-512 VNNI kernel
+#define RX_CHUNK 8  // activation rows per pass over a tile's weights
+
+__attribute__((target("avx512f,avx512bw,avx512vnni")))
+static inline __m512 block_vector(const rx_weight *w, int which, int64_t tile, int64_t b) {
+    const int64_t nblk = w->cols / w->blk, i = (tile * nblk + b) * 16;
+    const int mode = which ? w->min_mode : w->scale_mode;
+    const void *p = which ? w->min : w->scale;
+    if (mode == 1) return _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)((const uint16_t *)p + i)));
+    if (mode == 0) return _mm512_loadu_ps((const float *)p + i);
+    const int64_t nsup = nblk / w->sup_blocks;
+    const float *sup = (which ? w->min_sup : w->scale_sup) + (tile * nsup + b / w->sup_blocks) * 16;
+    const __m512 sub = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)((const int8_t *)p + i))));
+    return _mm512_mul_ps(_mm512_loadu_ps(sup), sub);
+}
+
+// One block of U tiles x NT activation rows (compile-time U, NT: accumulators stay in registers).
+// Several tiles at once when rows are few: their accumulation chains are independent.
+__attribute__((target("avx512f,avx512bw,avx512vnni"), always_inline))
+static inline void tiles_vnni_un(const rx_weight *w, int64_t tile0, const int U, const int NT, const int8_t *xq,
+                                 const float *dx, const float *sx, float *y, int64_t ystride) {
+    const int64_t nblk = w->cols / w->blk;
+    const int G = w->blk / 4;  // groups of 4 inputs a block
+    const int64_t qbytes = (int64_t)w->blk * (w->bits == 8 ? 16 : 8);
+    const __m512i low = _mm512_set1_epi8(15);
+    __m512 acc[4][RX_CHUNK];
+    for (int u = 0; u < U; u++)
+        for (int t = 0; t < NT; t++) acc[u][t] = _mm512_setzero_ps();
+    for (int64_t b = 0; b < nblk; b++) {
+        for (int u = 0; u < U; u++) {
+            const int64_t tile = tile0 + u;
+            const uint8_t *p = w->q + (tile * nblk + b) * qbytes;
+            __m512i wv[8];
+            if (w->bits == 8) {
+                for (int g = 0; g < G; g++) wv[g] = _mm512_loadu_si512((const void *)(p + 64 * g));
+            } else {
+                for (int v = 0; v < G / 2; v++) {
+                    const __m512i raw = _mm512_loadu_si512((const void *)(p + 64 * v));
+                    wv[v] = _mm512_and_si512(raw, low);
+                    wv[v + G / 2] = _mm512_and_si512(_mm512_srli_epi16(raw, 4), low);
+                }
+            }
+            const __m512 sc = block_vector(w, 0, tile, b);
+            const __m512 mn = w->min_mode == 3 ? _mm512_mul_ps(_mm512_set1_ps(w->min_mult), sc) : block_vector(w, 1, tile, b);
+            for (int t = 0; t < NT; t++) {
+                const int32_t *xa = (const int32_t *)(xq + t * w->cols + b * w->blk);
+                __m512i s0 = _mm512_setzero_si512(), s1 = _mm512_setzero_si512();
+                for (int g = 0; g < G; g += 2) {
+                    s0 = _mm512_dpbusd_epi32(s0, wv[g], _mm512_set1_epi32(xa[g]));
+                    s1 = _mm512_dpbusd_epi32(s1, wv[g + 1], _mm512_set1_epi32(xa[g + 1]));
+                }
+                const __m512 f = _mm512_cvtepi32_ps(_mm512_add_epi32(s0, s1));
+                acc[u][t] = _mm512_fmadd_ps(f, _mm512_mul_ps(sc, _mm512_set1_ps(dx[t * nblk + b])), acc[u][t]);
+                acc[u][t] = _mm512_fmadd_ps(mn, _mm512_set1_ps(sx[t * nblk + b]), acc[u][t]);
+            }
+        }
+    }
+    for (int u = 0; u < U; u++)
+        for (int t = 0; t < NT; t++) _mm512_storeu_ps(y + t * ystride + (tile0 + u) * 16, acc[u][t]);
+}
+
+__attribute__((target("avx512f,avx512bw,avx512vnni")))
+static void tiles_vnni(const rx_weight *w, int64_t t0, int64_t t1, int64_t T, const int8_t *xq, const float *dx,
+                       const float *sx, float *y, int64_t ystride) {
+    const int64_t nblk = w->cols / w->blk;
+#define RX_CASE(U, NT) tiles_vnni_un(w, tile, U, NT, xq + c * w->cols, dx + c * nblk, sx + c * nblk, y + c * ystride, ystride)
+    for (int64_t c = 0; c < T; c += RX_CHUNK) {
+        const int nt = (int)(T - c < RX_CHUNK ? T - c : RX_CHUNK);
+        const int U = nt == 1 ? 4 : nt <= 3 ? 2 : 1;
+        int64_t tile = t0;
+        for (; tile + U <= t1; tile += U) {
+            switch (nt) {
+                case 1: RX_CASE(4, 1); break;
+                case 2: RX_CASE(2, 2); break;
+                case 3: RX_CASE(2, 3); break;
+                case 4: RX_CASE(1, 4); break;
+                case 5: RX_CASE(1, 5); break;
+                case 6: RX_CASE(1, 6); break;
+                case 7: RX_CASE(1, 7); break;
+                default: RX_CASE(1, 8); break;
+            }
+        }
+        for (; tile < t1; tile++) {  // the tiles left over when U > 1
+            switch (nt) {
+                case 1: RX_CASE(1, 1); break;
+                case 2: RX_CASE(1, 2); break;
+                default: RX_CASE(1, 3); break;
+            }
+        }
+    }
+#undef RX_CASE
+}
+
+// the same quantization as quantize_row, 16 values at a time (cvtps_epi32 rounds half to even, as
+// nearbyintf does in the default rounding mode)
+__attribute__((target("avx512f,avx512bw,avx512vnni")))
+static void quantize_row_vnni(const float *x, int64_t cols, int blk, int8_t *xq, float *dx, float *sx) {
+    for (int64_t b = 0; b < cols / blk; b++) {
+        const float *v = x + b * blk;
+        __m512 m = _mm512_abs_ps(_mm512_loadu_ps(v));
+        if (blk == 32) m = _mm512_max_ps(m, _mm512_abs_ps(_mm512_loadu_ps(v + 16)));
+        const float amax = _mm512_reduce_max_ps(m);
+        const float d = amax / 127.0f;
+        const float id = d != 0.0f ? 1.0f / d : 0.0f;
+        int sum = 0;
+        for (int h = 0; h < blk; h += 16) {
+            const __m512i q = _mm512_cvtps_epi32(_mm512_mul_ps(_mm512_loadu_ps(v + h), _mm512_set1_ps(id)));
+            _mm_storeu_si128((__m128i *)(xq + b * blk + h), _mm512_cvtsepi32_epi8(q));
+            sum += _mm512_reduce_add_epi32(q);
+        }
+        dx[b] = d;
+        sx[b] = d * (float)sum;
+    }
+}
+
+int rx_has_vnni(void) {
+    __builtin_cpu_init();
+    return __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") && __builtin_cpu_supports("avx512vnni");
+}
+
+// ---------------------------------------------------------------- entry points
+typedef struct {
+    int8_t *xq;
+    float *dx, *sx;
+    size_t cap;
+} scratch;
+
+static __thread scratch tls;
+
+static int reserve(int64_t T, int64_t cols, int blk) {
+    const size_t need = (size_t)(T * cols) + 2 * sizeof(float) * (size_t)(T * (cols / blk)) + 64;
+    if (need <= tls.cap) return 1;
+    free(tls.xq);
+    tls.xq = (int8_t *)malloc(need);
+    if (!tls.xq) { tls.cap = 0; return 0; }
+    tls.cap = need;
+    return 1;
+}
+
+// y = W x for T rows: x [T][x_stride floats], y [T][y_stride floats]; tiles split among nth callers.
+// `impl`: 0 the reference kernel, 1 AVX-512 VNNI. Returns 0, or -1 when out of memory.
+int rx_matmul(const rx_weight *w, const float *x, int64_t x_stride, int64_t T, float *y, int64_t y_stride,
+              int ith, int nth, int impl) {
+    const int64_t nblk = w->cols / w->blk;
+    if (!reserve(T, w->cols, w->blk)) return -1;
+    int8_t *xq = tls.xq;
+    float *dx = (float *)(((uintptr_t)(xq + T * w->cols) + 63) & ~(uintptr_t)63);
+    float *sx = dx + T * nblk;
+    for (int64_t t = 0; t < T; t++)
+        (impl == 1 ? quantize_row_vnni : quantize_row)(x + t * x_stride, w->cols, w->blk, xq + t * w->cols, dx + t * nblk, sx + t * nblk);
+    const int64_t ntiles = w->rows / 16;
+    const int64_t t0 = ntiles * ith / nth, t1 = ntiles * (ith + 1) / nth;
+    if (impl == 1)
+        tiles_vnni(w, t0, t1, T, xq, dx, sx, y, y_stride);
+    else
+        tiles_ref(w, t0, t1, T, xq, dx, sx, y, y_stride);
+    return 0;
+}
+
+// ggml custom op (ggml_custom_4d): dst [rows, T] = W src[0], src[0] [cols, T] (rows contiguous).
+// userdata: a struct rx_op.
+typedef struct {
+    rx_weight w;
+    int32_t impl;
+} rx_op;
+
+void rx_ggml_op(void *dst, int ith, int nth, void *userdata) {
+    const rx_op *op = (const rx_op *)userdata;
+    char *d = (char *)dst;
+    char *src = *(char **)(d + OFF_SRC);
+    const int64_t *ne = (const int64_t *)(src + OFF_NE);
+    const size_t *nb = (const size_t *)(src + OFF_NB);
+    const size_t *dnb = (const size_t *)(d + OFF_NB);
+    const float *x = *(const float **)(src + OFF_DATA);
+    float *y = *(float **)(d + OFF_DATA);
+    if (rx_matmul(&op->w, x, (int64_t)(nb[1] / 4), ne[1], y, (int64_t)(dnb[1] / 4), ith, nth, op->impl) != 0) {
+        // out of memory for the quantized activations: this thread's outputs become NaN, never stale
+        const int64_t ntiles = op->w.rows / 16, r0 = 16 * (ntiles * ith / nth), r1 = 16 * (ntiles * (ith + 1) / nth);
+        for (int64_t t = 0; t < ne[1]; t++)
+            for (int64_t r = r0; r < r1; r++) y[t * (int64_t)(dnb[1] / 4) + r] = NAN;
+    }
+}

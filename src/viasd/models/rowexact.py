@@ -1,0 +1,241 @@
+"""Row-exact batched products of native weights: viasd's own kernel (`rowexact.c`).
+
+Why our own: speculative decoding verifies k drafts in one pass, and a lossless strategy needs each
+row of that pass to come out exactly as it would alone. ggml's one-row kernels are row-exact but
+a pass of k rows costs about k/2 one-row passes here (`benchmarks/native_probe.py`: T(8)/T(1) 4.1-4.4);
+its batched kernels (AMX tiles, CPU_REPACK GEMMs) sum several rows in another order than one row, and
+its AMX several-row path crashes in ggml-py 0.10.1. This kernel sums every (row, output) pair in the
+same order whatever the rows of the call, and shares each weight load among up to 8 rows.
+
+The weights keep the file's values exactly: each block of the GGUF (Q4_0, Q4_1, Q4_K, Q5_0, Q6_K, Q8_0)
+becomes unsigned integers q with a float scale and min per block of 16 or 32 (w = scale * q + min),
+stored 4-bit for 4-bit types and 8-bit otherwise. Activations are quantized per block of each row to
+int8, as ggml quantizes them (to Q8 blocks) for its own integer dot products.
+
+The C source is compiled on first use with the system C compiler (the one that built ggml-py) into
+the cache directory; where there is no compiler or the CPU lacks AVX-512 VNNI, `available()` is False
+and native weights keep ggml's kernels.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import hashlib
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import threading
+from pathlib import Path
+
+import numpy as np
+import torch
+
+# ggml types this kernel takes (enum ggml_type values)
+Q4_0, Q4_1, Q5_0, Q8_0, Q4_K, Q6_K = 2, 3, 6, 8, 12, 14
+TYPES = (Q4_0, Q4_1, Q5_0, Q8_0, Q4_K, Q6_K)
+_SOURCE = Path(__file__).with_name("rowexact.c")
+
+
+class _Weight(ctypes.Structure):  # struct rx_weight
+    _fields_ = [("rows", ctypes.c_int64), ("cols", ctypes.c_int64), ("blk", ctypes.c_int32), ("bits", ctypes.c_int32),
+                ("q", ctypes.c_void_p), ("scale", ctypes.c_void_p), ("min", ctypes.c_void_p),
+                ("scale_sup", ctypes.c_void_p), ("min_sup", ctypes.c_void_p),
+                ("scale_mode", ctypes.c_int32), ("min_mode", ctypes.c_int32), ("sup_blocks", ctypes.c_int32),
+                ("min_mult", ctypes.c_float)]
+
+
+class _Op(ctypes.Structure):  # struct rx_op
+    _fields_ = [("w", _Weight), ("impl", ctypes.c_int32)]
+
+
+_lib: ctypes.CDLL | None = None
+_lib_error: str | None = None
+_lock = threading.Lock()
+
+
+def _compile() -> Path:
+    from viasd.models.loading import cache_dir
+
+    cc = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
+    if not cc:
+        raise OSError("no C compiler (cc) found")
+    source = _SOURCE.read_bytes()
+    key = hashlib.sha256(source + cc.encode() + sys.platform.encode()).hexdigest()[:16]
+    target = cache_dir() / "kernels" / f"rowexact-{key}.so"
+    if target.exists():
+        return target
+    target.parent.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(dir=target.parent) as tmp:
+        out = Path(tmp) / target.name
+        cmd = [cc, "-O3", "-fPIC", "-shared", "-ffp-contract=off", "-o", str(out), str(_SOURCE), "-lm"]
+        done = subprocess.run(cmd, capture_output=True, text=True)
+        if done.returncode != 0:
+            raise OSError(f"{' '.join(cmd)} failed: {done.stderr.strip()[:500]}")
+        os.replace(out, target)  # atomic: another process may be compiling the same file
+    return target
+
+
+def lib() -> ctypes.CDLL | None:
+    """The compiled kernel library, or None where it cannot be built (see `unavailable_reason`)."""
+    global _lib, _lib_error
+    with _lock:
+        if _lib is None and _lib_error is None:
+            try:
+                cdll = ctypes.CDLL(str(_compile()))
+            except OSError as e:
+                _lib_error = str(e)
+                return None
+            from viasd.models.ggml_kernels import _Tensor
+
+            cdll.rx_set_layout(ctypes.c_size_t(_Tensor.ne.offset), ctypes.c_size_t(_Tensor.nb.offset),
+                               ctypes.c_size_t(_Tensor.src.offset), ctypes.c_size_t(_Tensor.data.offset))
+            cdll.rx_matmul.restype = ctypes.c_int
+            cdll.rx_matmul.argtypes = [ctypes.POINTER(_Weight), ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64,
+                                       ctypes.c_void_p, ctypes.c_int64, ctypes.c_int, ctypes.c_int, ctypes.c_int]
+            _lib = cdll
+        return _lib
+
+
+def unavailable_reason() -> str | None:
+    """Why the kernel cannot run here (None: it can)."""
+    cdll = lib()
+    if cdll is None:
+        return f"the row-exact kernel could not be compiled: {_lib_error}"
+    if not cdll.rx_has_vnni():
+        return "the CPU lacks AVX-512 VNNI"
+    return None
+
+
+def available() -> bool:
+    return unavailable_reason() is None
+
+
+def op_address() -> int:
+    """Address of the ggml custom-op function (`ggml_custom_4d`'s fun)."""
+    return ctypes.cast(lib().rx_ggml_op, ctypes.c_void_p).value
+
+
+# ---------------------------------------------------------------- unpacking the file's blocks
+def _f16(b: np.ndarray, rows: int) -> np.ndarray:
+    """Half-precision fields [n_blocks, 2] bytes -> [rows, n_blocks / rows] float32."""
+    return np.ascontiguousarray(b).view(np.float16).astype(np.float32).reshape(rows, -1)
+
+
+class _Blocks:
+    """A weight's blocks unpacked: w = scale * q + min per block of `blk` inputs, q unsigned (`bits` wide).
+
+    Each of scale / min is stored as exactly as the file allows, in few bytes:
+    ("half", [rows, nblk] f16), ("two-level", [rows, nsup] f32 per super-block times [rows, nblk] int8),
+    or for min ("mult", c): c * scale.
+    """
+
+    def __init__(self, q, blk, bits, scale, min_, sup_blocks=1):
+        self.q, self.blk, self.bits, self.scale, self.min, self.sup_blocks = q, blk, bits, scale, min_, sup_blocks
+
+
+def _unpack(ggml_type: int, data: np.ndarray, rows: int, cols: int) -> _Blocks:
+    """The file's blocks (ggml's layouts, as gguf-py's `quants` reads them) -> `_Blocks`."""
+    if ggml_type == Q4_0:  # d f16, 16 bytes: low nibbles elements 0-15, high 16-31; w = d * (q - 8)
+        b = data.reshape(-1, 18)
+        q = np.concatenate([b[:, 2:] & 15, b[:, 2:] >> 4], axis=1)
+        return _Blocks(q.reshape(rows, cols), 32, 4, ("half", _f16(b[:, :2], rows)), ("mult", -8.0))
+    if ggml_type == Q4_1:  # d f16, m f16, 16 bytes: low nibbles elements 0-15, high 16-31
+        b = data.reshape(-1, 20)
+        q = np.concatenate([b[:, 4:] & 15, b[:, 4:] >> 4], axis=1)
+        return _Blocks(q.reshape(rows, cols), 32, 4, ("half", _f16(b[:, :2], rows)), ("half", _f16(b[:, 2:4], rows)))
+    if ggml_type == Q5_0:  # d f16, qh u32 (fifth bits), 16 bytes of nibbles; w = d * (q - 16)
+        b = data.reshape(-1, 22)
+        qh, qs = np.ascontiguousarray(b[:, 2:6]).view(np.uint32), b[:, 6:]
+        high = ((qh >> np.arange(32, dtype=np.uint32)) & 1).astype(np.uint8)
+        q = np.concatenate([qs & 15, qs >> 4], axis=1) | (high << 4)
+        return _Blocks(q.reshape(rows, cols), 32, 8, ("half", _f16(b[:, :2], rows)), ("mult", -16.0))
+    if ggml_type == Q8_0:  # d f16, 32 int8; w = d * (q + 128) - 128 d
+        b = data.reshape(-1, 34)
+        q = (np.ascontiguousarray(b[:, 2:]).view(np.int8).astype(np.int16) + 128).astype(np.uint8)
+        return _Blocks(q.reshape(rows, cols), 32, 8, ("half", _f16(b[:, :2], rows)), ("mult", -128.0))
+    if ggml_type == Q4_K:  # 256 a super-block: d, dmin f16, 12 bytes of 6-bit scales and mins, 128 of nibbles
+        b = data.reshape(-1, 144)
+        s = b[:, 4:16].reshape(-1, 3, 4)
+        lo, mid, hi = s[:, 0], s[:, 1], s[:, 2]
+        sc = np.concatenate([lo & 63, (hi & 15) | ((lo >> 2) & 48)], axis=1).astype(np.int8)  # [n, 8]
+        mn = np.concatenate([mid & 63, (hi >> 4) | ((mid >> 2) & 48)], axis=1).astype(np.int8)
+        qs = b[:, 16:].reshape(-1, 4, 32)
+        q = np.stack([qs & 15, qs >> 4], axis=2)  # [n, 4, 2, 32]: sub-blocks 2c (low nibbles), 2c + 1 (high)
+        return _Blocks(q.reshape(rows, cols), 32, 4, ("two-level", _f16(b[:, :2], rows), sc.reshape(rows, -1)),
+                       ("two-level", -_f16(b[:, 2:4], rows), mn.reshape(rows, -1)), sup_blocks=8)
+    if ggml_type == Q6_K:  # 256 a super-block: 128 low nibbles, 64 of 2-bit highs, 16 int8 scales, d f16
+        b = data.reshape(-1, 210)
+        ql, qh = b[:, :128], b[:, 128:192]
+        low = np.stack([ql.reshape(-1, 2, 64) & 15, ql.reshape(-1, 2, 64) >> 4], axis=2).reshape(-1, 8, 32)
+        high = (qh.reshape(-1, 2, 1, 32) >> np.array([0, 2, 4, 6], dtype=np.uint8).reshape(1, 1, 4, 1)) & 3
+        q = low | (high.reshape(-1, 8, 32) << 4)  # w = scale * (q - 32)
+        scales = np.ascontiguousarray(b[:, 192:208]).view(np.int8)
+        return _Blocks(q.reshape(rows, cols), 16, 8, ("two-level", _f16(b[:, 208:], rows), scales.reshape(rows, -1)),
+                       ("mult", -32.0), sup_blocks=16)
+    raise ValueError(f"the row-exact kernel does not take ggml type {ggml_type}")
+
+
+def _block_values(spec: tuple, sup_blocks: int, scale: np.ndarray | None = None) -> np.ndarray:
+    """[rows, nblk] float32 values of a scale / min spec (the kernel's own arithmetic: exact products)."""
+    if spec[0] == "half":
+        return spec[1]
+    if spec[0] == "mult":
+        return (np.float32(spec[1]) * scale).astype(np.float32)
+    return (np.repeat(spec[1], sup_blocks, axis=1) * spec[2].astype(np.float32)).astype(np.float32)
+
+
+class RowExactWeight:
+    """A weight in the kernel's layout (tiles of 16 rows; see rowexact.c), and its custom-op struct."""
+
+    def __init__(self, ggml_type: int, data: torch.Tensor, rows: int, cols: int):
+        if rows % 16:
+            raise ValueError(f"the row-exact kernel needs a multiple of 16 rows, got {rows}")
+        u = _unpack(ggml_type, data.numpy(), rows, cols)
+        blk, bits, nblk, tiles = u.blk, u.bits, cols // u.blk, rows // 16
+        t = u.q.reshape(tiles, 16, nblk, blk).transpose(0, 2, 1, 3)  # [tile, block, r, i]
+        if bits == 8:  # [tile, block, g, r, j]
+            packed = t.reshape(tiles, nblk, 16, blk // 4, 4).transpose(0, 1, 3, 2, 4)
+        else:  # low nibble: group v, high nibble: group v + blk/8
+            half = t.reshape(tiles, nblk, 16, 2, blk // 8, 4)
+            packed = (half[:, :, :, 0] | (half[:, :, :, 1] << 4)).transpose(0, 1, 3, 2, 4)
+        self.q = torch.from_numpy(np.ascontiguousarray(packed).reshape(-1))
+
+        def lanes(a: np.ndarray, dtype) -> torch.Tensor:  # [rows, n] -> [tile, n, 16]
+            return torch.from_numpy(np.ascontiguousarray(a.astype(dtype).reshape(tiles, 16, -1).transpose(0, 2, 1)).reshape(-1))
+
+        modes, self._arrays = {}, []
+        ptrs = {}
+        for which, spec in (("scale", u.scale), ("min", u.min)):
+            if spec[0] == "mult":
+                modes[which], ptrs[which], ptrs[which + "_sup"] = 3, None, None
+                continue
+            if spec[0] == "half":
+                arr, sup, modes[which] = lanes(spec[1], np.float16), None, 1
+            else:
+                arr, sup, modes[which] = lanes(spec[2], np.int8), lanes(spec[1], np.float32), 2
+            self._arrays += [a for a in (arr, sup) if a is not None]
+            ptrs[which], ptrs[which + "_sup"] = arr.data_ptr(), None if sup is None else sup.data_ptr()
+        self.scale_values = _block_values(u.scale, u.sup_blocks)  # [rows, nblk]: what the kernel multiplies by
+        self.min_values = _block_values(u.min, u.sup_blocks, self.scale_values)
+        self.rows, self.cols, self.blk, self.bits = rows, cols, blk, bits
+        self.op = _Op(_Weight(rows, cols, blk, bits, self.q.data_ptr(), ptrs["scale"], ptrs["min"], ptrs["scale_sup"],
+                              ptrs["min_sup"], modes["scale"], modes["min"], u.sup_blocks,
+                              float(u.min[1]) if u.min[0] == "mult" else 0.0),
+                      1 if available() else 0)
+
+    @property
+    def nbytes(self) -> int:
+        return self.q.numel() + sum(a.numel() * a.element_size() for a in self._arrays)
+
+    def __call__(self, x: torch.Tensor, impl: int | None = None) -> torch.Tensor:
+        """x [T, cols] float32 -> [T, rows], on the calling thread (tests; graphs use the custom op).
+        impl: 0 the portable reference kernel, 1 AVX-512 VNNI (default: the op's)."""
+        x = x.to(torch.float32).contiguous()
+        y = torch.empty(x.shape[0], self.rows, dtype=torch.float32)
+        status = lib().rx_matmul(ctypes.byref(self.op.w), x.data_ptr(), self.cols, x.shape[0], y.data_ptr(), self.rows,
+                                 0, 1, self.op.impl if impl is None else impl)
+        if status != 0:
+            raise MemoryError("the row-exact kernel could not allocate its activation buffer")
+        return y
