@@ -11,8 +11,8 @@ Graphs are built per (rows, route, last_only, cache length) and kept (a few doze
 handful of block sizes); a prompt's prefill graph is built, run and dropped. Nothing in a graph depends on the position: token ids, RoPE positions,
 the cache rows to write and the attention masks are inputs, so one graph serves every step.
 
-Batch invariance: every op computes each row on its own, and attention (ggml's flash attention)
-runs each query row alone (one op a row) over exactly the keys its mask leaves visible. A row's result
+Batch invariance: every op computes each row on its own, and attention (ggml's reference flash
+attention in decoding passes) runs each query row over exactly the keys its mask leaves visible, in order. A row's result
 is therefore the same whether it is decoded alone or inside a block of drafts, which is what lets
 every lossless strategy equal `ar` token for token.
 """
@@ -108,35 +108,25 @@ class NativeForward:
             return t
         return g.rope_ext(graph.ctx, t, pos, None, d, _ROPE_NEOX, 0, theta, freq_scale, 0.0, 1.0, 32.0, 1.0)
 
-    def _attention(self, graph: gk._Graph, q: gk._T, k: gk._T, v: gk._T, mask: gk._T, scale: float, n_rows: int) -> gk._T:
-        """Flash attention, q [d, T, H] -> [d, H, T]. Up to ROW_ATTENTION_MAX rows, one op per query row:
-        ggml splits the keys of a single-row query across threads once there are 512 or more (and
-        combines the parts), which sums in another order than a multi-row op, so a row must always be
-        attended alone to come out the same in a block as in plain decoding. Longer passes (a prompt's
-        prefill, the same for every strategy) take one op."""
-        from viasd.models.runtime import ROW_ATTENTION_MAX
-
-        g, cfg, ctx = lib(), self.dec.config, graph.ctx
-        softcap = cfg.attn_softcap or 0.0
-        if n_rows == 1 or n_rows > ROW_ATTENTION_MAX:
-            return g.flash_attn_ext(ctx, q, k, v, mask, scale, 0.0, softcap)
-        qt, mt = q.contents, mask.contents
-        rows = []
-        for j in range(n_rows):
-            q_j = g.view_3d(ctx, q, cfg.head_dim, 1, cfg.n_heads, qt.nb[1], qt.nb[2], j * qt.nb[1])  # [d, 1, H]
-            m_j = g.view_2d(ctx, mask, mt.ne[0], 1, mt.nb[1], j * mt.nb[1])  # [max_len, 1]
-            rows.append(g.flash_attn_ext(ctx, q_j, k, v, m_j, scale, 0.0, softcap))  # [d, H, 1]
-        out = rows[0]
-        for r in rows[1:]:
-            out = g.concat(ctx, out, r, 2)
-        return out
+    def _attention(self, graph: gk._Graph, q: gk._T, k: gk._T, v: gk._T, mask: gk._T, scale: float) -> gk._T:
+        """Flash attention, q [d, T, H] -> [d, H, T], one op. In passes of up to ROW_ATTENTION_MAX rows
+        the graph runs ggml's reference flash attention (`_Graph(exact_attention=True)`): each query
+        row and head over its visible keys in order, whatever the other rows. ggml's default paths
+        would not keep a row's result: one row with 512 or more keys splits them across threads and
+        combines the parts, and many rows take a tiled kernel. Longer passes (a prompt's prefill, the
+        same for every strategy) take the tiled one."""
+        g, cfg = lib(), self.dec.config
+        return g.flash_attn_ext(graph.ctx, q, k, v, mask, scale, 0.0, cfg.attn_softcap or 0.0)
 
     # ------------------------------------------------------------------ the graph
     def _build(self, n_rows: int, route: LayerMask | None, last_only: bool, max_len: int) -> tuple:
         g, cfg, dec = lib(), self.dec.config, self.dec
         n_layers = cfg.n_layers
-        per_layer = 48 + (4 * n_rows if n_rows > 1 else 0)  # ops of a layer (row-wise attention: 4 a row)
-        graph = gk._Graph(n_tensors=per_layer * n_layers + 64, n_nodes=per_layer * n_layers + 64)
+        from viasd.models.runtime import ROW_ATTENTION_MAX
+
+        per_layer = 48  # ops of a layer
+        graph = gk._Graph(n_tensors=per_layer * n_layers + 64, n_nodes=per_layer * n_layers + 64,
+                          exact_attention=n_rows <= ROW_ATTENTION_MAX)
         ctx = graph.ctx
         ids, pos = graph.tensor(I32, n_rows), graph.tensor(I32, n_rows)
         rows = graph.tensor(I64, n_rows)  # cache rows written: the positions
@@ -167,7 +157,7 @@ class NativeForward:
                     g.build_forward_expand(graph.graph, w)
                     writes.append(w)
                 attn = self._attention(graph, g.permute(ctx, q, 0, 2, 1, 3), k_cache, v_cache,  # q: [d, T, H]
-                                       local_mask if layer.sliding else mask, scale, n_rows)  # [d, H, T]
+                                       local_mask if layer.sliding else mask, scale)  # [d, H, T]
                 (a,) = self._segments(graph, layer.o, g.reshape_2d(ctx, attn, nq, n_rows), [cfg.hidden], n_rows)
                 if layer.post_attn_norm is not None:
                     a = self._norm(graph, a, layer.post_attn_norm)

@@ -243,8 +243,9 @@ class _Graph:
     of a per-call leaf (a KV cache written in place) are re-pointed by `bind`.
     """
 
-    def __init__(self, n_tensors: int, n_nodes: int = 16):
+    def __init__(self, n_tensors: int, n_nodes: int = 16, exact_attention: bool = False):
         g = lib()
+        self.exact_attention = exact_attention
         self._mem = torch.empty(n_tensors * g.tensor_overhead() + g.graph_overhead_custom(n_nodes, False) + 1024, dtype=torch.uint8)
         self.ctx = g.init(_InitParams(self._mem.numel(), self._mem.data_ptr(), True))
         self.graph = g.new_graph_custom(self.ctx, n_nodes, False)
@@ -345,6 +346,9 @@ class _Graph:
             t.contents.nb[2] //= 4
             t.contents.nb[3] //= 4
         self.plan = g.graph_plan(self.graph, g.n_threads, g.threadpool)
+        # ggml's reference flash attention: each (query row, head) over the keys in order, whatever the
+        # other rows (its split-KV path for one row and its tiled path for many sum in other orders)
+        self.plan.use_ref = self.exact_attention
         self._work = torch.empty(max(self.plan.work_size, 1), dtype=torch.uint8)
         self.plan.work_data = self._work.data_ptr()
 

@@ -3,6 +3,8 @@
 // y[t, n] = sum over blocks b of  scale[n, b] * dx[t, b] * isum(t, n, b)  +  min[n, b] * sx[t, b]
 //   isum(t, n, b) = sum_i q[n, b*blk + i] * xq[t, b*blk + i]   (exact int32: u8 weight x s8 activation)
 //   xq, dx: activation row t quantized per block of blk (int8, scale amax / 127); sx = dx * sum(xq)
+// (where min = c * scale with an integer c, as in Q4_0 / Q5_0 / Q8_0 / Q6_K: one term,
+//  scale[n, b] * dx[t, b] * (isum + c * sum(xq)), the correction exact in int32)
 //
 // Every output element is computed by the same sequence of float operations whatever the number of
 // activation rows, which rows share a call, or which thread computes it: integer sums are exact, and
@@ -72,7 +74,7 @@ void rx_set_layout(size_t ne, size_t nb, size_t src, size_t data) {
 
 // ---------------------------------------------------------------- activations
 // one row: x[cols] -> xq[cols] int8, dx[nb], sx[nb]
-static void quantize_row(const float *x, int64_t cols, int blk, int8_t *xq, float *dx, float *sx) {
+static void quantize_row(const float *x, int64_t cols, int blk, int8_t *xq, float *dx, float *sx, int32_t *qsum) {
     for (int64_t b = 0; b < cols / blk; b++) {
         const float *v = x + b * blk;
         float amax = 0.0f;
@@ -87,6 +89,7 @@ static void quantize_row(const float *x, int64_t cols, int blk, int8_t *xq, floa
         }
         dx[b] = d;
         sx[b] = d * (float)sum;
+        qsum[b] = sum;
     }
 }
 
@@ -106,7 +109,7 @@ static int32_t wq(const rx_weight *w, int64_t tile, int64_t b, int r, int i) {
 }
 
 static void tiles_ref(const rx_weight *w, int64_t t0, int64_t t1, int64_t T, const int8_t *xq, const float *dx,
-                      const float *sx, float *y, int64_t ystride) {
+                      const float *sx, const int32_t *qsum, float *y, int64_t ystride) {
     const int64_t nblk = w->cols / w->blk;
     for (int64_t tile = t0; tile < t1; tile++)
         for (int64_t t = 0; t < T; t++)
@@ -115,9 +118,13 @@ static void tiles_ref(const rx_weight *w, int64_t t0, int64_t t1, int64_t T, con
                 for (int64_t b = 0; b < nblk; b++) {
                     int32_t isum = 0;
                     for (int i = 0; i < w->blk; i++) isum += wq(w, tile, b, r, i) * xq[t * w->cols + b * w->blk + i];
-                    const float sc = block_value(w, 0, tile, b, r), mn = block_value(w, 1, tile, b, r);
-                    acc = fmaf((float)isum, sc * dx[t * nblk + b], acc);
-                    acc = fmaf(mn, sx[t * nblk + b], acc);
+                    const float sc = block_value(w, 0, tile, b, r);
+                    if (w->min_mode == 3) {  // min = c * scale: one exact integer sum, one product
+                        acc = fmaf((float)(isum + (int32_t)w->min_mult * qsum[t * nblk + b]), sc * dx[t * nblk + b], acc);
+                    } else {
+                        acc = fmaf((float)isum, sc * dx[t * nblk + b], acc);
+                        acc = fmaf(block_value(w, 1, tile, b, r), sx[t * nblk + b], acc);
+                    }
                 }
                 y[t * ystride + tile * 16 + r] = acc;
             }
@@ -142,11 +149,12 @@ static inline __m512 block_vector(const rx_weight *w, int which, int64_t tile, i
 // One block of U tiles x NT activation rows (compile-time U, NT: accumulators stay in registers).
 // Several tiles at once when rows are few: their accumulation chains are independent.
 __attribute__((target("avx512f,avx512bw,avx512vnni"), always_inline))
-static inline void tiles_vnni_un(const rx_weight *w, int64_t tile0, const int U, const int NT, const int8_t *xq,
-                                 const float *dx, const float *sx, float *y, int64_t ystride) {
-    const int64_t nblk = w->cols / w->blk;
-    const int G = w->blk / 4;  // groups of 4 inputs a block
-    const int64_t qbytes = (int64_t)w->blk * (w->bits == 8 ? 16 : 8);
+static inline void tiles_vnni_un(const rx_weight *w, int64_t tile0, const int U, const int NT, const int BLK, const int BITS,
+                                 const int8_t *xq, const float *dx, const float *sx, const int32_t *qsum, float *y,
+                                 int64_t ystride) {
+    const int64_t nblk = w->cols / BLK;
+    const int G = BLK / 4;  // groups of 4 inputs a block
+    const int64_t qbytes = (int64_t)BLK * (BITS == 8 ? 16 : 8);
     const __m512i low = _mm512_set1_epi8(15);
     __m512 acc[4][RX_CHUNK];
     for (int u = 0; u < U; u++)
@@ -156,7 +164,7 @@ static inline void tiles_vnni_un(const rx_weight *w, int64_t tile0, const int U,
             const int64_t tile = tile0 + u;
             const uint8_t *p = w->q + (tile * nblk + b) * qbytes;
             __m512i wv[8];
-            if (w->bits == 8) {
+            if (BITS == 8) {
                 for (int g = 0; g < G; g++) wv[g] = _mm512_loadu_si512((const void *)(p + 64 * g));
             } else {
                 for (int v = 0; v < G / 2; v++) {
@@ -166,17 +174,19 @@ static inline void tiles_vnni_un(const rx_weight *w, int64_t tile0, const int U,
                 }
             }
             const __m512 sc = block_vector(w, 0, tile, b);
-            const __m512 mn = w->min_mode == 3 ? _mm512_mul_ps(_mm512_set1_ps(w->min_mult), sc) : block_vector(w, 1, tile, b);
+            const int mult = w->min_mode == 3;
+            const __m512 mn = mult ? sc : block_vector(w, 1, tile, b);
             for (int t = 0; t < NT; t++) {
-                const int32_t *xa = (const int32_t *)(xq + t * w->cols + b * w->blk);
+                const int32_t *xa = (const int32_t *)(xq + t * w->cols + b * BLK);
                 __m512i s0 = _mm512_setzero_si512(), s1 = _mm512_setzero_si512();
                 for (int g = 0; g < G; g += 2) {
                     s0 = _mm512_dpbusd_epi32(s0, wv[g], _mm512_set1_epi32(xa[g]));
                     s1 = _mm512_dpbusd_epi32(s1, wv[g + 1], _mm512_set1_epi32(xa[g + 1]));
                 }
-                const __m512 f = _mm512_cvtepi32_ps(_mm512_add_epi32(s0, s1));
-                acc[u][t] = _mm512_fmadd_ps(f, _mm512_mul_ps(sc, _mm512_set1_ps(dx[t * nblk + b])), acc[u][t]);
-                acc[u][t] = _mm512_fmadd_ps(mn, _mm512_set1_ps(sx[t * nblk + b]), acc[u][t]);
+                __m512i isum = _mm512_add_epi32(s0, s1);
+                if (mult) isum = _mm512_add_epi32(isum, _mm512_set1_epi32((int32_t)w->min_mult * qsum[t * nblk + b]));
+                acc[u][t] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(isum), _mm512_mul_ps(sc, _mm512_set1_ps(dx[t * nblk + b])), acc[u][t]);
+                if (!mult) acc[u][t] = _mm512_fmadd_ps(mn, _mm512_set1_ps(sx[t * nblk + b]), acc[u][t]);
             }
         }
     }
@@ -184,18 +194,28 @@ static inline void tiles_vnni_un(const rx_weight *w, int64_t tile0, const int U,
         for (int t = 0; t < NT; t++) _mm512_storeu_ps(y + t * ystride + (tile0 + u) * 16, acc[u][t]);
 }
 
+// the block shapes as constants: loops unrolled, weights in registers
+__attribute__((target("avx512f,avx512bw,avx512vnni"), always_inline))
+static inline void rx_case(const rx_weight *w, int64_t tile0, const int U, const int NT, const int8_t *xq,
+                           const float *dx, const float *sx, const int32_t *qsum, float *y, int64_t ystride) {
+    if (w->bits == 4) tiles_vnni_un(w, tile0, U, NT, 32, 4, xq, dx, sx, qsum, y, ystride);
+    else if (w->blk == 32) tiles_vnni_un(w, tile0, U, NT, 32, 8, xq, dx, sx, qsum, y, ystride);
+    else tiles_vnni_un(w, tile0, U, NT, 16, 8, xq, dx, sx, qsum, y, ystride);
+}
+
 __attribute__((target("avx512f,avx512bw,avx512vnni")))
 static void tiles_vnni(const rx_weight *w, int64_t t0, int64_t t1, int64_t T, const int8_t *xq, const float *dx,
-                       const float *sx, float *y, int64_t ystride) {
+                       const float *sx, const int32_t *qsum, float *y, int64_t ystride) {
     const int64_t nblk = w->cols / w->blk;
-#define RX_CASE(U, NT) tiles_vnni_un(w, tile, U, NT, xq + c * w->cols, dx + c * nblk, sx + c * nblk, y + c * ystride, ystride)
+#define RX_CASE(U, NT) rx_case(w, tile, U, NT, xq + c * w->cols, dx + c * nblk, sx + c * nblk, qsum + c * nblk, \
+                               y + c * ystride, ystride)
     for (int64_t c = 0; c < T; c += RX_CHUNK) {
         const int nt = (int)(T - c < RX_CHUNK ? T - c : RX_CHUNK);
-        const int U = nt == 1 ? 4 : nt <= 3 ? 2 : 1;
+        const int U = nt == 1 ? 2 : nt <= 3 ? 2 : 1;
         int64_t tile = t0;
         for (; tile + U <= t1; tile += U) {
             switch (nt) {
-                case 1: RX_CASE(4, 1); break;
+                case 1: RX_CASE(2, 1); break;
                 case 2: RX_CASE(2, 2); break;
                 case 3: RX_CASE(2, 3); break;
                 case 4: RX_CASE(1, 4); break;
@@ -219,7 +239,7 @@ static void tiles_vnni(const rx_weight *w, int64_t t0, int64_t t1, int64_t T, co
 // the same quantization as quantize_row, 16 values at a time (cvtps_epi32 rounds half to even, as
 // nearbyintf does in the default rounding mode)
 __attribute__((target("avx512f,avx512bw,avx512vnni")))
-static void quantize_row_vnni(const float *x, int64_t cols, int blk, int8_t *xq, float *dx, float *sx) {
+static void quantize_row_vnni(const float *x, int64_t cols, int blk, int8_t *xq, float *dx, float *sx, int32_t *qsum) {
     for (int64_t b = 0; b < cols / blk; b++) {
         const float *v = x + b * blk;
         __m512 m = _mm512_abs_ps(_mm512_loadu_ps(v));
@@ -235,6 +255,7 @@ static void quantize_row_vnni(const float *x, int64_t cols, int blk, int8_t *xq,
         }
         dx[b] = d;
         sx[b] = d * (float)sum;
+        qsum[b] = sum;
     }
 }
 
@@ -253,7 +274,7 @@ typedef struct {
 static __thread scratch tls;
 
 static int reserve(int64_t T, int64_t cols, int blk) {
-    const size_t need = (size_t)(T * cols) + 2 * sizeof(float) * (size_t)(T * (cols / blk)) + 64;
+    const size_t need = (size_t)(T * cols) + 3 * sizeof(float) * (size_t)(T * (cols / blk)) + 64;
     if (need <= tls.cap) return 1;
     free(tls.xq);
     tls.xq = (int8_t *)malloc(need);
@@ -271,14 +292,16 @@ int rx_matmul(const rx_weight *w, const float *x, int64_t x_stride, int64_t T, f
     int8_t *xq = tls.xq;
     float *dx = (float *)(((uintptr_t)(xq + T * w->cols) + 63) & ~(uintptr_t)63);
     float *sx = dx + T * nblk;
+    int32_t *qsum = (int32_t *)(sx + T * nblk);
     for (int64_t t = 0; t < T; t++)
-        (impl == 1 ? quantize_row_vnni : quantize_row)(x + t * x_stride, w->cols, w->blk, xq + t * w->cols, dx + t * nblk, sx + t * nblk);
+        (impl == 1 ? quantize_row_vnni : quantize_row)(x + t * x_stride, w->cols, w->blk, xq + t * w->cols, dx + t * nblk,
+                                                       sx + t * nblk, qsum + t * nblk);
     const int64_t ntiles = w->rows / 16;
     const int64_t t0 = ntiles * ith / nth, t1 = ntiles * (ith + 1) / nth;
     if (impl == 1)
-        tiles_vnni(w, t0, t1, T, xq, dx, sx, y, y_stride);
+        tiles_vnni(w, t0, t1, T, xq, dx, sx, qsum, y, y_stride);
     else
-        tiles_ref(w, t0, t1, T, xq, dx, sx, y, y_stride);
+        tiles_ref(w, t0, t1, T, xq, dx, sx, qsum, y, y_stride);
     return 0;
 }
 
