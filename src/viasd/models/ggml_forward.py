@@ -34,6 +34,7 @@ F16, I64 = 1, 27
 _ROPE_NEOX = 2  # rotate-half RoPE, as transformers applies it to every family here
 _KEEP_GRAPHS = 48
 _CACHE_ALIGN = 256  # native caches are allocated in multiples of this many positions (fewer graphs)
+_MASK_TABLE_MAX = 4096  # cache lengths up to this keep a whole causal mask (32 MB at most)
 
 
 def supports(decoder: Decoder) -> bool:
@@ -67,6 +68,7 @@ class NativeForward:
         self.pos64 = torch.arange(cfg.max_positions, dtype=torch.int64)
         self._graphs: OrderedDict[tuple, tuple] = OrderedDict()
         self._keep: list[torch.Tensor] = []  # float copies the graphs' leaves point into (norms, biases)
+        self._mask_tables: dict[int, tuple[torch.Tensor, torch.Tensor | None]] = {}  # cache length -> masks
 
     # ------------------------------------------------------------------ building blocks
     def _f32(self, graph: gk._Graph, t: torch.Tensor) -> gk._T:
@@ -179,18 +181,27 @@ class NativeForward:
 
     # ------------------------------------------------------------------ a call
     def _masks(self, start: int, end: int, max_len: int) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """[T, max_len] float16: 0 where query row j (position start+j) sees key p, -inf elsewhere."""
-        cfg = self.dec.config
-        q_pos = torch.arange(start, end)[:, None]
-        k_pos = torch.arange(max_len)[None, :]
-        seen = k_pos <= q_pos
-        neg = torch.tensor(float("-inf"), dtype=torch.float16)
-        zero = torch.tensor(0.0, dtype=torch.float16)
-        mask = torch.where(seen, zero, neg).contiguous()
-        local = None
-        if cfg.sliding_window is not None:
-            local = torch.where(seen & (k_pos > q_pos - cfg.sliding_window), zero, neg).contiguous()
-        return mask, local
+        """[T, max_len] float16: 0 where query row j (position start+j) sees key p, -inf elsewhere.
+        Rows start..end of one [max_len, max_len] mask per cache length up to _MASK_TABLE_MAX, built
+        once (a view: no copy); longer caches get their rows built per call."""
+        masks = self._mask_tables.get(max_len)
+        if masks is None:
+            cfg = self.dec.config
+            table = max_len <= _MASK_TABLE_MAX
+            q_pos = torch.arange(0 if table else start, max_len if table else end)[:, None]
+            k_pos = torch.arange(max_len)[None, :]
+            seen = k_pos <= q_pos
+            neg = torch.tensor(float("-inf"), dtype=torch.float16)
+            zero = torch.tensor(0.0, dtype=torch.float16)
+            local = None
+            if cfg.sliding_window is not None:
+                local = torch.where(seen & (k_pos > q_pos - cfg.sliding_window), zero, neg).contiguous()
+            masks = (torch.where(seen, zero, neg).contiguous(), local)
+            if not table:
+                return masks
+            self._mask_tables[max_len] = masks
+        mask, local = masks
+        return mask[start:end], None if local is None else local[start:end]
 
     def __call__(self, tokens: torch.Tensor, start: int, cache: KVCache, route: LayerMask | None, last_only: bool) -> torch.Tensor:
         n_rows, end = tokens.shape[0], start + tokens.shape[0]
@@ -223,8 +234,10 @@ class NativeForward:
         if local is not None:
             graph.bind(leaves["local_mask"], local.data_ptr())
         k_base, v_base, stride = cache.k.data_ptr(), cache.v.data_ptr(), cache.k.stride(0) * 4
-        for i in range(len(leaves["k"])):
-            graph.bind(leaves["k"][i], k_base + i * stride)
-            graph.bind(leaves["v"][i], v_base + i * stride)
+        if leaves.get("bound_cache") != (k_base, v_base):  # the same cache as this graph's last call: bound
+            for i in range(len(leaves["k"])):
+                graph.bind(leaves["k"][i], k_base + i * stride)
+                graph.bind(leaves["v"][i], v_base + i * stride)
+            leaves["bound_cache"] = (k_base, v_base)
         graph.bind(logits_t, out.data_ptr())
         graph.run()
