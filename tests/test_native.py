@@ -134,11 +134,13 @@ def test_row_exact_kernel_keeps_the_files_values_and_each_rows_result(ggml_type)
     assert (block.double() - ref).norm() <= 0.02 * ref.norm()  # int8 activations per block: ~0.5%
     rows = torch.cat([kernel(x[j : j + 1].clone(), impl=0) for j in range(11)])
     assert torch.equal(block, rows)
-    if rowexact.available():
-        assert torch.equal(kernel(x, impl=1), block)
-        assert torch.equal(torch.cat([kernel(x[j : j + 1].clone(), impl=1) for j in range(11)]), block)
-        assert native.pack() == gk.ROW_EXACT
-        assert torch.equal(_product(native, x), block)
+    simd = [k for k, ok in ((rowexact.VNNI, rowexact.lib().rx_has_vnni()), (rowexact.AVX2, rowexact.lib().rx_has_avx2())) if ok]
+    for impl in simd:  # every kernel this CPU runs gives the reference's sums, bit for bit
+        assert torch.equal(kernel(x, impl=impl), block), impl
+        assert torch.equal(torch.cat([kernel(x[j : j + 1].clone(), impl=impl) for j in range(11)]), block), impl
+    if rowexact.available(by_default=False):
+        assert native.pack(row_exact="always") == gk.ROW_EXACT
+        assert torch.equal(_product(native, x), block)  # the forward graph's custom op
 
 
 def test_row_exact_kernel_refuses_what_it_cannot_hold():
@@ -147,6 +149,8 @@ def test_row_exact_kernel_refuses_what_it_cannot_hold():
     with pytest.raises(ValueError, match="multiple of 16 rows, got 40"):
         rowexact.RowExactWeight(Q8_0, native.data, 40, 64)
     assert native.pack() != gk.ROW_EXACT  # such a weight stays with ggml's kernels
+    with pytest.raises(UsageError, match="pack must be True, False, 'ggml' or 'row-exact', got 'amx'"):
+        load_model("smollm2-135m", pack="amx")
     f32 = _native(torch.randn(16, 64), gk.F32)
     with pytest.raises(ValueError, match="does not take ggml type 0"):
         rowexact.RowExactWeight(gk.F32, f32.data, 16, 64)
@@ -164,7 +168,8 @@ def test_quant_embedding_rows_and_range():
 
 # ------------------------------------------------------------------ the tiny model in a native format
 
-@pytest.fixture(scope="module", params=[(Q8_0, True), (Q4_0, True), (Q4_0, "ggml")], ids=["q8_0", "q4_0", "q4_0-ggml"])
+@pytest.fixture(scope="module", params=[(Q8_0, True), (Q4_0, True), (Q4_0, "ggml"), (Q4_1, "row-exact")],
+                ids=["q8_0", "q4_0", "q4_0-ggml", "q4_1-row-exact"])
 def tiny_native(request, tiny):
     """The tiny Llama with its projections, embedding and head quantized by ggml; its products on the
     default kernels (the row-exact one where this CPU runs it) or on ggml's only."""
@@ -172,6 +177,8 @@ def tiny_native(request, tiny):
     from viasd.models.loading import LoadedModel, load_state_dict
 
     ggml_type, pack = request.param
+    if pack == "row-exact" and (not rowexact.available(by_default=False) or rowexact.available()):
+        pytest.skip("the row-exact kernel is this CPU's default (or absent): the other cases cover it")
     state = load_state_dict(tiny.path)
     native = quantize(state, tiny.config, ggml_type)
     assert set(native) == set(native_names(tiny.config)) - ({"lm_head.weight"} if "lm_head.weight" not in state else set())
@@ -179,7 +186,7 @@ def tiny_native(request, tiny):
     assert decoder.native
     # each product's weight packed for this CPU's kernels where it has one, else plain
     ggml_kinds = {name for name, _ in gk.lib().extra_buffer_types} | {"plain"}
-    if pack == "ggml" or not rowexact.available():
+    if pack == "ggml" or not rowexact.available(by_default=pack != "row-exact"):
         assert set(decoder._graph.packed) <= ggml_kinds
     else:
         assert set(decoder._graph.packed) == {gk.ROW_EXACT}

@@ -56,13 +56,14 @@ class NativeForward:
         cfg = decoder.config
         # the products' weights laid out for a faster kernel where this CPU has one for them
         # (`ggml_kernels.NativeTensor.pack`: viasd's row-exact kernel, else ggml's extra buffer types;
-        # pack="ggml": ggml's only); the embedding table is looked up from the plain bytes
+        # pack="ggml": ggml's only; pack="row-exact": the row-exact kernel on AVX2 CPUs too); the
+        # embedding table is looked up from the plain bytes
         self.packed: dict[str, int] = {}  # buffer type (or "plain") -> weights
         parts = {id(p): p for layer in decoder.layers for lin in (layer.qkv, layer.o, layer.gate_up, layer.down)
                  for p in lin.parts}
         parts.update({id(p): p for p in decoder.lm_head.parts})
         for p in parts.values():
-            kind = (p.pack(row_exact=pack != "ggml") if pack else None) or "plain"
+            kind = (p.pack(row_exact={"ggml": False, "row-exact": "always"}.get(pack, True)) if pack else None) or "plain"
             self.packed[kind] = self.packed.get(kind, 0) + 1
         self.pos32 = torch.arange(cfg.max_positions, dtype=torch.int32)
         self.pos64 = torch.arange(cfg.max_positions, dtype=torch.int64)

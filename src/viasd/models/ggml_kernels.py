@@ -402,10 +402,10 @@ class NativeTensor:
         t.contents.data = self.data.data_ptr()
         return t
 
-    def pack(self, allowed: tuple[str, ...] | None = None, row_exact: bool = True) -> str | None:
+    def pack(self, allowed: tuple[str, ...] | None = None, row_exact: bool | str = True) -> str | None:
         """Lay the weight out for a faster kernel. First choice (`row_exact`): viasd's row-exact
-        batched kernel (`ROW_EXACT`, models/rowexact.py), where this CPU runs it and it takes the
-        type. Else the first of ggml's extra buffer types here that multiplies it (AMX, then
+        batched kernel (`ROW_EXACT`, models/rowexact.py), where this CPU runs it by default (AVX-512
+        VNNI; `row_exact="always"`: its AVX2 kernel too) and it takes the type. Else the first of ggml's extra buffer types here that multiplies it (AMX, then
         CPU_REPACK), as llama.cpp does when it loads a model: the same blocks, rearranged for that
         CPU's kernels; not into one measured slower for its type (`_SLOWER_PACKED`) unless
         `allowed` names the kinds to try. Returns the kind's name, or None (kept plain).
@@ -414,7 +414,7 @@ class NativeTensor:
             return self.packed.kind
         g = lib()
         wanted = row_exact if allowed is None else ROW_EXACT in allowed
-        if wanted and self.ggml_type in rowexact.TYPES and self.rows % 16 == 0 and rowexact.available():
+        if wanted and self.ggml_type in rowexact.TYPES and self.rows % 16 == 0 and rowexact.available(wanted != "always"):
             self.packed = _Packed(ROW_EXACT, rowexact.RowExactWeight(self.ggml_type, self.data, self.rows, self.cols))
             return ROW_EXACT
         for name, buft in g.extra_buffer_types:

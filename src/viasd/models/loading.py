@@ -509,7 +509,8 @@ def load_model(
     missing, the model runs in float32 instead (said on stderr); asked for by name, that is an error.
     `pack=False`: plain MKL products instead of prepacked oneDNN ones (slower; bit-closer to transformers),
     and for native weights ggml's plain kernels instead of viasd's row-exact kernel or ggml's AMX /
-    repacked ones; `pack="ggml"`: native weights in ggml's AMX / repacked layouts only.
+    repacked ones; `pack="ggml"`: native weights in ggml's AMX / repacked layouts only;
+    `pack="row-exact"`: the row-exact kernel also on CPUs with AVX2 but no AVX-512 VNNI.
     """
     from viasd.errors import ViasdError
     from viasd.validation import WEIGHT_FORMATS, check_device, check_text
@@ -525,6 +526,8 @@ def load_model(
         raise UsageError(f"weights must be one of {', '.join(WEIGHT_FORMATS)}, got {weights!r}")
     if weights is not None and dtype is not None and weights != str(dtype).removeprefix("torch."):
         raise UsageError(f"weights={weights!r} and dtype={dtype} disagree: give one of them")
+    if pack not in (True, False, "ggml", "row-exact"):
+        raise UsageError(f"pack must be True, False, 'ggml' or 'row-exact', got {pack!r}")
     device = check_device(device)
     asked = weights or (str(dtype).removeprefix("torch.") if dtype is not None else None)
     weights = asked or "native"

@@ -259,6 +259,111 @@ static void quantize_row_vnni(const float *x, int64_t cols, int blk, int8_t *xq,
     }
 }
 
+// ---------------------------------------------------------------- AVX2 kernel (FMA, F16C)
+// The same sums as the reference: u8 x s8 pairs through vpmaddubsw (no saturation: q <= 63, or, for
+// 8-bit types whose q reaches 255 (Q8_0), q - 128 with the sign moved onto the activation, as ggml
+// does, and 128 * sum(xq) added back), then vpmaddwd into int32; the float part per lane as above.
+#define RX_AVX2 __attribute__((target("avx2,fma,f16c")))
+
+RX_AVX2 static inline __m256 block_vector8(const rx_weight *w, int which, int64_t tile, int64_t b, int h) {
+    const int64_t nblk = w->cols / w->blk, i = (tile * nblk + b) * 16 + 8 * h;
+    const int mode = which ? w->min_mode : w->scale_mode;
+    const void *p = which ? w->min : w->scale;
+    if (mode == 1) return _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)((const uint16_t *)p + i)));
+    if (mode == 0) return _mm256_loadu_ps((const float *)p + i);
+    const int64_t nsup = nblk / w->sup_blocks;
+    const float *sup = (which ? w->min_sup : w->scale_sup) + (tile * nsup + b / w->sup_blocks) * 16 + 8 * h;
+    const __m256 sub = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)((const int8_t *)p + i))));
+    return _mm256_mul_ps(_mm256_loadu_ps(sup), sub);
+}
+
+RX_AVX2 __attribute__((always_inline))
+static inline void tiles_avx2_nt(const rx_weight *w, int64_t tile, const int NT, const int BLK, const int BITS, const int WIDE,
+                                 const int8_t *xq, const float *dx, const float *sx, const int32_t *qsum, float *y,
+                                 int64_t ystride) {
+    const int64_t nblk = w->cols / BLK;
+    const int G = BLK / 4;
+    const int64_t qbytes = (int64_t)BLK * (BITS == 8 ? 16 : 8);
+    const __m256i low = _mm256_set1_epi8(15), ones = _mm256_set1_epi16(1), flip = _mm256_set1_epi8((char)0x80);
+    __m256 acc[2][RX_CHUNK];
+    for (int h = 0; h < 2; h++)
+        for (int t = 0; t < NT; t++) acc[h][t] = _mm256_setzero_ps();
+    for (int64_t b = 0; b < nblk; b++) {
+        const uint8_t *p = w->q + (tile * nblk + b) * qbytes;
+        for (int h = 0; h < 2; h++) {  // rows 0-7, then 8-15: each 64-byte vector's halves
+            __m256i wv[8];
+            if (BITS == 8) {
+                for (int g = 0; g < G; g++) {
+                    wv[g] = _mm256_loadu_si256((const __m256i *)(p + 64 * g + 32 * h));
+                    if (WIDE) wv[g] = _mm256_xor_si256(wv[g], flip);  // q - 128, signed
+                }
+            } else {
+                for (int v = 0; v < G / 2; v++) {
+                    const __m256i raw = _mm256_loadu_si256((const __m256i *)(p + 64 * v + 32 * h));
+                    wv[v] = _mm256_and_si256(raw, low);
+                    wv[v + G / 2] = _mm256_and_si256(_mm256_srli_epi16(raw, 4), low);
+                }
+            }
+            const __m256 sc = block_vector8(w, 0, tile, b, h);
+            const int mult = w->min_mode == 3;
+            const __m256 mn = mult ? sc : block_vector8(w, 1, tile, b, h);
+            for (int t = 0; t < NT; t++) {
+                const int32_t *xa = (const int32_t *)(xq + t * w->cols + b * BLK);
+                __m256i isum = _mm256_setzero_si256();
+                for (int g = 0; g < G; g++) {
+                    __m256i a = _mm256_set1_epi32(xa[g]), u = wv[g];
+                    if (WIDE) {  // |q - 128| times the activation with q - 128's sign
+                        a = _mm256_sign_epi8(a, u);
+                        u = _mm256_sign_epi8(u, u);
+                    }
+                    isum = _mm256_add_epi32(isum, _mm256_madd_epi16(_mm256_maddubs_epi16(u, a), ones));
+                }
+                int32_t extra = mult ? (int32_t)w->min_mult * qsum[t * nblk + b] : 0;
+                if (WIDE) extra += 128 * qsum[t * nblk + b];
+                if (extra) isum = _mm256_add_epi32(isum, _mm256_set1_epi32(extra));
+                acc[h][t] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(isum), _mm256_mul_ps(sc, _mm256_set1_ps(dx[t * nblk + b])), acc[h][t]);
+                if (!mult) acc[h][t] = _mm256_fmadd_ps(mn, _mm256_set1_ps(sx[t * nblk + b]), acc[h][t]);
+            }
+        }
+    }
+    for (int h = 0; h < 2; h++)
+        for (int t = 0; t < NT; t++) _mm256_storeu_ps(y + t * ystride + tile * 16 + 8 * h, acc[h][t]);
+}
+
+RX_AVX2 __attribute__((always_inline))
+static inline void rx_case8(const rx_weight *w, int64_t tile, const int NT, const int8_t *xq, const float *dx,
+                            const float *sx, const int32_t *qsum, float *y, int64_t ystride, int wide) {
+    if (w->bits == 4) tiles_avx2_nt(w, tile, NT, 32, 4, 0, xq, dx, sx, qsum, y, ystride);
+    else if (w->blk == 16) tiles_avx2_nt(w, tile, NT, 16, 8, 0, xq, dx, sx, qsum, y, ystride);
+    else if (wide) tiles_avx2_nt(w, tile, NT, 32, 8, 1, xq, dx, sx, qsum, y, ystride);
+    else tiles_avx2_nt(w, tile, NT, 32, 8, 0, xq, dx, sx, qsum, y, ystride);
+}
+
+RX_AVX2 static void tiles_avx2(const rx_weight *w, int64_t t0, int64_t t1, int64_t T, const int8_t *xq, const float *dx,
+                               const float *sx, const int32_t *qsum, float *y, int64_t ystride) {
+    const int64_t nblk = w->cols / w->blk;
+    // 8-bit values above 63 would overflow vpmaddubsw's 16-bit pair sums: Q8_0 (min = -128 scale)
+    const int wide = w->bits == 8 && w->min_mode == 3 && w->min_mult == -128.0f;
+    for (int64_t c = 0; c < T; c += 4) {
+        const int nt = (int)(T - c < 4 ? T - c : 4);
+        for (int64_t tile = t0; tile < t1; tile++) {
+#define RX_CASE8(NT) rx_case8(w, tile, NT, xq + c * w->cols, dx + c * nblk, sx + c * nblk, qsum + c * nblk, y + c * ystride, ystride, wide)
+            switch (nt) {
+                case 1: RX_CASE8(1); break;
+                case 2: RX_CASE8(2); break;
+                case 3: RX_CASE8(3); break;
+                default: RX_CASE8(4); break;
+            }
+#undef RX_CASE8
+        }
+    }
+}
+
+int rx_has_avx2(void) {
+    __builtin_cpu_init();
+    return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") && __builtin_cpu_supports("f16c");
+}
+
 int rx_has_vnni(void) {
     __builtin_cpu_init();
     return __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") && __builtin_cpu_supports("avx512vnni");
@@ -284,7 +389,7 @@ static int reserve(int64_t T, int64_t cols, int blk) {
 }
 
 // y = W x for T rows: x [T][x_stride floats], y [T][y_stride floats]; tiles split among nth callers.
-// `impl`: 0 the reference kernel, 1 AVX-512 VNNI. Returns 0, or -1 when out of memory.
+// `impl`: 0 the reference kernel, 1 AVX-512 VNNI, 2 AVX2. Returns 0, or -1 when out of memory.
 int rx_matmul(const rx_weight *w, const float *x, int64_t x_stride, int64_t T, float *y, int64_t y_stride,
               int ith, int nth, int impl) {
     const int64_t nblk = w->cols / w->blk;
@@ -300,6 +405,8 @@ int rx_matmul(const rx_weight *w, const float *x, int64_t x_stride, int64_t T, f
     const int64_t t0 = ntiles * ith / nth, t1 = ntiles * (ith + 1) / nth;
     if (impl == 1)
         tiles_vnni(w, t0, t1, T, xq, dx, sx, qsum, y, y_stride);
+    else if (impl == 2)
+        tiles_avx2(w, t0, t1, T, xq, dx, sx, qsum, y, y_stride);
     else
         tiles_ref(w, t0, t1, T, xq, dx, sx, qsum, y, y_stride);
     return 0;

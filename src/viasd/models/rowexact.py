@@ -13,8 +13,10 @@ stored 4-bit for 4-bit types and 8-bit otherwise. Activations are quantized per 
 int8, as ggml quantizes them (to Q8 blocks) for its own integer dot products.
 
 The C source is compiled on first use with the system C compiler (the one that built ggml-py) into
-the cache directory; where there is no compiler or the CPU lacks AVX-512 VNNI, `available()` is False
-and native weights keep ggml's kernels.
+the cache directory. Three kernels compute the same sums, bit for bit: AVX-512 VNNI (used by
+default), AVX2 (used when asked for: see `unavailable_reason`) and a portable reference (tests).
+Where there is no compiler or the CPU has neither, `available()` is False and native weights keep
+ggml's kernels.
 """
 
 from __future__ import annotations
@@ -98,18 +100,32 @@ def lib() -> ctypes.CDLL | None:
         return _lib
 
 
-def unavailable_reason() -> str | None:
-    """Why the kernel cannot run here (None: it can)."""
+REFERENCE, VNNI, AVX2 = 0, 1, 2  # the kernels (`impl`): portable reference, AVX-512 VNNI, AVX2
+
+
+def unavailable_reason(by_default: bool = True) -> str | None:
+    """Why the kernel cannot run here (None: it can). By default only the AVX-512 VNNI kernel is used.
+    The AVX2 one is not measured yet against ggml's one-row kernels on an AVX2-only CPU (on this
+    project's AVX-512 machine it takes 108 us for one row of 1536x1536 Q4_K on one thread, against 62
+    for the VNNI one), so it runs only when asked for (`load_model(..., pack="row-exact")`)."""
     cdll = lib()
     if cdll is None:
         return f"the row-exact kernel could not be compiled: {_lib_error}"
-    if not cdll.rx_has_vnni():
-        return "the CPU lacks AVX-512 VNNI"
-    return None
+    if cdll.rx_has_vnni() or (not by_default and cdll.rx_has_avx2()):
+        return None
+    return "the CPU lacks AVX-512 VNNI" if by_default or cdll.rx_has_avx2() else "the CPU lacks AVX-512 VNNI and AVX2"
 
 
-def available() -> bool:
-    return unavailable_reason() is None
+def available(by_default: bool = True) -> bool:
+    return unavailable_reason(by_default) is None
+
+
+def best_kernel() -> int:
+    """The fastest kernel this CPU runs (REFERENCE where it has neither AVX-512 VNNI nor AVX2)."""
+    cdll = lib()
+    if cdll is None:
+        raise OSError(unavailable_reason())
+    return VNNI if cdll.rx_has_vnni() else AVX2 if cdll.rx_has_avx2() else REFERENCE
 
 
 def op_address() -> int:
@@ -223,7 +239,7 @@ class RowExactWeight:
         self.op = _Op(_Weight(rows, cols, blk, bits, self.q.data_ptr(), ptrs["scale"], ptrs["min"], ptrs["scale_sup"],
                               ptrs["min_sup"], modes["scale"], modes["min"], u.sup_blocks,
                               float(u.min[1]) if u.min[0] == "mult" else 0.0),
-                      1 if available() else 0)
+                      best_kernel())
 
     @property
     def nbytes(self) -> int:
@@ -231,7 +247,7 @@ class RowExactWeight:
 
     def __call__(self, x: torch.Tensor, impl: int | None = None) -> torch.Tensor:
         """x [T, cols] float32 -> [T, rows], on the calling thread (tests; graphs use the custom op).
-        impl: 0 the portable reference kernel, 1 AVX-512 VNNI (default: the op's)."""
+        impl: REFERENCE, VNNI or AVX2 (default: the op's, the fastest this CPU runs)."""
         x = x.to(torch.float32).contiguous()
         y = torch.empty(x.shape[0], self.rows, dtype=torch.float32)
         status = lib().rx_matmul(ctypes.byref(self.op.w), x.data_ptr(), self.cols, x.shape[0], y.data_ptr(), self.rows,

@@ -398,7 +398,7 @@ class Decoder:
         state: dict[str, torch.Tensor],
         dtype: torch.dtype = torch.float32,
         device: str | torch.device = "cpu",
-        pack: bool = True,
+        pack: bool | str = True,
         native: dict[str, NativeTensor] | None = None,
     ) -> "Decoder":
         """Build from transformers-named weights (`model.layers.{i}.self_attn.q_proj.weight`, ...).
