@@ -10,7 +10,7 @@ import torch
 
 from viasd import generate
 from viasd.decoding.acceptance import SamplingParams, cascade_defer, cascade_target, greedy_accept
-from viasd.decoding.drafters import ModelDrafter, NgramDrafter, SelfDrafter, ngram_lookup
+from viasd.decoding.drafters import NO_DRAFT, ModelDrafter, NgramDrafter, SelfDrafter, ngram_lookup
 from viasd.decoding.multitier import viasd_lossless_decode, viasd_tiered_decode
 from viasd.decoding.strategies import speculative_decode
 from viasd.decoding.tiers import TierThresholds, assign_tiers, confidence_signals
@@ -111,9 +111,12 @@ def tiered_reference(model, kind, slim_layers, prompt, n_new, k, thr):
         budget = n_new - len(out)
         drafts, q = ref_draft(model, kind, tokens, n_full, min(k, budget - 1)) if budget > 1 else ([], None)
         kd = len(drafts)
-        slim = torch.softmax(reference_logits(model, tokens + drafts, n_full, slim_route)[len(tokens) - 1 - n_full:], -1)
-        tiers = assign_tiers(confidence_signals(torch.tensor(drafts, dtype=torch.long), q, slim[:kd]), thr).tolist() if kd else []
-        tiers.append(2 if slim[kd].max() >= thr.slim else 3)
+        if kd:
+            slim = torch.softmax(reference_logits(model, tokens + drafts, n_full, slim_route)[len(tokens) - 1 - n_full:], -1)
+            tiers = assign_tiers(confidence_signals(torch.tensor(drafts, dtype=torch.long), q, slim[:kd]), thr).tolist()
+            tiers.append(2 if slim[kd].max() >= thr.slim else 3)
+        else:
+            tiers = [3]  # no draft: the full model decides
         new, i = [], 0
         while tiers[i] != 3:
             if tiers[i] == 1:
@@ -167,25 +170,51 @@ def test_tiered_with_every_token_to_full_is_sd(tiny, tiny_drafter, kind):
         assert req.stats.to_dict()["tiers"] == {"accept": 0, "slim": 0, "full": 30}
 
 
-@pytest.mark.parametrize("kind", ["pld", "self"])
-def test_tiered_with_slim_settling_everything_is_the_routed_model(tiny, kind):
+def test_tiered_with_slim_settling_everything_is_the_routed_model(tiny):
+    """A drafter that always drafts, and a slim verifier that settles every position: every token is
+    the routed model's (the first is the prefill's), but the last when a round is left with one token
+    of budget: no draft, so the full model decides it, with no slim pass."""
     n = tiny.config.n_layers
     slim_route = LayerMask.from_layers(n, SLIM)
+    everything = TierThresholds(accept=2.0, slim=0.0)
     for prompt in prompts(3):
-        # routed greedy decoding: the prompt and the first token by the full model, every later
-        # position along the route
         cache = tiny.decoder.new_cache(64)
         first = int(tiny.decoder.forward(torch.tensor(prompt), 0, cache)[-1].argmax())
-        seq, expected = list(prompt) + [first], [first]
+        seq, routed = list(prompt) + [first], [first]
         for _ in range(29):
             logits = tiny.decoder.forward(torch.tensor(seq[-1:]), len(seq) - 1, cache, route=slim_route)[0]
-            expected.append(int(logits.argmax()))
-            seq.append(expected[-1])
+            routed.append(int(logits.argmax()))
+            seq.append(routed[-1])
         req = DecodeRequest(prompt, 30, GREEDY)
-        out = viasd_tiered_decode(tiny.decoder, drafters(tiny, None)[kind](), slim_route, req, 4, TierThresholds(accept=2.0, slim=0.0))
-        assert out == expected
+        out = viasd_tiered_decode(tiny.decoder, drafters(tiny, None)["self"](), slim_route, req, 4, everything)
+        assert out == tiered_reference(tiny, "self", SLIM, prompt, 30, 4, everything)
         s = req.stats.to_dict()
-        assert s["calls"]["full"] == 1 and s["tiers"]["slim"] == 29 and s["settled_without_full"] == round(29 / 30, 4)
+        if s["tiers"]["full"] == 1:  # the first token only (the prefill's)
+            assert out == routed and s["calls"]["full"] == 1
+        else:  # and the last: its round had no draft
+            assert out[:29] == routed[:29] and s["tiers"] == {"accept": 0, "slim": 28, "full": 2}
+
+
+class _NoDrafts:
+    """A drafter that never finds anything (as prompt lookup on text with no repeats)."""
+
+    def begin(self, max_len, verifier):
+        pass
+
+    def propose(self, context, k):
+        return NO_DRAFT
+
+
+def test_tiered_round_without_a_draft_makes_no_slim_pass(tiny):
+    """Rounds with no draft are the full model's: ar's tokens, with no slim pass, even with thresholds
+    under which the slim verifier would settle every position."""
+    slim_route = LayerMask.from_layers(tiny.config.n_layers, SLIM)
+    for prompt in prompts(2):
+        req = DecodeRequest(prompt, 12, GREEDY)
+        out = viasd_tiered_decode(tiny.decoder, _NoDrafts(), slim_route, req, 4, TierThresholds(accept=0.0, slim=0.0))
+        assert out == run_ar(tiny, prompt, 12)
+        s = req.stats.to_dict()
+        assert s["calls"].get("slim", 0) == 0 and s["calls"]["full"] == 12 and s["tiers"]["full"] == 12
 
 
 # ------------------------------------------------------------------------------ sampling
@@ -257,8 +286,11 @@ def test_viasd_api_settings_and_errors(tiny, tmp_path):
     out = generate([1, 2, 3], tiny, strategy="viasd", mode="tiered", slim_layers=tuple(SLIM), accept=2.0, slim=2.0, max_new_tokens=8)
     assert out.config["tier_thresholds"]["accept"] == 2.0 and out.stats.to_dict()["tiers"]["full"] == 8
     (tmp_path / "t.json").write_text('{"accept": 2.0, "slim": 0.0}')
-    out = generate([1, 2, 3], tiny, strategy="viasd", mode="tiered", slim_layers=tuple(SLIM), thresholds=str(tmp_path / "t.json"), max_new_tokens=8)
-    assert out.stats.to_dict()["tiers"] == {"accept": 0, "slim": 7, "full": 1}  # the first token is the prefill's
+    out = generate([1, 2, 3], tiny, strategy="viasd", mode="tiered", draft="self", slim_layers=tuple(SLIM),
+                   thresholds=str(tmp_path / "t.json"), max_new_tokens=8)
+    # the first token is the prefill's; every drafted round's tokens the slim verifier's (a last round
+    # left with one token of budget has no draft: the full model's)
+    assert out.stats.to_dict()["tiers"] in ({"accept": 0, "slim": 7, "full": 1}, {"accept": 0, "slim": 6, "full": 2})
     (tmp_path / "bad.json").write_text('{"acept": 0.5}')
     from viasd.errors import UsageError
 

@@ -14,7 +14,9 @@ Two loops:
   proposal. Output distribution exactly the full model's; greedy output equals `ar`.
 - `viasd_tiered_decode`: per draft position a tier from confidence signals; tiers 1 and 2 are
   committed without a full-model check; the full model is called only at a tier-3 position, and then
-  processes every pending position in one pass (which also fills its KV cache).
+  processes every pending position in one pass (which also fills its KV cache). A round with no
+  draft (prompt lookup found nothing, or one token of budget is left) makes no slim pass: the full
+  model decides its token.
 """
 
 from __future__ import annotations
@@ -89,10 +91,13 @@ def viasd_tiered_decode(decoder: Decoder, drafter: Drafter, route: LayerMask, re
         # 1. draft, and score the drafts and the bonus position with one slim pass
         k_eff = min(k, v.budget - 1)
         draft = drafter.propose(v.tokens, k_eff) if k_eff > 0 else NO_DRAFT
-        slim = params.confidence(v.slim(route, draft.tokens))  # [k'+1, V]
-        tiers = round_tiers(draft.tokens, draft.probs, slim, thresholds)  # k'+1
-        # 2. tiers 1 and 2, in order, up to the first tier-3 position
-        new, i = _settle_without_full(draft, slim, tiers, params, req.generator)
+        if draft.tokens:
+            slim = params.confidence(v.slim(route, draft.tokens))  # [k'+1, V]
+            tiers = round_tiers(draft.tokens, draft.probs, slim, thresholds)  # k'+1
+            # 2. tiers 1 and 2, in order, up to the first tier-3 position
+            new, i = _settle_without_full(draft, slim, tiers, params, req.generator)
+        else:  # no draft, nothing to tier: the full model decides the next token, with no slim pass
+            new, i, tiers = [], 0, []
         origin = tiers[: len(new)]
         if i is not None:
             # 3. the full model processes every pending position and the remaining drafts in one
