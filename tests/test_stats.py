@@ -19,3 +19,24 @@ def test_stats_merge_adds_up():
     assert (m["drafted"], m["accepted"], m["rounds"]) == (11, 4, 3)
     assert m["acceptance_per_position"] == pytest.approx([2 / 3, 2 / 3, 0.0, 0.0, 0.0], abs=1e-4)
     assert m["tiers"] == {"accept": 1, "slim": 6, "full": 2}
+
+
+def test_cost_in_full_passes_by_bytes_read(tiny, tiny_drafter):
+    """Issue 11's accounting: each call's weights read (kept sub-layers and the LM head; a drafter
+    model's own weights), over the bytes of one full verifier pass."""
+    from viasd import generate
+    from viasd.models.runtime import LayerMask
+
+    dec, n = tiny.decoder, tiny.config.n_layers
+    full = dec.weight_bytes()
+    attn_only, mlp_only = LayerMask((True,) * n, (False,) * n), LayerMask((False,) * n, (True,) * n)
+    head = dec.lm_head.out_features * dec.lm_head.in_features * 4  # float32
+    assert dec.weight_bytes(attn_only) + dec.weight_bytes(mlp_only) == full + head
+    assert dec.weight_bytes(LayerMask.from_layers(n, range(n))) == full
+    ar = generate([5, 6, 7, 8], tiny, strategy="ar", max_new_tokens=12).stats.to_dict()
+    assert ar["full_pass_bytes"] == full and ar["bytes_read"] == 12 * full  # the prefill and 11 one-token passes
+    assert ar["full_pass_equivalents_per_token"] == 1.0
+    sd = generate([5, 6, 7, 8], tiny, drafter=tiny_drafter, strategy="sd", max_new_tokens=12).stats.to_dict()
+    drafter = tiny_drafter.decoder.weight_bytes()
+    assert sd["bytes_read"] == sd["calls"]["full"] * full + sd["calls"]["draft"] * drafter
+    assert sd["full_pass_equivalents_per_token"] == round(sd["bytes_read"] / full / 12, 4)

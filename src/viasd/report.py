@@ -126,6 +126,9 @@ def summarize(records: list[dict]) -> dict[tuple[str, str], dict]:
             "full_rejection_rate": (checked - sum(c[1] for c in checks)) / checked if checked else None,
             "full_calls_per_token": sum(r["stats"]["calls"].get("full", 0) for r in ok) / max(tokens, 1),
             "layer_passes_per_token": sum(r["stats"]["verifier_layer_passes_per_token"] * r["stats"]["new_tokens"] for r in ok) / max(tokens, 1),
+            # weights read per token in full verifier passes (records before this field: None)
+            "full_pass_bytes_per_token": (sum(r["stats"]["bytes_read"] / r["stats"]["full_pass_bytes"] for r in ok) / max(tokens, 1)
+                                          if all(r["stats"].get("full_pass_bytes") for r in ok) else None),
             "tier_shares": {t: n / max(tokens, 1) for t, n in tiers.items()} if sum(tiers.values()) else {},
             "quality": {m: sum(v) / len(v) for m, v in quality.items()},
         }
@@ -135,23 +138,25 @@ def summarize(records: list[dict]) -> dict[tuple[str, str], dict]:
 def markdown(summary: dict[tuple[str, str], dict]) -> str:
     tasks = sorted({t for t, _ in summary if t != "overall"}) + ["overall"]
     methods = list(dict.fromkeys(m for _, m in summary))
-    lines = ["| task | method | speed-up vs ar | decode-only speed-up | tok/s | mean acc. len | rejection | full-model rejection | full calls/tok | layer-passes/tok | tiers (accept/slim/full) | quality |",
-             "|---|---|---|---|---|---|---|---|---|---|---|---|"]
+    lines = ["| task | method | speed-up vs ar | decode-only speed-up | tok/s | mean acc. len | rejection | full-model rejection | full calls/tok | layer-passes/tok | cost/tok (full passes by bytes) | tiers (accept/slim/full) | quality |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for task in tasks:
         for method in methods:
             s = summary.get((task, method))
             if s is None:
                 continue
             if "unavailable" in s:
-                lines.append(f"| {task} | {method} | unavailable: {s['unavailable']} | | | | | | | | | |")
+                lines.append(f"| {task} | {method} | unavailable: {s['unavailable']} | | | | | | | | | | |")
                 continue
             tiers = "/".join(f"{s['tier_shares'].get(t, 0):.2f}" for t in ("accept", "slim", "full")) if s["tier_shares"] else "-"
             quality = ", ".join(f"{m} {v:.3g}" for m, v in sorted(s["quality"].items())) or "-"
             speedup = f"{s['speedup']:.2f}x" if s["speedup"] is not None else "-"
             full_rej = f"{s['full_rejection_rate']:.2f}" if s["full_rejection_rate"] is not None else "-"
             decode = f"{s['decode_speedup']:.2f}x" if s.get("decode_speedup") is not None else "-"
+            cost = f"{s['full_pass_bytes_per_token']:.3f}" if s.get("full_pass_bytes_per_token") is not None else "-"
             lines.append(f"| {task} | {method} | {speedup} | {decode} | {s['tokens_per_s']:.1f} | {s['mean_accepted_length']:.2f} | "
-                         f"{s['rejection_rate']:.2f} | {full_rej} | {s['full_calls_per_token']:.3f} | {s['layer_passes_per_token']:.3f} | {tiers} | {quality} |")
+                         f"{s['rejection_rate']:.2f} | {full_rej} | {s['full_calls_per_token']:.3f} | {s['layer_passes_per_token']:.3f} | "
+                         f"{cost} | {tiers} | {quality} |")
     return "\n".join(lines) + "\n"
 
 

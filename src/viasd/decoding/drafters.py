@@ -17,7 +17,7 @@ import torch
 
 from viasd.decoding.acceptance import SamplingParams
 from viasd.decoding.stats import DecodeStats
-from viasd.decoding.verifier import CallKind, Verifier
+from viasd.decoding.verifier import CallKind, Verifier, pass_bytes
 from viasd.models.runtime import Decoder, KVCache, LayerMask
 
 
@@ -75,7 +75,7 @@ class _AutoregressiveDrafter:
         probs: list[torch.Tensor] = []
         for _ in range(k):
             logits = self.decoder.forward(feed, start, cache, route=self.route, last_only=True)[0]  # [V]
-            self.stats.observe_call(CallKind.DRAFT, verifier_share=self.verifier_share)
+            self.stats.observe_call(CallKind.DRAFT, verifier_share=self.verifier_share, bytes_read=pass_bytes(self.decoder, self.route))
             start += feed.shape[0]
             q = self.params.confidence(logits)  # [V]
             token = self.params.draw(q, self.generator)

@@ -26,6 +26,11 @@ class DecodeStats:
     # verifier work, hardware-independent: one full-model call counts 1.0 whatever its block size
     # (decoding is weight-bandwidth bound), a routed call counts its share of sub-layers
     verifier_layer_passes: float = 0.0
+    # every call's weights read, in bytes (the verifier's passes along their routes, LM head included,
+    # and a drafter model's own weights), over the bytes of one full verifier pass: the cost per token
+    # in full-pass equivalents where decoding is bound by weight bandwidth (0: not counted, e.g. T5)
+    bytes_read: int = 0
+    full_pass_bytes: int = 0
     rounds: int = 0  # verification rounds by the deciding verifier (each commits >= 1 token)
     drafted: int = 0
     accepted: int = 0
@@ -39,9 +44,10 @@ class DecodeStats:
     full_kept: int = 0
     _t0: float = field(default_factory=time.perf_counter, repr=False)
 
-    def observe_call(self, name: str, n: int = 1, verifier_share: float = 0.0) -> None:
+    def observe_call(self, name: str, n: int = 1, verifier_share: float = 0.0, bytes_read: int = 0) -> None:
         self.calls[name] += n
         self.verifier_layer_passes += n * verifier_share
+        self.bytes_read += n * bytes_read
 
     def observe_round(self, n_drafted: int, n_accepted: int, verification: bool = True) -> None:
         """A block of n_drafted drafter tokens of which the first n_accepted were kept;
@@ -79,6 +85,7 @@ class DecodeStats:
             prompt_tokens=self.prompt_tokens + other.prompt_tokens, new_tokens=self.new_tokens + other.new_tokens,
             wall_s=self.wall_s + other.wall_s, first_token_s=self.first_token_s, calls=self.calls + other.calls,
             verifier_layer_passes=self.verifier_layer_passes + other.verifier_layer_passes,
+            bytes_read=self.bytes_read + other.bytes_read, full_pass_bytes=self.full_pass_bytes or other.full_pass_bytes,
             rounds=self.rounds + other.rounds, drafted=self.drafted + other.drafted, accepted=self.accepted + other.accepted,
             drafted_at=[a + b for a, b in zip(pad(self.drafted_at, n), pad(other.drafted_at, n))],
             accepted_at=[a + b for a, b in zip(pad(self.accepted_at, n), pad(other.accepted_at, n))],
@@ -115,6 +122,10 @@ class DecodeStats:
             "calls": dict(self.calls),
             "tokens_per_full_call": round(self.new_tokens / full, 4) if full else 0.0,
             "verifier_layer_passes_per_token": round(self.verifier_layer_passes / self.new_tokens, 4) if self.new_tokens else 0.0,
+            "bytes_read": self.bytes_read,
+            "full_pass_bytes": self.full_pass_bytes,
+            "full_pass_equivalents_per_token": (round(self.bytes_read / self.full_pass_bytes / self.new_tokens, 4)
+                                                if self.full_pass_bytes and self.new_tokens else 0.0),
             "rounds": self.rounds,
             "drafted": self.drafted,
             "accepted": self.accepted,

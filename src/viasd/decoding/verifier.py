@@ -50,11 +50,18 @@ class DecodeRequest:
     on_tokens: Callable[[list[int]], None] | None = None  # called with each batch of newly committed ids
 
 
+def pass_bytes(decoder, route: LayerMask | None) -> int:
+    """Weight bytes a pass of `decoder` along `route` reads (0 where the model does not say: T5)."""
+    weight_bytes = getattr(decoder, "weight_bytes", None)
+    return weight_bytes(route) if weight_bytes is not None else 0
+
+
 class Verifier:
     """Decoder, KV cache, committed tokens and statistics of one request."""
 
     def __init__(self, decoder: Decoder, req: DecodeRequest, max_len: int):
         self.decoder, self.req, self.stats = decoder, req, req.stats
+        self.stats.full_pass_bytes = pass_bytes(decoder, None)
         self.cache: KVCache = decoder.new_cache(max_len)
         # encoder-decoder: the prompt is the encoder's source; the decoder starts from its start token
         self.source: list[int] | None = list(req.prompt) if decoder.is_encoder_decoder else None
@@ -99,7 +106,7 @@ class Verifier:
         if not self.tokens:
             return None
         logits = self.decoder.forward(torch.tensor(self.tokens), 0, self.cache, last_only=True)
-        self.stats.observe_call(CallKind.FULL, verifier_share=1.0)
+        self.stats.observe_call(CallKind.FULL, verifier_share=1.0, bytes_read=pass_bytes(self.decoder, None))
         return logits[0]
 
     def full(self, ahead: list[int], n_rows: int | None = None) -> torch.Tensor:
@@ -124,7 +131,7 @@ class Verifier:
     def _pass(self, route: LayerMask | None, start: int, ahead: list[int], n_rows: int, kind: CallKind) -> torch.Tensor:
         seq = self.tokens + ahead
         logits = self.decoder.forward(torch.tensor(seq[start:]), start, self.cache, route=route)  # [len - start, V]
-        self.stats.observe_call(kind, verifier_share=1.0 if route is None else route.fraction)
+        self.stats.observe_call(kind, verifier_share=1.0 if route is None else route.fraction, bytes_read=pass_bytes(self.decoder, route))
         return logits[len(seq) - start - n_rows :]
 
     def commit(self, new: list[int], tiers: list[int] | None = None) -> int:

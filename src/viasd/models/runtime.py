@@ -480,6 +480,25 @@ class Decoder:
             decoder._graph = ggml_forward.NativeForward(decoder, pack=pack)  # the whole pass as one ggml graph
         return decoder
 
+    def weight_bytes(self, route: LayerMask | None = None) -> int:
+        """Bytes of weights a pass along `route` reads (None: the full model): each kept sub-layer's
+        products and the LM head (norms and the embedding rows of a pass are negligible). In the
+        weights' stored format: a native model's file blocks, a float model's floats. What a pass
+        costs one token when decoding is bound by weight bandwidth (issue 11's cost accounting)."""
+        key = route if route is not None and not route.is_full else None
+        cached = self.__dict__.setdefault("_weight_bytes", {})
+        if key not in cached:
+            size = lambda lin: lin.nbytes if isinstance(lin, QuantLinear) else (  # noqa: E731
+                lin.out_features * lin.in_features * torch.empty((), dtype=self.dtype).element_size())
+            total = size(self.lm_head)
+            for i, layer in enumerate(self.layers):
+                if key is None or key.attn[i]:
+                    total += size(layer.qkv) + size(layer.o)
+                if key is None or key.mlp[i]:
+                    total += size(layer.gate_up) + size(layer.down)
+            cached[key] = total
+        return cached[key]
+
     @property
     def native(self) -> bool:
         """Whether it runs weights in the model file's own format (ggml kernels)."""
