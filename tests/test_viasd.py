@@ -167,7 +167,9 @@ def test_tiered_with_every_token_to_full_is_sd(tiny, tiny_drafter, kind):
         expected = speculative_decode(tiny.decoder, make(), DecodeRequest(prompt, 30, GREEDY), 4)
         req = DecodeRequest(prompt, 30, GREEDY)
         assert viasd_tiered_decode(tiny.decoder, make(), slim_route, req, 4, never) == expected
-        assert req.stats.to_dict()["tiers"] == {"accept": 0, "slim": 0, "full": 30}
+        s = req.stats.to_dict()
+        assert s["tiers"] == {"accept": 0, "slim": 0, "full": 30}
+        assert s["calls"].get("slim", 0) == 0  # at SD's cost: no slim pass can change a round
 
 
 def test_tiered_with_slim_settling_everything_is_the_routed_model(tiny):

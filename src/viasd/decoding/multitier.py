@@ -86,17 +86,20 @@ def viasd_tiered_decode(decoder: Decoder, drafter: Drafter, route: LayerMask, re
                         thresholds: TierThresholds) -> list[int]:
     """Tiered VIA-SD (lossy): tier 1 accepts, tier 2 the slim verifier settles, tier 3 the full model decides."""
     params, stats = req.params, req.stats
+    # thresholds above 1 switch tiers 1 and 2 off: then every position is the full model's, and a slim
+    # pass could change nothing (with both off this is plain SD, at SD's cost)
+    slim_tiers = thresholds.accept <= 1.0 or thresholds.slim <= 1.0
     v = Verifier.start(decoder, drafter, req, len(req.prompt) + req.max_new_tokens + k + 2, tiers=True)
     while not v.done:
         # 1. draft, and score the drafts and the bonus position with one slim pass
         k_eff = min(k, v.budget - 1)
         draft = drafter.propose(v.tokens, k_eff) if k_eff > 0 else NO_DRAFT
-        if draft.tokens:
+        if draft.tokens and slim_tiers:
             slim = params.confidence(v.slim(route, draft.tokens))  # [k'+1, V]
             tiers = round_tiers(draft.tokens, draft.probs, slim, thresholds)  # k'+1
             # 2. tiers 1 and 2, in order, up to the first tier-3 position
             new, i = _settle_without_full(draft, slim, tiers, params, req.generator)
-        else:  # no draft, nothing to tier: the full model decides the next token, with no slim pass
+        else:  # no draft (or no tier but the full one): the full model decides, with no slim pass
             new, i, tiers = [], 0, []
         origin = tiers[: len(new)]
         if i is not None:
