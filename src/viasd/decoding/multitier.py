@@ -16,7 +16,7 @@ Two loops:
   committed without a full-model check; the full model is called only at a tier-3 position, and then
   processes every pending position in one pass (which also fills its KV cache). A round with no
   draft (prompt lookup found nothing, or one token of budget is left) makes no slim pass: the full
-  model decides its token.
+  model decides its token; nor does any round when thresholds above 1 switch tiers 1 and 2 off.
 """
 
 from __future__ import annotations

@@ -11,10 +11,10 @@ Graphs are built per (rows, route, last_only, cache length) and kept (a few doze
 handful of block sizes); a prompt's prefill graph is built, run and dropped. Nothing in a graph depends on the position: token ids, RoPE positions,
 the cache rows to write and the attention masks are inputs, so one graph serves every step.
 
-Batch invariance: every op computes each row on its own, and attention (ggml's reference flash
-attention in decoding passes) runs each query row over exactly the keys its mask leaves visible, in order. A row's result
-is therefore the same whether it is decoded alone or inside a block of drafts, which is what lets
-every lossless strategy equal `ar` token for token.
+Batch invariance: every op computes each row on its own (the products on row-exact kernels), and
+attention (ggml's reference flash attention in decoding passes) runs each query row over exactly the
+keys its mask leaves visible, in order. A row's result is therefore the same whether it is decoded
+alone or inside a block of drafts, which is what lets every lossless strategy equal `ar` token for token.
 """
 
 from __future__ import annotations
@@ -123,10 +123,10 @@ class NativeForward:
 
     # ------------------------------------------------------------------ the graph
     def _build(self, n_rows: int, route: LayerMask | None, last_only: bool, max_len: int) -> tuple:
-        g, cfg, dec = lib(), self.dec.config, self.dec
-        n_layers = cfg.n_layers
         from viasd.models.runtime import ROW_ATTENTION_MAX
 
+        g, cfg, dec = lib(), self.dec.config, self.dec
+        n_layers = cfg.n_layers
         per_layer = 48  # ops of a layer
         graph = gk._Graph(n_tensors=per_layer * n_layers + 64, n_nodes=per_layer * n_layers + 64,
                           exact_attention=n_rows <= ROW_ATTENTION_MAX)

@@ -10,9 +10,11 @@ and checks the tensor layout against the library when it loads.
   (used on their own where a model is only partly native, and by the tests).
 - `_Graph`: a ggml graph over memory the caller owns, its intermediates laid out once with liveness
   reuse; `models/ggml_forward.py` builds the whole forward pass as one of these.
-- `NativeTensor.pack` / `matmul`: a weight copied into one of ggml's extra buffer types for this CPU
-  (AMX, CPU_REPACK: the same blocks, laid out for faster kernels, as llama.cpp loads them), and
-  multiplied one row at a time (see `matmul`: that keeps every row's result independent of its block).
+- `NativeTensor.pack` / `matmul`: a weight laid out for viasd's row-exact batched kernel (a ggml custom
+  op; models/rowexact.py) where the CPU runs it, else copied into one of ggml's extra buffer types
+  for this CPU (AMX, CPU_REPACK: the same blocks, laid out for faster kernels, as llama.cpp loads
+  them) and multiplied one row at a time (see `matmul`: either way every row's result is
+  independent of its block).
 Graphs run one at a time on one persistent thread pool (`RUN_LOCK`).
 """
 
@@ -405,11 +407,12 @@ class NativeTensor:
     def pack(self, allowed: tuple[str, ...] | None = None, row_exact: bool | str = True) -> str | None:
         """Lay the weight out for a faster kernel. First choice (`row_exact`): viasd's row-exact
         batched kernel (`ROW_EXACT`, models/rowexact.py), where this CPU runs it by default (AVX-512
-        VNNI; `row_exact="always"`: its AVX2 kernel too) and it takes the type. Else the first of ggml's extra buffer types here that multiplies it (AMX, then
-        CPU_REPACK), as llama.cpp does when it loads a model: the same blocks, rearranged for that
-        CPU's kernels; not into one measured slower for its type (`_SLOWER_PACKED`) unless
-        `allowed` names the kinds to try. Returns the kind's name, or None (kept plain).
-        The plain bytes stay (embedding lookups and `dequantize` read them)."""
+        VNNI; `row_exact="always"`: its AVX2 kernel too) and it takes the type. Else the first of
+        ggml's extra buffer types here that multiplies it (AMX, then CPU_REPACK), as llama.cpp does
+        when it loads a model: the same blocks, rearranged for that CPU's kernels; not into one
+        measured slower for its type (`_SLOWER_PACKED`) unless `allowed` names the kinds to try.
+        Returns the kind's name, or None (kept plain). The plain bytes stay (embedding lookups and
+        `dequantize` read them)."""
         if self.packed is not None:
             return self.packed.kind
         g = lib()
