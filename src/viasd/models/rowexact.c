@@ -132,6 +132,7 @@ static void tiles_ref(const rx_weight *w, int64_t t0, int64_t t1, int64_t T, con
 
 // ---------------------------------------------------------------- AVX-512 VNNI kernel
 #define RX_CHUNK 8  // activation rows per pass over a tile's weights
+#define RX_AHEAD 8  // software prefetch distance, in blocks
 
 __attribute__((target("avx512f,avx512bw,avx512vnni")))
 static inline __m512 block_vector(const rx_weight *w, int which, int64_t tile, int64_t b) {
@@ -163,6 +164,8 @@ static inline void tiles_vnni_un(const rx_weight *w, int64_t tile0, const int U,
         for (int u = 0; u < U; u++) {
             const int64_t tile = tile0 + u;
             const uint8_t *p = w->q + (tile * nblk + b) * qbytes;
+            if (NT <= 2)  // one or two rows: bound by memory; ask for the weights RX_AHEAD blocks on
+                for (int64_t off = 0; off < qbytes; off += 64) _mm_prefetch((const char *)p + RX_AHEAD * qbytes + off, _MM_HINT_T0);
             __m512i wv[8];
             if (BITS == 8) {
                 for (int g = 0; g < G; g++) wv[g] = _mm512_loadu_si512((const void *)(p + 64 * g));
