@@ -37,6 +37,27 @@ def test_bad_methods_tasks_and_files(tmp_path):
     assert len(load_tasks("spec_bench:translation,human_eval", 2)) == 4
 
 
+def test_file_tasks_name_their_metric(tiny, tmp_path):
+    """A `file:` task's rows may name their quality metric (a "metric" field), or the task may name
+    one for every row (`file:PATH:METRIC`); by default such rows get ROUGE-L."""
+    rows = [{"prompt": "The answer is", "reference": "42", "metric": "exact_match"},
+            {"prompt": "Say hello", "reference": "hello there"},
+            {"prompt": "Name a colour", "reference": ["red", "blue"], "metric": "answer_match"}]
+    data = tmp_path / "tasks.jsonl"
+    data.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    prompts = load_tasks(f"file:{data}", None) + load_tasks(f"file:{data}:bleu", None)
+    assert [p.metric for p in prompts] == ["exact_match", None, "answer_match", "exact_match", "bleu", "answer_match"]
+    out = tmp_path / "results.jsonl"
+    assert run_bench(tiny, None, parse_methods("ar"), prompts, out, BENCH_BASE, progress=False) == 6
+    quality = [sorted(r["quality"]) for r in load_records_tolerant(out)]
+    assert quality == [["exact_match"], ["rougeL"], ["answer_match"], ["exact_match"], ["bleu", "chrf"], ["answer_match"]]
+    (tmp_path / "bad.jsonl").write_text('{"prompt": "p", "reference": "r", "metric": "accuracy"}\n')
+    with pytest.raises(UsageError, match="bad.jsonl:1: unknown metric 'accuracy': choose from rougeL, bleu, chrf, exact_match, answer_match"):
+        load_tasks(f"file:{tmp_path / 'bad.jsonl'}", None)
+    with pytest.raises(UsageError, match="no such file"):  # an unknown suffix is part of the path
+        load_tasks(f"file:{data}:accuracy", None)
+
+
 def test_bench_resumes_and_reports_unavailable_methods(tiny, tmp_path):
     prompts, methods, base = bench_tasks(tmp_path), parse_methods(BENCH_METHODS), BENCH_BASE
     out = tmp_path / "results.jsonl"

@@ -29,7 +29,7 @@ METHODS: dict[str, dict] = {
     name + (f"-{mode.value}" if spec.multitier else ""): {"strategy": name, **({"mode": mode.value} if spec.multitier else {})}
     for name, spec in STRATEGIES.items() for mode in (Mode if spec.multitier else [Mode.LOSSLESS])
 }
-TASKS = tuple(f"spec_bench:{c}" for c in SPEC_BENCH_CATEGORIES) + ("spec_bench", "human_eval", "file:PATH")
+TASKS = tuple(f"spec_bench:{c}" for c in SPEC_BENCH_CATEGORIES) + ("spec_bench", "human_eval", "file:PATH", "file:PATH:METRIC")
 
 
 @dataclass
@@ -41,6 +41,7 @@ class Prompt:
     reference: object = None
     problem: dict | None = None  # HumanEval problem, for pass@1
     follow_up: str | None = None  # MT-bench second question (--turns 2): asked after the model's answer
+    metric: str | None = None  # a `file:` task's quality metric (quality.METRICS); None: the task's default
 
 
 def parse_methods(spec: str) -> list[tuple[str, dict]]:
@@ -92,7 +93,8 @@ def load_tasks(spec: str, limit: int | None, turns: int = 1) -> list[Prompt]:
             for p in human_eval()[:limit]:
                 prompts.append(Prompt("human_eval", p["task_id"], p["prompt"], False, problem=p))
         elif task.startswith("file:"):
-            prompts += _file_prompts(Path(task[5:]), task, limit)
+            path, metric = _file_task(task)
+            prompts += _file_prompts(path, task, limit, metric)
         else:
             raise UsageError(f"unknown task {task!r}: choose from {', '.join(TASKS)}")
     if not prompts:
@@ -100,7 +102,20 @@ def load_tasks(spec: str, limit: int | None, turns: int = 1) -> list[Prompt]:
     return prompts
 
 
-def _file_prompts(path: Path, task: str, limit: int | None) -> list[Prompt]:
+def _file_task(task: str) -> tuple[Path, str | None]:
+    """`file:PATH` or `file:PATH:METRIC` -> (path, metric or None)."""
+    from viasd.quality import METRICS
+
+    rest = task[5:]
+    head, sep, tail = rest.rpartition(":")
+    if sep and tail in METRICS:
+        return Path(head), tail
+    return Path(rest), None
+
+
+def _file_prompts(path: Path, task: str, limit: int | None, metric: str | None = None) -> list[Prompt]:
+    from viasd.quality import METRICS
+
     if not path.is_file():
         raise UsageError(f"{task}: no such file")
     out = []
@@ -120,7 +135,10 @@ def _file_prompts(path: Path, task: str, limit: int | None) -> list[Prompt]:
         if not row["prompt"].strip():
             raise UsageError(f"{path}:{n}: the prompt is empty")
         check_text(f"{path}:{n}: prompt", row["prompt"])
-        out.append(Prompt(task, str(row.get("id", n)), row["prompt"], None, row.get("reference")))
+        row_metric = row.get("metric", metric)
+        if row_metric is not None and row_metric not in METRICS:
+            raise UsageError(f"{path}:{n}: unknown metric {row_metric!r}: choose from {', '.join(METRICS)}")
+        out.append(Prompt(task, str(row.get("id", n)), row["prompt"], None, row.get("reference"), metric=row_metric))
     return out[:limit]
 
 
@@ -251,7 +269,7 @@ def run_bench(model, drafter, methods: list[tuple[str, dict]], prompts: list[Pro
                     record.update(turns=[{"text": t.text, "token_ids": t.token_ids, "stats": t.stats.to_dict()} for t in (turn1, r)])
                 text = humaneval_completion(r.text) if prompt.task == "human_eval" else r.text
                 record.update(text=text, token_ids=r.token_ids, stats=stats.to_dict(), config=r.config,
-                              quality=score(prompt.task, r.text, prompt.reference, prompt.problem))
+                              quality=score(prompt.task, r.text, prompt.reference, prompt.problem, prompt.metric))
                 tps = record["stats"]["tokens_per_s"]
                 if name == BASELINE:
                     ar_speed[(prompt.task, prompt.id)] = tps

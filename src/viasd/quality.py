@@ -265,15 +265,33 @@ def humaneval_pass(problem: dict, completion: str, timeout_s: float = 10.0) -> t
     return run_untrusted(program, timeout_s)
 
 
-def score(task: str, text: str, reference=None, problem: dict | None = None) -> dict[str, float]:
-    """Quality metrics for one output of a task ("spec_bench/<category>", "human_eval", "file:...")."""
+# what a `file:` task row (its "metric" field) or `file:PATH:METRIC` may ask for: name -> metrics of
+# (prediction, reference); answer_match takes a list of acceptable answers (a string is one answer)
+METRICS = {
+    "rougeL": lambda text, ref: {"rougeL": rouge_l(text, _first(ref))},
+    "bleu": lambda text, ref: {"bleu": bleu(text, _first(ref)), "chrf": chrf(text, _first(ref))},
+    "chrf": lambda text, ref: {"chrf": chrf(text, _first(ref))},
+    "exact_match": lambda text, ref: {"exact_match": math_exact_match(text, _first(ref))},
+    "answer_match": lambda text, ref: {"answer_match": answer_match(text, ref if isinstance(ref, list) else [ref])},
+}
+
+
+def _first(reference):
+    return reference[0] if isinstance(reference, list) and reference else reference
+
+
+def score(task: str, text: str, reference=None, problem: dict | None = None, metric: str | None = None) -> dict[str, float]:
+    """Quality metrics for one output of a task ("spec_bench/<category>", "human_eval", "file:...").
+    `metric` (one of METRICS) overrides the task's own choice; without a reference there is none."""
     category = task.split("/")[-1]
     if task == "human_eval" and problem is not None:
         ok, _ = humaneval_pass(problem, humaneval_completion(text))
         return {"pass@1": float(ok)}
     if reference is None:
         return {}
-    ref = reference[0] if isinstance(reference, list) and reference else reference
+    if metric is not None:
+        return METRICS[metric](text, reference)
+    ref = _first(reference)
     if category == "translation":
         return {"bleu": bleu(text, ref), "chrf": chrf(text, ref)}
     if category == "summarization":
