@@ -16,8 +16,8 @@
 //   8-bit: blk/4 vectors of 64 bytes; byte 4r + j of vector g = q[row r][4g + j]
 //   4-bit: blk/8 vectors of 64 bytes; byte 4r + j of vector v = q[r][4v + j] | q[r][4(v + blk/8) + j] << 4
 //   scale, min of a block: 16 lanes (row r at lane r), stored as the file allows it exactly:
-//     mode 0: float per block; 1: half per block; 2: int8 per block times a float per super-block
-//     (sup_blocks blocks, per row: the K-quants' two-level scales); min mode 3: min_mult * scale
+//     mode 1: half per block; 2: int8 per block times a float per super-block (sup_blocks blocks, per
+//     row: the K-quants' two-level scales); min mode 3: min_mult * scale (an integer min_mult)
 // Rows are a multiple of 16, columns a multiple of blk (16 or 32).
 
 #include <stdint.h>
@@ -52,13 +52,11 @@ static float half_to_float(uint16_t h) {
     return f;
 }
 
-// lane r of a block's scale (which = 0) or min (which = 1)
+// lane r of a block's scale (which = 0) or min (which = 1; not for min mode 3, folded into the sums)
 static float block_value(const rx_weight *w, int which, int64_t tile, int64_t b, int r) {
     const int64_t nblk = w->cols / w->blk, i = (tile * nblk + b) * 16 + r;
     const int mode = which ? w->min_mode : w->scale_mode;
     const void *p = which ? w->min : w->scale;
-    if (mode == 3) return w->min_mult * block_value(w, 0, tile, b, r);
-    if (mode == 0) return ((const float *)p)[i];
     if (mode == 1) return half_to_float(((const uint16_t *)p)[i]);
     const int64_t nsup = nblk / w->sup_blocks;
     const float *sup = which ? w->min_sup : w->scale_sup;
@@ -140,7 +138,6 @@ static inline __m512 block_vector(const rx_weight *w, int which, int64_t tile, i
     const int mode = which ? w->min_mode : w->scale_mode;
     const void *p = which ? w->min : w->scale;
     if (mode == 1) return _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)((const uint16_t *)p + i)));
-    if (mode == 0) return _mm512_loadu_ps((const float *)p + i);
     const int64_t nsup = nblk / w->sup_blocks;
     const float *sup = (which ? w->min_sup : w->scale_sup) + (tile * nsup + b / w->sup_blocks) * 16;
     const __m512 sub = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)((const int8_t *)p + i))));
@@ -178,7 +175,7 @@ static inline void tiles_vnni_un(const rx_weight *w, int64_t tile0, const int U,
             }
             const __m512 sc = block_vector(w, 0, tile, b);
             const int mult = w->min_mode == 3;
-            const __m512 mn = mult ? sc : block_vector(w, 1, tile, b);
+            const __m512 mn = mult ? _mm512_setzero_ps() : block_vector(w, 1, tile, b);  // (mult: unused)
             for (int t = 0; t < NT; t++) {
                 const int32_t *xa = (const int32_t *)(xq + t * w->cols + b * BLK);
                 __m512i s0 = _mm512_setzero_si512(), s1 = _mm512_setzero_si512();
@@ -273,7 +270,6 @@ RX_AVX2 static inline __m256 block_vector8(const rx_weight *w, int which, int64_
     const int mode = which ? w->min_mode : w->scale_mode;
     const void *p = which ? w->min : w->scale;
     if (mode == 1) return _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)((const uint16_t *)p + i)));
-    if (mode == 0) return _mm256_loadu_ps((const float *)p + i);
     const int64_t nsup = nblk / w->sup_blocks;
     const float *sup = (which ? w->min_sup : w->scale_sup) + (tile * nsup + b / w->sup_blocks) * 16 + 8 * h;
     const __m256 sub = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)((const int8_t *)p + i))));
@@ -309,7 +305,7 @@ static inline void tiles_avx2_nt(const rx_weight *w, int64_t tile, const int NT,
             }
             const __m256 sc = block_vector8(w, 0, tile, b, h);
             const int mult = w->min_mode == 3;
-            const __m256 mn = mult ? sc : block_vector8(w, 1, tile, b, h);
+            const __m256 mn = mult ? _mm256_setzero_ps() : block_vector8(w, 1, tile, b, h);  // (mult: unused)
             for (int t = 0; t < NT; t++) {
                 const int32_t *xa = (const int32_t *)(xq + t * w->cols + b * BLK);
                 __m256i isum = _mm256_setzero_si256();

@@ -194,7 +194,8 @@ def _unpack(ggml_type: int, data: np.ndarray, rows: int, cols: int) -> _Blocks:
 
 
 def _block_values(spec: tuple, sup_blocks: int, scale: np.ndarray | None = None) -> np.ndarray:
-    """[rows, nblk] float32 values of a scale / min spec (the kernel's own arithmetic: exact products)."""
+    """[rows, nblk] float32 values of a scale / min spec, as the kernel computes them (exact products):
+    what the tests compare with the file's dequantized values."""
     if spec[0] == "half":
         return spec[1]
     if spec[0] == "mult":
@@ -233,8 +234,6 @@ class RowExactWeight:
                 arr, sup, modes[which] = lanes(spec[2], np.int8), lanes(spec[1], np.float32), 2
             self._arrays += [a for a in (arr, sup) if a is not None]
             ptrs[which], ptrs[which + "_sup"] = arr.data_ptr(), None if sup is None else sup.data_ptr()
-        self.scale_values = _block_values(u.scale, u.sup_blocks)  # [rows, nblk]: what the kernel multiplies by
-        self.min_values = _block_values(u.min, u.sup_blocks, self.scale_values)
         self.rows, self.cols, self.blk, self.bits = rows, cols, blk, bits
         self.op = _Op(_Weight(rows, cols, blk, bits, self.q.data_ptr(), ptrs["scale"], ptrs["min"], ptrs["scale_sup"],
                               ptrs["min_sup"], modes["scale"], modes["min"], u.sup_blocks,
