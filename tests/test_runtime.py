@@ -126,3 +126,120 @@ def test_cache_overflow_is_an_error(tiny):
     cache = tiny.decoder.new_cache(4)
     with pytest.raises(ValueError, match="overflow"):
         tiny.decoder.forward(torch.tensor([1, 2, 3, 4, 5]), 0, cache)
+
+
+# ------------------------------------------------------------------ resumed full passes
+
+
+def resumed_after_slim(model, route: LayerMask, prompt: list[int], block: list[int], lower_rows: int = 0):
+    """Logits of `block` by a plain full pass, and by a full pass resumed at the route's prefix after
+    one slim pass over all of the block but its last `lower_rows` tokens (those go through the layers
+    below it alone first, as `Verifier.full` sends them)."""
+    dec, n = model.decoder, len(prompt)
+    plain, resumed = dec.new_cache(64), dec.new_cache(64)
+    resumed.enable_resume(route.prefix)
+    for cache in (plain, resumed):
+        dec.forward(torch.tensor(prompt), 0, cache)
+    expected = dec.forward(torch.tensor(block), n, plain)
+    slim_rows = len(block) - lower_rows
+    dec.forward(torch.tensor(block[:slim_rows]), n, resumed, route=route)
+    assert resumed.n_exact == n + slim_rows and resumed.n_full == n
+    if lower_rows:
+        lower = LayerMask.lower(route.n_layers, route.prefix)
+        assert resumed.length(lower) == n + slim_rows  # the layers below the prefix are the full model's there
+        assert dec.forward(torch.tensor(block[slim_rows:]), n + slim_rows, resumed, route=lower, logits=False) is None
+    got = dec.forward(torch.tensor(block), n, resumed, resume=True)
+    assert resumed.n_full == resumed.n_exact == n + len(block)
+    return expected, got
+
+
+@pytest.mark.parametrize("lower_rows", [0, 2])
+def test_resumed_full_pass_equals_the_full_pass_bit_for_bit(tiny, lower_rows):
+    """A route keeping layers 0..m-1 whole computes the full model's stream entering layer m and its
+    K/V below m; a full pass resumed there gives the full pass' logits exactly (the same operations on
+    the same values), also for positions the layers below m processed alone."""
+    n = tiny.config.n_layers
+    route = LayerMask(attn=(True, True, False, True), mlp=(True, True, True, False))
+    assert route.prefix == 2
+    expected, got = resumed_after_slim(tiny, route, [3, 9, 4, 11, 7], [5, 8, 2, 40, 13], lower_rows)
+    assert torch.equal(got, expected)
+    assert LayerMask.from_layers(n, range(n)).prefix == n and LayerMask.from_layers(n, [1, 2]).prefix == 0
+
+
+@pytest.mark.model
+def test_resumed_full_pass_on_smollm2(smollm2, smollm2_f32):
+    """The same on a real model: native logits equal bit for bit (row-exact products); float32 ones
+    within rounding where the last row's layers below m ran alone (oneDNN's one-row products round
+    differently from its block products), with the same argmax."""
+    ids = smollm2.encode("List three facts about the Moon.")
+    route = LayerMask.from_layers(30, list(range(15)) + [27, 28, 29])
+    for model in (smollm2, smollm2_f32):
+        for lower_rows in (0, 1):
+            expected, got = resumed_after_slim(model, route, ids[:-4], ids[-4:] + [1, 2, 3], lower_rows)
+            if model.weights == "native" or lower_rows == 0:
+                assert torch.equal(got, expected), (model.weights, lower_rows)
+            assert torch.allclose(got, expected, atol=1e-4, rtol=1e-5) and torch.equal(got.argmax(-1), expected.argmax(-1))
+
+
+def test_resume_is_refused_where_states_are_missing_or_stale(tiny):
+    n = tiny.config.n_layers
+    dec = tiny.decoder
+    slim = LayerMask(attn=(True, True, False, True), mlp=(True, True, True, False))  # prefix 2
+    other = LayerMask.from_layers(n, [0, 3])  # writes layer 0's K/V from a routed stream
+    cache = dec.new_cache(32)
+    with pytest.raises(ValueError, match="cannot resume"):
+        dec.forward(torch.tensor([1, 2]), 0, cache, resume=True)  # resuming never enabled
+    with pytest.raises(ValueError, match="resume layer must be in 1 .. 3"):
+        cache.enable_resume(4)
+    cache.enable_resume(2)
+    dec.forward(torch.tensor([1, 2, 3]), 0, cache)
+    with pytest.raises(ValueError, match="empty cache only"):
+        cache.enable_resume(2)
+    dec.forward(torch.tensor([4, 5]), 3, cache, route=slim)
+    assert cache.resumable(3, 5) and not cache.resumable(3, 6)
+    dec.forward(torch.tensor([4, 6]), 3, cache, route=other)  # position 4 now holds another token's K/V below 2
+    assert cache.n_exact == 3
+    with pytest.raises(ValueError, match="cannot resume at layer 2: stored states reach 3"):
+        dec.forward(torch.tensor([4, 5]), 3, cache, resume=True)
+    dec.forward(torch.tensor([4, 5]), 3, cache, route=slim)
+    cache.rollback_route(slim, 4)  # its rejected draft's state goes with it
+    assert cache.n_exact == 4 and not cache.resumable(3, 5)
+
+
+def test_cache_with_resume_matches_cache_free_reference(tiny):
+    """The random schedule of full, routed and resumed passes and rollbacks: each pass' logits equal
+    the cache-free reference's, and every resumed pass equals a plain full pass on a twin cache."""
+    rng = random.Random(1)
+    n = tiny.config.n_layers
+    routes = [None, LayerMask(attn=(True, True, False, True), mlp=(True, True, True, False)),
+              LayerMask.from_layers(n, [0, 1, 2]), LayerMask.from_layers(n, [0, 3]), LayerMask.lower(n, 2)]
+    dec = tiny.decoder
+    cache = dec.new_cache(400)
+    cache.enable_resume(2)
+    tokens = [rng.randrange(64) for _ in range(5)]
+    dec.forward(torch.tensor(tokens), 0, cache)
+    resumed = 0
+    for step in range(300):
+        if rng.random() < 0.15 and len(tokens) > 8:
+            keep = rng.randrange(len(tokens) - 6, len(tokens))
+            if rng.random() < 0.5:  # one route's rejected drafts only
+                cache.rollback_route(rng.choice(routes[1:]), rng.randrange(keep, len(tokens) + 1))
+            del tokens[keep:]
+            cache.rollback(keep)
+            continue
+        route = rng.choice(routes)
+        start = cache.length(route)
+        if route is None and start < len(tokens) and cache.resumable(start, len(tokens)) and rng.random() < 0.7:
+            logits = dec.forward(torch.tensor(tokens[start:]), start, cache, resume=True)
+            ref = reference_logits(tiny, tokens, 0, None)[start:]
+            assert torch.allclose(logits, ref, atol=1e-4, rtol=1e-4), (step, (logits - ref).abs().max())
+            resumed += 1
+            continue
+        new = [rng.randrange(64) for _ in range(rng.randint(1, 5))]
+        del tokens[start:]
+        tokens.extend(new)
+        base = cache.n_full if route is not None else 0
+        logits = dec.forward(torch.tensor(tokens[start:]), start, cache, route=route)
+        ref = reference_logits(tiny, tokens, base, route)[start - base :]
+        assert torch.allclose(logits, ref, atol=1e-4, rtol=1e-4), (step, route, start, (logits - ref).abs().max())
+    assert resumed >= 10, resumed

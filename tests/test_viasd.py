@@ -4,6 +4,8 @@ Also the speculative-cascades baseline."""
 
 from __future__ import annotations
 
+from collections import Counter
+
 import numpy as np
 import pytest
 import torch
@@ -303,3 +305,32 @@ def test_viasd_api_settings_and_errors(tiny, tmp_path):
     with pytest.raises(UsageError, match="unknown setting\\(s\\): mdoe"):
         generate([1, 2, 3], tiny, strategy="viasd", mdoe="tiered")
     assert default_slim_layers(30) == tuple(i for i in range(30) if not (10 <= i < 20 and i % 2))
+
+
+@pytest.mark.parametrize("kind", ["pld", "self"])
+def test_resumed_full_passes_change_no_token_and_read_fewer_bytes(tiny, kind):
+    """With the slim route keeping layers 0-1 whole, full passes start at layer 2 where slim passes
+    stored the stream: the same tokens in both modes, fewer weight bytes in tiered mode, and lossless
+    still equals `ar`."""
+    slim = LayerMask.from_layers(tiny.config.n_layers, SLIM)
+    thr = TierThresholds(accept=0.5, accept_draft=0.0, slim=0.4)
+    for prompt in prompts(2):
+        runs = {}
+        for resume in (True, False):
+            req_t, req_l = DecodeRequest(prompt, 30, GREEDY), DecodeRequest(prompt, 30, GREEDY)
+            runs[resume] = (viasd_tiered_decode(tiny.decoder, drafters(tiny, None)[kind](), slim, req_t, 4, thr, resume), req_t.stats,
+                            viasd_lossless_decode(tiny.decoder, drafters(tiny, None)[kind](), slim, req_l, 4, 8, resume), req_l.stats)
+        assert runs[True][0] == runs[False][0] and runs[True][2] == runs[False][2] == run_ar(tiny, prompt, 30)
+        on, off = runs[True][1], runs[False][1]
+        # the same passes, but positions no slim pass processed go through the layers below 2 alone first
+        assert on.calls - Counter({"lower": on.calls["lower"]}) == off.calls
+        assert on.bytes_read < off.bytes_read
+        assert "lower" not in runs[False][3].calls
+
+
+def test_resume_setting_reaches_the_record(tiny):
+    on = generate([1, 5, 6, 7, 5, 6], tiny, strategy="viasd", mode="tiered", slim_layers=SLIM, max_new_tokens=8)
+    off = generate([1, 5, 6, 7, 5, 6], tiny, strategy="viasd", mode="tiered", slim_layers=SLIM, max_new_tokens=8, resume=False)
+    assert on.config["resume_layer"] == 2 and off.config["resume_layer"] is None and on.token_ids == off.token_ids
+    not_whole = generate([1, 5, 6, 7], tiny, strategy="viasd", slim_layers=[1, 2, 3], max_new_tokens=4)
+    assert not_whole.config["resume_layer"] is None  # layer 0 is not kept: nothing to resume from

@@ -17,6 +17,7 @@ import torch
 
 from viasd.decoding.acceptance import DEFERRAL_RULES, DeferralRule, SamplingParams
 from viasd.decoding.drafters import Drafter, ModelDrafter, NgramDrafter, SelfDrafter
+from viasd.decoding.multitier import resume_layer
 from viasd.decoding.registry import DEFAULT_STRATEGY, STRATEGIES, DraftKind, LoopArgs, Mode, Strategy, strategy
 from viasd.decoding.stats import DecodeResult, DecodeStats
 from viasd.decoding.tiers import TierThresholds, load_thresholds
@@ -65,6 +66,7 @@ class ViasdOptions:
     slim_layers: tuple[int, ...] | None = None  # slim verifier: kept layers (default: shipped route)
     slim_route: str | None = None  # slim verifier: a route JSON file
     full_block: int = 8  # lossless: slim-verified tokens per full-model check
+    resume: bool = True  # full passes start where the slim route's whole lower layers end (same output)
     thresholds: str | None = None  # tiered: a JSON file of TierThresholds fields
     accept: float | None = None  # tiered threshold overrides (TierThresholds)
     accept_draft: float | None = None
@@ -230,7 +232,9 @@ def _loop_args(spec: Strategy, config: GenerateConfig, verifier: LoadedModel) ->
         adaptive = config.temperature == 0 and spec.is_lossless() and not spec.multitier
     if spec.drafter is not None and not spec.multitier:
         extra["adaptive_k"] = adaptive
-    return LoopArgs(config.k, Mode(v.mode), v.full_block, slim, thresholds, cascade, adaptive), extra
+    if spec.multitier:
+        extra["resume_layer"] = resume_layer(slim, v.resume)
+    return LoopArgs(config.k, Mode(v.mode), v.full_block, slim, thresholds, cascade, adaptive, v.resume), extra
 
 
 def check_messages(messages: Sequence[dict]) -> list[dict[str, str]]:

@@ -293,6 +293,9 @@ def _add_generate(p: argparse.ArgumentParser) -> None:
     v.add_argument("--slim-layers", type=int, nargs="+", metavar="L", help="slim verifier's kept layers (default: the shipped route)")
     v.add_argument("--slim-route", metavar="ROUTE.json", help="slim verifier's route file (thresholds beside it are used in tiered mode)")
     v.add_argument("--full-block", type=int, default=8, help="lossless: slim-verified tokens per full check (default: %(default)s)")
+    v.add_argument("--resume", action=argparse.BooleanOptionalAction, default=True,
+                   help="full passes start at the first layer the slim route does not keep whole, from the states "
+                        "its passes stored; the output is the same either way (default: on)")
     v.add_argument("--thresholds", metavar="FILE.json", help="tiered: thresholds file (as written by `viasd calibrate`)")
     v.add_argument("--accept", type=float, help="tiered: tier 1 when the slim prob of the draft is >= this")
     v.add_argument("--accept-draft", type=float, help="tiered: ... and the drafter's prob of its token is >= this")

@@ -30,9 +30,19 @@ from viasd.decoding.verifier import DecodeRequest, Verifier
 from viasd.models.runtime import Decoder, LayerMask
 
 
-def viasd_lossless_decode(decoder: Decoder, drafter: Drafter, route: LayerMask, req: DecodeRequest, k: int, full_block: int = 8) -> list[int]:
-    """Lossless VIA-SD: blocks of up to `full_block` slim-verified tokens, each checked by one full pass."""
-    v = Verifier.start(decoder, drafter, req, len(req.prompt) + req.max_new_tokens + k + full_block + 2, tiers=True)
+def resume_layer(route: LayerMask, resume: bool = True) -> int | None:
+    """Where full passes resume after slim passes along `route`: the first layer it does not keep whole
+    (None: resuming off, or a route that keeps no whole layer at the bottom)."""
+    m = route.prefix
+    return m if resume and 0 < m < route.n_layers else None
+
+
+def viasd_lossless_decode(decoder: Decoder, drafter: Drafter, route: LayerMask, req: DecodeRequest, k: int, full_block: int = 8,
+                          resume: bool = True) -> list[int]:
+    """Lossless VIA-SD: blocks of up to `full_block` slim-verified tokens, each checked by one full pass
+    (`resume`: which starts at the route's first incomplete layer, see `resume_layer`)."""
+    v = Verifier.start(decoder, drafter, req, len(req.prompt) + req.max_new_tokens + k + full_block + 2, tiers=True,
+                       resume_layer=resume_layer(route, resume))
     while not v.done:
         # 1. slim stage: speculative decoding drafter -> slim builds a block distributed as q'
         block, origin, block_q = _slim_stage(v, drafter, route, k, full_block)
@@ -83,13 +93,15 @@ def _slim_stage(v: Verifier, drafter: Drafter, route: LayerMask, k: int, full_bl
 
 
 def viasd_tiered_decode(decoder: Decoder, drafter: Drafter, route: LayerMask, req: DecodeRequest, k: int,
-                        thresholds: TierThresholds) -> list[int]:
-    """Tiered VIA-SD (lossy): tier 1 accepts, tier 2 the slim verifier settles, tier 3 the full model decides."""
+                        thresholds: TierThresholds, resume: bool = True) -> list[int]:
+    """Tiered VIA-SD (lossy): tier 1 accepts, tier 2 the slim verifier settles, tier 3 the full model
+    decides (`resume`: its pass starts at the route's first incomplete layer, see `resume_layer`)."""
     params, stats = req.params, req.stats
     # thresholds above 1 switch tiers 1 and 2 off: then every position is the full model's, and a slim
     # pass could change nothing (with both off this is plain SD, at SD's cost)
     slim_tiers = thresholds.accept <= 1.0 or thresholds.slim <= 1.0
-    v = Verifier.start(decoder, drafter, req, len(req.prompt) + req.max_new_tokens + k + 2, tiers=True)
+    v = Verifier.start(decoder, drafter, req, len(req.prompt) + req.max_new_tokens + k + 2, tiers=True,
+                       resume_layer=resume_layer(route, resume and slim_tiers))
     while not v.done:
         # 1. draft, and score the drafts and the bonus position with one slim pass
         k_eff = min(k, v.budget - 1)

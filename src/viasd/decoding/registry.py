@@ -43,6 +43,7 @@ class LoopArgs:
     thresholds: TierThresholds | None = None
     cascade: tuple[DeferralRule, float] | None = None  # (rule, alpha), used by the cascade loop
     adaptive: bool = False  # two-tier loops: draft lengths from measured pass costs (decoding/draft_length.py)
+    resume: bool = True  # viasd: full passes resume where the slim route's whole lower layers end
 
 
 Loop = Callable[[Decoder, Drafter | None, DecodeRequest, LoopArgs], list[int]]
@@ -50,8 +51,8 @@ Loop = Callable[[Decoder, Drafter | None, DecodeRequest, LoopArgs], list[int]]
 
 def _viasd(decoder: Decoder, drafter: Drafter | None, req: DecodeRequest, a: LoopArgs) -> list[int]:
     if a.mode is Mode.LOSSLESS:
-        return viasd_lossless_decode(decoder, drafter, a.slim, req, a.k, a.full_block)
-    return viasd_tiered_decode(decoder, drafter, a.slim, req, a.k, a.thresholds)
+        return viasd_lossless_decode(decoder, drafter, a.slim, req, a.k, a.full_block, a.resume)
+    return viasd_tiered_decode(decoder, drafter, a.slim, req, a.k, a.thresholds, a.resume)
 
 
 @dataclass(frozen=True)

@@ -32,7 +32,8 @@ if TYPE_CHECKING:
 class CallKind(StrEnum):
     """What a forward call was, as `DecodeStats.calls` counts it."""
 
-    FULL = "full"  # the verifier, every layer
+    FULL = "full"  # the verifier, every layer (or resumed: every layer from the resume layer on)
+    LOWER = "lower"  # the verifier's layers below the resume layer, for positions no slim pass processed
     SLIM = "slim"  # the verifier along the slim route
     DRAFT = "draft"  # a drafter: a separate model or a drafting route of the verifier
 
@@ -50,19 +51,22 @@ class DecodeRequest:
     on_tokens: Callable[[list[int]], None] | None = None  # called with each batch of newly committed ids
 
 
-def pass_bytes(decoder, route: LayerMask | None) -> int:
-    """Weight bytes a pass of `decoder` along `route` reads (0 where the model does not say: T5)."""
+def pass_bytes(decoder, route: LayerMask | None, from_layer: int = 0, head: bool = True) -> int:
+    """Weight bytes a pass of `decoder` along `route` reads, from layer `from_layer` on, with or
+    without the LM head (0 where the model does not say: T5)."""
     weight_bytes = getattr(decoder, "weight_bytes", None)
-    return weight_bytes(route) if weight_bytes is not None else 0
+    return weight_bytes(route, from_layer, head) if weight_bytes is not None else 0
 
 
 class Verifier:
     """Decoder, KV cache, committed tokens and statistics of one request."""
 
-    def __init__(self, decoder: Decoder, req: DecodeRequest, max_len: int):
+    def __init__(self, decoder: Decoder, req: DecodeRequest, max_len: int, resume_layer: int | None = None):
         self.decoder, self.req, self.stats = decoder, req, req.stats
         self.stats.full_pass_bytes = pass_bytes(decoder, None)
         self.cache: KVCache = decoder.new_cache(max_len)
+        if resume_layer is not None and not decoder.is_encoder_decoder:
+            self.cache.enable_resume(resume_layer)
         # encoder-decoder: the prompt is the encoder's source; the decoder starts from its start token
         self.source: list[int] | None = list(req.prompt) if decoder.is_encoder_decoder else None
         # every committed token, prompt included (decoder-only) or the start token (encoder-decoder)
@@ -72,15 +76,16 @@ class Verifier:
 
     @classmethod
     def start(cls, decoder: Decoder, drafter: Drafter | None, req: DecodeRequest, max_len: int,
-              tiers: bool = False) -> Verifier:
+              tiers: bool = False, resume_layer: int | None = None) -> Verifier:
         """A verifier with the whole prompt prefilled, the first new token committed from the prefill's
         last row (a round of its own; `tiers`: counted as decided by the full model), and `drafter`
-        begun on it.
+        begun on it. `resume_layer`: full passes start there for positions a slim pass along a route
+        keeping every layer below it already processed (`full`).
 
         Every strategy starts the same way, so every lossless one runs the prompt through exactly the
         passes `ar` runs: with batch-invariant passes (see `models.runtime`) their outputs are then equal
         token for token, not merely equal up to rounding."""
-        verifier = cls(decoder, req, max_len)
+        verifier = cls(decoder, req, max_len, resume_layer)
         if drafter is not None:
             drafter.begin(max_len, verifier)
         if verifier.done:
@@ -112,10 +117,23 @@ class Verifier:
     def full(self, ahead: list[int], n_rows: int | None = None) -> torch.Tensor:
         """One full pass over the pending positions, the last committed token and `ahead` (tokens past
         the committed ones: drafts, a slim-settled block). Returns the logits of the last `n_rows`
-        positions (default len(ahead) + 1: the last committed token's and each of `ahead`'s), [n_rows, V]."""
+        positions (default len(ahead) + 1: the last committed token's and each of `ahead`'s), [n_rows, V].
+
+        With a resume layer m, the pass starts at layer m from the streams slim passes stored (the same
+        logits, bit for bit: the same operations on the same values); positions no slim pass processed
+        first go through layers 0 .. m-1 alone (a `LOWER` call)."""
         n_rows = len(ahead) + 1 if n_rows is None else n_rows
         # (a "slim" route that keeps every layer counts as full, so n_full may be ahead: recompute)
-        return self._pass(None, min(self.cache.n_full, len(self.tokens) - 1), ahead, n_rows, CallKind.FULL)
+        start, end = min(self.cache.n_full, len(self.tokens) - 1), len(self.tokens) + len(ahead)
+        m, cache = self.cache.resume_layer, self.cache
+        if m is None or start >= cache.n_exact:  # no position of the pass has a stored state
+            return self._pass(None, start, ahead, n_rows, CallKind.FULL)
+        if cache.n_exact < end:
+            lower = LayerMask.lower(self.decoder.config.n_layers, m)
+            seq = self.tokens + ahead
+            self.decoder.forward(torch.tensor(seq[cache.n_exact :]), cache.n_exact, cache, route=lower, logits=False)
+            self.stats.observe_call(CallKind.LOWER, verifier_share=lower.fraction, bytes_read=pass_bytes(self.decoder, lower, head=False))
+        return self._pass(None, start, ahead, n_rows, CallKind.FULL, resume=True)
 
     def slim(self, route: LayerMask, ahead: list[int], n_rows: int | None = None) -> torch.Tensor:
         """Like `full`, along `route`: it starts where the route's K/V stops being valid (a drafting
@@ -128,10 +146,13 @@ class Verifier:
         """Keep the route's K/V for the committed tokens and the first `n_ahead` tokens past them only."""
         self.cache.rollback_route(route, len(self.tokens) + n_ahead)
 
-    def _pass(self, route: LayerMask | None, start: int, ahead: list[int], n_rows: int, kind: CallKind) -> torch.Tensor:
+    def _pass(self, route: LayerMask | None, start: int, ahead: list[int], n_rows: int, kind: CallKind,
+              resume: bool = False) -> torch.Tensor:
         seq = self.tokens + ahead
-        logits = self.decoder.forward(torch.tensor(seq[start:]), start, self.cache, route=route)  # [len - start, V]
-        self.stats.observe_call(kind, verifier_share=1.0 if route is None else route.fraction, bytes_read=pass_bytes(self.decoder, route))
+        logits = self.decoder.forward(torch.tensor(seq[start:]), start, self.cache, route=route, resume=resume)  # [len - start, V]
+        first = self.cache.resume_layer if resume else 0
+        share = (1.0 if route is None else route.fraction) - (first / self.decoder.config.n_layers)
+        self.stats.observe_call(kind, verifier_share=share, bytes_read=pass_bytes(self.decoder, route, from_layer=first))
         return logits[len(seq) - start - n_rows :]
 
     def commit(self, new: list[int], tiers: list[int] | None = None) -> int:

@@ -122,7 +122,11 @@ class NativeForward:
         return g.flash_attn_ext(graph.ctx, q, k, v, mask, scale, 0.0, cfg.attn_softcap or 0.0)
 
     # ------------------------------------------------------------------ the graph
-    def _build(self, n_rows: int, route: LayerMask | None, last_only: bool, max_len: int) -> tuple:
+    def _build(self, n_rows: int, route: LayerMask | None, last_only: bool, max_len: int, first: int = 0,
+               save: int | None = None, with_logits: bool = True) -> tuple:
+        """The graph of a pass (see `Decoder.forward`): `first`, the layer it starts at (from the
+        residual streams stored in the cache's `hidden` rows at its positions); `save`, the layer whose
+        incoming stream it stores there; without `with_logits` it ends at its last kept sub-layer."""
         from viasd.models.runtime import ROW_ATTENTION_MAX
 
         g, cfg, dec = lib(), self.dec.config, self.dec
@@ -135,10 +139,15 @@ class NativeForward:
         rows = graph.tensor(I64, n_rows)  # cache rows written: the positions
         mask = graph.tensor(F16, max_len, n_rows)  # 0 where a query row sees a key, -inf elsewhere
         local_mask = graph.tensor(F16, max_len, n_rows) if cfg.sliding_window is not None else None
-        leaves = {"ids": ids, "pos": pos, "rows": rows, "mask": mask, "local_mask": local_mask, "k": [], "v": []}
-        x = g.get_rows(ctx, dec.embed.table._bind(graph), ids)  # [hidden, T]
-        if cfg.embed_scale is not None:
-            x = g.scale(ctx, x, cfg.embed_scale)
+        hidden = graph.tensor(F32, cfg.hidden, max_len) if first or save is not None else None  # the cache's stored streams
+        leaves = {"ids": ids, "pos": pos, "rows": rows, "mask": mask, "local_mask": local_mask, "k": [], "v": [],
+                  "hidden": hidden}
+        if first:
+            x = g.get_rows(ctx, hidden, pos)  # [hidden, T] entering layer `first`
+        else:
+            x = g.get_rows(ctx, dec.embed.table._bind(graph), ids)  # [hidden, T]
+            if cfg.embed_scale is not None:
+                x = g.scale(ctx, x, cfg.embed_scale)
         nq, nkv, d = cfg.n_heads * cfg.head_dim, cfg.n_kv_heads * cfg.head_dim, cfg.head_dim
         scale = cfg.attn_scale if cfg.attn_scale is not None else d ** -0.5
         writes = []
@@ -146,6 +155,12 @@ class NativeForward:
             k_cache, v_cache = graph.tensor(F32, d, max_len, cfg.n_kv_heads), graph.tensor(F32, d, max_len, cfg.n_kv_heads)
             leaves["k"].append(k_cache)
             leaves["v"].append(v_cache)
+            if i < first:
+                continue
+            if i == save:
+                w = g.set_rows(ctx, hidden, x, rows)
+                g.build_forward_expand(graph.graph, w)
+                writes.append(w)
             if route is None or route.attn[i]:
                 theta = cfg.rope_theta if layer.rope == 0 else cfg.rope_local_theta
                 freq_scale = 1.0 / cfg.rope_factor if layer.rope == 0 else 1.0
@@ -173,6 +188,9 @@ class NativeForward:
                 if layer.post_mlp_norm is not None:
                     m = self._norm(graph, m, layer.post_mlp_norm)
                 x = g.add(ctx, x, m)
+        if not with_logits:
+            graph.finish(expand=tuple(writes))
+            return graph, leaves, None
         if last_only and n_rows > 1:
             x = g.view_2d(ctx, x, cfg.hidden, 1, x.contents.nb[1], (n_rows - 1) * x.contents.nb[1])
         x = self._norm(graph, x, dec.norm)
@@ -204,13 +222,14 @@ class NativeForward:
         mask, local = masks
         return mask[start:end], None if local is None else local[start:end]
 
-    def __call__(self, tokens: torch.Tensor, start: int, cache: KVCache, route: LayerMask | None, last_only: bool) -> torch.Tensor:
+    def __call__(self, tokens: torch.Tensor, start: int, cache: KVCache, route: LayerMask | None, last_only: bool,
+                 first: int = 0, save: int | None = None, with_logits: bool = True) -> torch.Tensor | None:
         n_rows, end = tokens.shape[0], start + tokens.shape[0]
         max_len = cache.k.shape[2]
-        key = (n_rows, route, last_only and n_rows > 1, max_len)
+        key = (n_rows, route, last_only and n_rows > 1, max_len, first, save, with_logits)
         built = self._graphs.get(key)
         if built is None:
-            built = self._build(n_rows, route, key[2], max_len)
+            built = self._build(n_rows, route, key[2], max_len, first, save, with_logits)
             if n_rows <= gk.KEEP_GRAPH_ROWS:  # a prompt's prefill (one of many lengths, large buffers) is not kept
                 self._graphs[key] = built
                 if len(self._graphs) > _KEEP_GRAPHS:
@@ -222,7 +241,7 @@ class NativeForward:
         if ids.numel() and (int(ids.min()) < 0 or int(ids.max()) >= self.dec.embed.table.rows):
             raise IndexError(f"token id out of range [0, {self.dec.embed.table.rows})")
         mask, local = self._masks(start, end, max_len)
-        out = torch.empty(1 if key[2] else n_rows, self.dec.lm_head.out_features)
+        out = torch.empty(1 if key[2] else n_rows, self.dec.lm_head.out_features) if with_logits else None
         with gk.RUN_LOCK:  # binding and running a shared graph must not interleave between threads
             self._bind_and_run(graph, leaves, logits_t, ids, start, cache, mask, local, out)
         return out
@@ -235,10 +254,14 @@ class NativeForward:
         if local is not None:
             graph.bind(leaves["local_mask"], local.data_ptr())
         k_base, v_base, stride = cache.k.data_ptr(), cache.v.data_ptr(), cache.k.stride(0) * 4
-        if leaves.get("bound_cache") != (k_base, v_base):  # the same cache as this graph's last call: bound
+        h_base = cache.hidden.data_ptr() if leaves["hidden"] is not None else None
+        if leaves.get("bound_cache") != (k_base, v_base, h_base):  # the same cache as this graph's last call: bound
             for i in range(len(leaves["k"])):
                 graph.bind(leaves["k"][i], k_base + i * stride)
                 graph.bind(leaves["v"][i], v_base + i * stride)
-            leaves["bound_cache"] = (k_base, v_base)
-        graph.bind(logits_t, out.data_ptr())
+            if h_base is not None:
+                graph.bind(leaves["hidden"], h_base)
+            leaves["bound_cache"] = (k_base, v_base, h_base)
+        if out is not None:
+            graph.bind(logits_t, out.data_ptr())
         graph.run()

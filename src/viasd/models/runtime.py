@@ -212,6 +212,18 @@ class LayerMask:
     def is_full(self) -> bool:
         return all(self.attn) and all(self.mlp)
 
+    @property
+    def prefix(self) -> int:
+        """How many leading layers the route keeps whole (attention and MLP). A pass along it computes,
+        exactly as the full model does, the residual stream entering layer `prefix` and the K/V of
+        every layer below it: what a full pass can resume from (see `KVCache.enable_resume`)."""
+        return next((i for i, (a, m) in enumerate(zip(self.attn, self.mlp)) if not (a and m)), self.n_layers)
+
+    @classmethod
+    def lower(cls, n_layers: int, m: int) -> "LayerMask":
+        """The route of layers 0 .. m-1 only."""
+        return cls.from_layers(n_layers, range(m))
+
 
 class KVCache:
     """Preallocated K/V buffers written by position, with per-route valid lengths.
@@ -227,16 +239,45 @@ class KVCache:
         self.n_full = 0
         # route -> number of leading positions valid for that route (always >= n_full when read)
         self._routed: dict[LayerMask, int] = {}
+        self._hidden_size, self._dtype, self._device = config.hidden, dtype, device
+        # resumable full passes (off until `enable_resume`): the residual stream entering layer
+        # `resume_layer`, per position, [max_len, hidden]; positions < n_exact hold it and the full
+        # model's own K/V in every layer below it (n_exact >= n_full)
+        self.resume_layer: int | None = None
+        self.hidden: torch.Tensor | None = None
+        self.n_exact = 0
+
+    def enable_resume(self, layer: int) -> None:
+        """Keep, from now on, what a full pass needs to start at `layer` (0 < layer < n_layers) for
+        positions a routed pass already processed: a pass along a route with `prefix >= layer` (or a
+        full pass) stores the residual stream entering `layer`; its K/V below `layer` are then the full
+        model's own. Only on an empty cache."""
+        n_layers = self.k.shape[0]
+        if not 0 < layer < n_layers:
+            raise ValueError(f"resume layer must be in 1 .. {n_layers - 1}, got {layer}")
+        if self.n_full or self._routed:
+            raise ValueError("resuming is enabled on an empty cache only")
+        self.resume_layer = layer
+        self.hidden = torch.zeros(self.max_len, self._hidden_size, dtype=self._dtype, device=self._device)
+        self.n_exact = 0
+
+    def saves_hidden(self, route: LayerMask | None) -> bool:
+        """Whether a pass along `route` (None: full) computes the residual stream entering the resume layer."""
+        return self.resume_layer is not None and (route is None or route.prefix >= self.resume_layer)
 
     def length(self, route: LayerMask | None = None) -> int:
         """Positions a pass along `route` may read: a new pass must start at or before this."""
         if route is None:
             return self.n_full
-        return max(self.n_full, self._routed.get(route, 0))
+        length = max(self.n_full, self._routed.get(route, 0))
+        if self.resume_layer is not None and not any(route.attn[self.resume_layer :]):
+            length = max(length, self.n_exact)  # every layer it reads is the full model's up to n_exact
+        return length
 
     def rollback(self, n: int) -> None:
         """Forget every position >= n (for every route). Rejected slots are overwritten later."""
         self.n_full = min(self.n_full, n)
+        self.n_exact = min(self.n_exact, n)
         self._routed = {r: min(length, n) for r, length in self._routed.items() if min(length, n) > self.n_full}
 
     def rollback_route(self, route: LayerMask, n: int) -> None:
@@ -245,8 +286,17 @@ class KVCache:
             self._routed[route] = min(self._routed[route], n)
             if self._routed[route] <= self.n_full:
                 del self._routed[route]
+        if self.resume_layer is not None and route.prefix >= self.resume_layer:  # its stored states went with them
+            self.n_exact = max(self.n_full, min(self.n_exact, n))
 
-    def _begin(self, route: LayerMask | None, start: int, n_tokens: int) -> None:
+    def resumable(self, start: int, end: int) -> bool:
+        """Whether a full pass over positions start .. end-1 may start at the resume layer."""
+        return self.resume_layer is not None and start <= self.n_full and end <= self.n_exact
+
+    def _begin(self, route: LayerMask | None, start: int, n_tokens: int, resume: bool = False) -> None:
+        if resume and (route is not None or not self.resumable(start, start + n_tokens)):
+            raise ValueError(f"a full pass over positions {start} .. {start + n_tokens - 1} cannot resume at layer "
+                             f"{self.resume_layer}: stored states reach {self.n_exact} (n_full={self.n_full})")
         if start + n_tokens > self.max_len:
             raise ValueError(f"KV cache overflow: positions up to {start + n_tokens} > max_len {self.max_len}")
         if start > self.length(route):
@@ -259,6 +309,12 @@ class KVCache:
                              "it would overwrite the full model's K/V")
 
     def _commit(self, route: LayerMask | None, start: int, end: int) -> None:
+        if self.resume_layer is not None:
+            if self.saves_hidden(route):  # [start, end) now hold exact lower layers and stored states
+                if start <= self.n_exact:
+                    self.n_exact = end
+            elif any(route.attn[: self.resume_layer]):  # it wrote lower layers' K/V from a routed stream
+                self.n_exact = min(self.n_exact, start)
         if route is None:
             # A full pass makes [start, end) valid in every layer; routed entries past it were
             # computed on routed prefixes and are dropped.
@@ -274,14 +330,16 @@ class KVCache:
 ROW_ATTENTION_MAX = 64  # passes of up to this many rows attend row by row (batch-invariant; see Decoder.forward)
 
 
-def begin_pass(config: ModelConfig, cache: KVCache, route: LayerMask | None, start: int, n_tokens: int) -> tuple[LayerMask | None, int]:
+def begin_pass(config: ModelConfig, cache: KVCache, route: LayerMask | None, start: int, n_tokens: int,
+               resume: bool = False) -> tuple[LayerMask | None, int]:
     """Checks shared by every decoder forward: a route keeping every layer is the full pass, a route
-    must fit the model, and the cache must allow a pass along it at `start`. Returns (route, end)."""
+    must fit the model, and the cache must allow a pass along it at `start` (`resume`: a full pass
+    starting at the cache's resume layer). Returns (route, end)."""
     if route is not None and route.is_full:
         route = None
     if route is not None and route.n_layers != config.n_layers:
         raise ValueError(f"route has {route.n_layers} layers, model has {config.n_layers}")
-    cache._begin(route, start, n_tokens)
+    cache._begin(route, start, n_tokens, resume)
     return route, start + n_tokens
 
 
@@ -480,21 +538,23 @@ class Decoder:
             decoder._graph = ggml_forward.NativeForward(decoder, pack=pack)  # the whole pass as one ggml graph
         return decoder
 
-    def weight_bytes(self, route: LayerMask | None = None) -> int:
+    def weight_bytes(self, route: LayerMask | None = None, from_layer: int = 0, head: bool = True) -> int:
         """Bytes of weights a pass along `route` reads (None: the full model): each kept sub-layer's
-        products and the LM head (norms and the embedding rows of a pass are negligible). In the
-        weights' stored format: a native model's file blocks, a float model's floats. What a pass
-        costs one token when decoding is bound by weight bandwidth (issue 11's cost accounting)."""
-        key = route if route is not None and not route.is_full else None
+        products from layer `from_layer` on (a resumed pass) and, with `head`, the LM head (norms and
+        the embedding rows of a pass are negligible). In the weights' stored format: a native model's
+        file blocks, a float model's floats. What a pass costs one token when decoding is bound by
+        weight bandwidth (issue 11's cost accounting)."""
+        key = (route if route is not None and not route.is_full else None, from_layer, head)
         cached = self.__dict__.setdefault("_weight_bytes", {})
         if key not in cached:
             size = lambda lin: lin.nbytes if isinstance(lin, QuantLinear) else (  # noqa: E731
                 lin.out_features * lin.in_features * torch.empty((), dtype=self.dtype).element_size())
-            total = size(self.lm_head)
-            for i, layer in enumerate(self.layers):
-                if key is None or key.attn[i]:
+            mask = key[0]
+            total = size(self.lm_head) if head else 0
+            for i, layer in enumerate(self.layers[from_layer:], start=from_layer):
+                if mask is None or mask.attn[i]:
                     total += size(layer.qkv) + size(layer.o)
-                if key is None or key.mlp[i]:
+                if mask is None or mask.mlp[i]:
                     total += size(layer.gate_up) + size(layer.down)
             cached[key] = total
         return cached[key]
@@ -519,24 +579,34 @@ class Decoder:
         cache: KVCache,
         route: LayerMask | None = None,
         last_only: bool = False,
-    ) -> torch.Tensor:
+        resume: bool = False,
+        logits: bool = True,
+    ) -> torch.Tensor | None:
         """Logits for `tokens` at positions start .. start+T-1, reading and writing `cache`.
 
-        tokens: [T] int64. Returns [T, vocab] float32 logits ([1, vocab] with `last_only`).
-        A routed pass runs only the sub-layers `route` keeps and writes K/V only for its kept
-        attention layers; see the module docstring for the n_full invariant.
+        tokens: [T] int64. Returns [T, vocab] float32 logits ([1, vocab] with `last_only`; None
+        without `logits`: no head, the pass only fills the cache). A routed pass runs only the
+        sub-layers `route` keeps and writes K/V only for its kept attention layers; see the module
+        docstring for the n_full invariant. `resume` (a full pass): start at the cache's resume layer
+        from the residual streams stored there (`KVCache.enable_resume`); a pass that computes the
+        stream entering that layer stores it.
         """
         n_tokens = tokens.shape[0]
-        route, end = begin_pass(self.config, cache, route, start, n_tokens)
+        route, end = begin_pass(self.config, cache, route, start, n_tokens, resume)
         cfg = self.config
+        first = cache.resume_layer if resume else 0
+        save = cache.resume_layer if cache.saves_hidden(route) and not resume else None
         if self._graph is not None:
-            logits = self._graph(tokens, start, cache, route, last_only)
+            out = self._graph(tokens, start, cache, route, last_only, first, save, logits)
             cache._commit(route, start, end)
-            return _softcap(logits, cfg.final_softcap) if cfg.final_softcap is not None else logits
+            return _softcap(out, cfg.final_softcap) if out is not None and cfg.final_softcap is not None else out
 
-        x = self.embed(tokens)  # [T, hidden]
-        if cfg.embed_scale is not None:
-            x = x * cfg.embed_scale
+        if resume:
+            x = cache.hidden[start:end].clone()  # [T, hidden] entering layer `first`
+        else:
+            x = self.embed(tokens)  # [T, hidden]
+            if cfg.embed_scale is not None:
+                x = x * cfg.embed_scale
         # per RoPE table (global, local): [T, 1, head_dim]
         ropes = [(self._cos[t, start:end, None, :], self._sin[t, start:end, None, :]) for t in range(self._cos.shape[0])]
         # Attention is batch-invariant for blocks of up to ROW_ATTENTION_MAX rows: each query row attends
@@ -560,7 +630,11 @@ class Decoder:
         scale = cfg.attn_scale if cfg.attn_scale is not None else cfg.head_dim ** -0.5
         gqa = cfg.n_heads != cfg.n_kv_heads
         nq, nkv, hd = cfg.n_heads * cfg.head_dim, cfg.n_kv_heads * cfg.head_dim, cfg.head_dim
-        for i, layer in enumerate(self.layers):
+        for i, layer in enumerate(self.layers[first:], start=first):
+            if i == save:
+                cache.hidden[start:end] = x
+                if not logits and route is not None and not any(route.attn[i:]) and not any(route.mlp[i:]):
+                    break  # nothing past here is kept, and no head
             if route is None or route.attn[i]:
                 h = _rms_norm(x, layer.attn_norm, cfg.rms_eps)
                 qkv = layer.qkv(h)  # [T, nq + 2 nkv]
@@ -601,9 +675,11 @@ class Decoder:
                     m_out = _rms_norm(m_out, layer.post_mlp_norm, cfg.rms_eps)
                 x = x + m_out
         cache._commit(route, start, end)
+        if not logits:
+            return None
         if last_only:
             x = x[-1:]
-        logits = self.lm_head(_rms_norm(x, self.norm, cfg.rms_eps)).float()
+        out = self.lm_head(_rms_norm(x, self.norm, cfg.rms_eps)).float()
         if cfg.final_softcap is not None:
-            logits = _softcap(logits, cfg.final_softcap)
-        return logits
+            out = _softcap(out, cfg.final_softcap)
+        return out

@@ -157,12 +157,13 @@ class EncoderDecoder:
 
     @torch.inference_mode()
     def forward(self, tokens: torch.Tensor, start: int, cache: Seq2SeqCache, route: LayerMask | None = None,
-                last_only: bool = False) -> torch.Tensor:
-        """Decoder logits for `tokens` at decoder positions start .. start+T-1 (after `encode`)."""
+                last_only: bool = False, resume: bool = False) -> torch.Tensor:
+        """Decoder logits for `tokens` at decoder positions start .. start+T-1 (after `encode`).
+        (`resume` is refused: an encoder-decoder's cache never stores resumable streams.)"""
         if cache.cross_k is None:
             raise ValueError("encoder-decoder model: encode the source into this cache first")
         n_tokens = tokens.shape[0]
-        route, end = begin_pass(self.config, cache, route, start, n_tokens)
+        route, end = begin_pass(self.config, cache, route, start, n_tokens, resume)
         cfg = self.config
         x = self.embed[tokens]  # [T, hidden]
         bias = self._position_bias(start, end)[None].to(self.dtype)  # [1, H, T, end]

@@ -58,6 +58,7 @@ class ViasdOptions(Strict):
     mode: Literal["lossless", "tiered"] | None = None
     slim_layers: Layers | None = None
     full_block: Annotated[int, Field(ge=1, le=256)] | None = None
+    resume: bool | None = None
     accept: Prob | None = None
     accept_draft: Prob | None = None
     accept_tv: Prob | None = None
