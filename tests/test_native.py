@@ -338,3 +338,24 @@ def test_without_the_ggml_kernels_native_falls_back_or_says_why(fake_gguf, monke
     assert "native weights need the ggml kernels" in capsys.readouterr().err
     with pytest.raises(UsageError, match="ggml-py"):
         load_model(str(fake_gguf), progress=False, weights="native")
+
+
+def test_tiny_native_reduced_head_and_resumed_pass_are_exact(tiny_native):
+    """On native weights a reduced head's logits are the full head's bit for bit at its ids (rows of
+    the file's blocks, multiplied alone), and a full pass resumed after a slim pass equals a full pass."""
+    from test_runtime import resumed_after_slim
+
+    from viasd.models.runtime import LayerMask
+
+    dec = tiny_native.decoder
+    vocab = list(range(1, 64, 4))
+    head = dec.reduced_head(vocab)
+    assert isinstance(head.linear, type(dec.lm_head)) and len(head) == 16
+    a, b = dec.new_cache(32), dec.new_cache(32)
+    full = dec.forward(torch.tensor([3, 9, 4, 7]), 0, a)
+    reduced = dec.forward(torch.tensor([3, 9, 4, 7]), 0, b, head=head)
+    assert torch.equal(reduced[:, vocab], full[:, vocab]) and torch.isinf(reduced[:, 0]).all()
+    route = LayerMask(attn=(True, True, False, True), mlp=(True, True, True, False))
+    for lower_rows in (0, 1):
+        expected, got = resumed_after_slim(tiny_native, route, [3, 9, 4, 11], [5, 8, 2, 40], lower_rows)
+        assert torch.equal(got, expected)

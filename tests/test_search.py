@@ -106,3 +106,33 @@ def test_interrupted_search_resumes(planted_dir, tmp_path):
     assert complete_trials(db) == 150  # nothing lost, nothing run twice
     route = Route.load(out)
     assert route.search["trials"] == 150 and len(route.kept_layers) == 4
+
+
+def test_frequent_vocab_ranks_counts_then_ids():
+    from collections import Counter
+
+    from viasd.routing.vocab import coverage, frequent_vocab
+
+    counts = Counter({40: 5, 7: 9, 63: 1, 99: 4})  # 99: outside a 64-token vocabulary
+    vocab = frequent_vocab(counts, 64, 5, always=[50])
+    # rounded up to 16: 50 (always), 7, 40, 63 by count, then the lowest other ids
+    assert vocab == tuple(sorted({50, 7, 40, 63} | set(range(13))))
+    assert frequent_vocab(counts, 64, 100) == tuple(range(64))
+    assert coverage(vocab, [7, 7, 50, 62]) == 0.75
+    with pytest.raises(Exception, match="at least 1 token"):
+        frequent_vocab(counts, 64, 0)
+
+
+def test_prefix_search_keeps_lower_layers_whole_and_stores_a_vocabulary(planted, tmp_path):
+    from viasd.errors import UsageError
+
+    calib = build_calibration(planted, seq_len=32, top_k=16, progress=False, prompts=prompts())
+    route = search_route(planted, 0.75, 12, seed=0, calib=calib, n_random=6, progress=False, prefix=4, head_vocab=20)
+    assert route.kept_layers[:4] == [0, 1, 2, 3] and route.mask.prefix >= 4 and len(route.kept_layers) == 6
+    assert len(route.vocab) == 32 and list(route.vocab) == sorted(set(route.vocab))
+    assert planted.eos_token_ids <= set(route.vocab)
+    assert route.metrics["vocab_size"] == 32 and 0 < route.metrics["vocab_top1_coverage_calibration"] <= 1
+    again = Route.load(route.save(tmp_path / "r.json"))
+    assert again.vocab == route.vocab and again == route
+    with pytest.raises(UsageError, match="--prefix must be in 0 .. 6"):
+        search_route(planted, 0.75, 2, calib=calib, progress=False, prefix=7)

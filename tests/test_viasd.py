@@ -334,3 +334,33 @@ def test_resume_setting_reaches_the_record(tiny):
     assert on.config["resume_layer"] == 2 and off.config["resume_layer"] is None and on.token_ids == off.token_ids
     not_whole = generate([1, 5, 6, 7], tiny, strategy="viasd", slim_layers=[1, 2, 3], max_new_tokens=4)
     assert not_whole.config["resume_layer"] is None  # layer 0 is not kept: nothing to resume from
+
+
+def test_reduced_head_scores_its_vocabulary_only(tiny):
+    """A slim verifier with a reduced head: its logits at the kept ids are the full head's, -inf
+    elsewhere; a draft outside it goes to the full model (tiered) or is never slim-verified
+    (lossless, which still equals `ar`); a head over every id changes nothing."""
+    from viasd.decoding.tiers import Tier, round_tiers
+
+    dec, n = tiny.decoder, tiny.config.n_layers
+    slim = LayerMask.from_layers(n, SLIM)
+    vocab = list(range(0, 64, 2))  # 32 even ids
+    head = dec.reduced_head(vocab)
+    cache_a, cache_b = dec.new_cache(32), dec.new_cache(32)
+    full, reduced = dec.forward(torch.tensor([3, 9, 4]), 0, cache_a), dec.forward(torch.tensor([3, 9, 4]), 0, cache_b, head=head)
+    assert torch.allclose(reduced[:, vocab], full[:, vocab], atol=1e-5) and torch.isinf(reduced[:, 1::2]).all()
+    assert dec.weight_bytes(slim, head=head) < dec.weight_bytes(slim)
+    thr = TierThresholds(accept=0.0, accept_draft=0.0, slim=0.0)  # every draft the slim verifier judges is tier 1
+    probs = torch.softmax(reduced, -1)
+    assert round_tiers([4, 5], None, probs, thr, head.contains([4, 5])) == [Tier.ACCEPT, Tier.FULL, Tier.SLIM]
+    everything = dec.reduced_head(range(64))
+    for prompt in prompts(3):
+        req = DecodeRequest(prompt, 24, GREEDY)
+        out = viasd_tiered_decode(dec, NgramDrafter(), slim, req, 4, thr, head=head)
+        # tiers 1 and 2 commit only tokens the head holds (judged drafts, the slim verifier's own)
+        assert sum(t % 2 for t in out) <= req.stats.tiers[Tier.FULL] and sum(req.stats.tiers.values()) == 24
+        plain, same = DecodeRequest(prompt, 24, GREEDY), DecodeRequest(prompt, 24, GREEDY)
+        assert (viasd_tiered_decode(dec, NgramDrafter(), slim, plain, 4, thr)
+                == viasd_tiered_decode(dec, NgramDrafter(), slim, same, 4, thr, head=everything))
+        req = DecodeRequest(prompt, 24, GREEDY)
+        assert viasd_lossless_decode(dec, NgramDrafter(), slim, req, 4, 8, head=head) == run_ar(tiny, prompt, 24)

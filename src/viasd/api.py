@@ -25,7 +25,7 @@ from viasd.decoding.verifier import DecodeRequest
 from viasd.errors import UsageError
 from viasd.models.loading import LoadedModel, check_same_vocabulary, load_model
 from viasd.models.zoo import DEFAULT_MODEL
-from viasd.routing.resolve import draft_route, resolve_route
+from viasd.routing.resolve import resolve_route, route_head
 from viasd.validation import check_generate_config, check_text, check_token_ids, preflight_files
 
 MODES = tuple(m.value for m in Mode)
@@ -67,6 +67,7 @@ class ViasdOptions:
     slim_route: str | None = None  # slim verifier: a route JSON file
     full_block: int = 8  # lossless: slim-verified tokens per full-model check
     resume: bool = True  # full passes start where the slim route's whole lower layers end (same output)
+    reduced_head: bool = True  # slim and drafting routes: the reduced LM head their route file stores, if any
     thresholds: str | None = None  # tiered: a JSON file of TierThresholds fields
     accept: float | None = None  # tiered threshold overrides (TierThresholds)
     accept_draft: float | None = None
@@ -205,24 +206,26 @@ class TextStream:
 
 
 def _make_drafter(kind: DraftKind, verifier: LoadedModel, drafter: str | LoadedModel | None, opts: DraftOptions,
-                  params: SamplingParams, generator: torch.Generator, progress: bool) -> Drafter:
+                  params: SamplingParams, generator: torch.Generator, progress: bool, reduced_head: bool = True) -> Drafter:
     if kind is DraftKind.MODEL:
         draft_model = _as_model(drafter, progress)
         check_same_vocabulary(verifier, draft_model)
         return ModelDrafter(draft_model.decoder, params, generator, opts.draft_threshold)
     if kind is DraftKind.PLD:
         return NgramDrafter(opts.max_ngram, opts.min_ngram)
-    route = draft_route(verifier, opts.draft_layers, opts.draft_route)
-    return SelfDrafter(verifier.decoder, route, params, generator, opts.draft_threshold)
+    route, path = resolve_route(verifier, "draft", opts.draft_layers, opts.draft_route)
+    return SelfDrafter(verifier.decoder, route, params, generator, opts.draft_threshold, route_head(verifier, path) if reduced_head else None)
 
 
 def _loop_args(spec: Strategy, config: GenerateConfig, verifier: LoadedModel) -> tuple[LoopArgs, dict]:
     """The loop's arguments, and what they add to the result record."""
     v, extra = config.viasd, {}
-    slim = thresholds = None
+    slim = thresholds = head = None
     if spec.multitier:
         slim, slim_file = resolve_route(verifier, "slim", v.slim_layers, v.slim_route)
         extra["slim_fraction"] = round(slim.fraction, 4)
+        head = route_head(verifier, slim_file) if v.reduced_head else None
+        extra["slim_head_vocab"] = len(head) if head is not None else None
         if Mode(v.mode) is Mode.TIERED:
             thresholds = v.tier_thresholds(slim_file.with_suffix(".thresholds.json") if slim_file else None)
             extra["tier_thresholds"] = thresholds.to_dict()
@@ -234,7 +237,7 @@ def _loop_args(spec: Strategy, config: GenerateConfig, verifier: LoadedModel) ->
         extra["adaptive_k"] = adaptive
     if spec.multitier:
         extra["resume_layer"] = resume_layer(slim, v.resume)
-    return LoopArgs(config.k, Mode(v.mode), v.full_block, slim, thresholds, cascade, adaptive, v.resume), extra
+    return LoopArgs(config.k, Mode(v.mode), v.full_block, slim, thresholds, cascade, adaptive, v.resume, head), extra
 
 
 def check_messages(messages: Sequence[dict]) -> list[dict[str, str]]:
@@ -305,7 +308,7 @@ def generate(
     stream = TextStream(verifier, on_text) if on_text else None
     req = DecodeRequest(ids, config.max_new_tokens, params, verifier.eos_token_ids, stats, generator, stream)
     args, extra = _loop_args(spec, config, verifier)
-    chosen = _make_drafter(kind, verifier, drafter, config.drafting, params, generator, progress) if kind else None
+    chosen = _make_drafter(kind, verifier, drafter, config.drafting, params, generator, progress, config.viasd.reduced_head) if kind else None
     record = {"model": verifier.name, "drafter": getattr(drafter, "name", drafter), **config.settings(),
               "draft": kind.value if kind else None, **extra}
     try:

@@ -101,6 +101,10 @@ def _routes_show(args: argparse.Namespace) -> int:
     print(f"  layers  {route.picture()}   (█ kept, a attention only, m MLP only, · skipped)")
     print(f"  kept    {len(route.kept_layers)}/{m.n_layers} layers, {route.fraction:.0%} of sub-layer work"
           + (f" (budget {route.budget:.2f})" if route.budget is not None else ""))
+    if route.mask.prefix:
+        print(f"  resumes full passes at layer {route.mask.prefix} (layers 0..{route.mask.prefix - 1} kept whole)")
+    if route.vocab is not None:
+        print(f"  head    reduced: {len(route.vocab)} tokens (ids {route.vocab[0]}..{route.vocab[-1]})")
     for key, value in route.metrics.items():
         print(f"  {key:<15} {value:.4g}" if isinstance(value, float) else f"  {key:<15} {value}")
     for key, value in route.search.items():
@@ -119,9 +123,12 @@ def _search(args: argparse.Namespace) -> int:
     from viasd.models.loading import load_model
     from viasd.models.loading import check_cache_writable
     from viasd.routing.search import build_calibration, check_settings, open_storage, search_route
-    from viasd.validation import check_text, check_writable_file
+    from viasd.validation import check_int, check_text, check_writable_file
 
     check_settings(args.budget, args.trials, args.random_trials, args.seed, args.calib_seqs, args.calib_len, args.cost)
+    check_int("--prefix", args.prefix, 0, 4096)
+    if args.head_vocab is not None:
+        check_int("--head-vocab", args.head_vocab, 1, 1 << 24)
     out = check_writable_file(check_text("--out", args.out), "route file")  # all before the model and calibration
     storage = args.storage or f"sqlite:///{out.with_suffix('.optuna.sqlite').resolve()}"
     check_cache_writable()
@@ -130,7 +137,8 @@ def _search(args: argparse.Namespace) -> int:
     model = load_model(args.model, progress=progress)
     calib = build_calibration(model, n_seqs=args.calib_seqs, seq_len=args.calib_len, progress=progress)
     route = search_route(model, args.budget, args.trials, seed=args.seed, storage=study_storage, cost=args.cost,
-                         pin_ends=args.pin_ends, calib=calib, n_random=args.random_trials, progress=progress)
+                         pin_ends=args.pin_ends, calib=calib, n_random=args.random_trials, progress=progress,
+                         prefix=args.prefix, head_vocab=args.head_vocab)
     route.save(out)
     print(f"{out}: {route.picture()}  {args.cost} {route.metrics[args.cost]:.4f}, "
           f"top-1 agreement {route.metrics['top1_agreement']:.3f} (study in {storage})")
@@ -148,6 +156,10 @@ def _add_search(p: argparse.ArgumentParser) -> None:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--cost", default="kl", choices=COSTS, help="KL(full||routed), reverse KL, or total variation (default: %(default)s)")
     p.add_argument("--pin-ends", action=argparse.BooleanOptionalAction, default=True, help="always keep the first and last layer (default: on)")
+    p.add_argument("--prefix", type=int, default=0, metavar="M",
+                   help="keep layers 0..M-1 whole: full passes then resume at layer M after slim passes (default: %(default)s)")
+    p.add_argument("--head-vocab", type=int, metavar="N",
+                   help="store a reduced LM head of the N most frequent calibration tokens with the route (default: the full head)")
     p.add_argument("--calib-seqs", type=int, default=16, help="calibration sequences (default: %(default)s)")
     p.add_argument("--calib-len", type=int, default=128, help="tokens per calibration sequence (default: %(default)s)")
     p.add_argument("--out", "-o", required=True, help="route JSON to write")
@@ -296,6 +308,9 @@ def _add_generate(p: argparse.ArgumentParser) -> None:
     v.add_argument("--resume", action=argparse.BooleanOptionalAction, default=True,
                    help="full passes start at the first layer the slim route does not keep whole, from the states "
                         "its passes stored; the output is the same either way (default: on)")
+    v.add_argument("--reduced-head", action=argparse.BooleanOptionalAction, default=True,
+                   help="slim and drafting routes score only the vocabulary their route file stores, if it stores one "
+                        "(a draft outside it goes to the full model) (default: on)")
     v.add_argument("--thresholds", metavar="FILE.json", help="tiered: thresholds file (as written by `viasd calibrate`)")
     v.add_argument("--accept", type=float, help="tiered: tier 1 when the slim prob of the draft is >= this")
     v.add_argument("--accept-draft", type=float, help="tiered: ... and the drafter's prob of its token is >= this")

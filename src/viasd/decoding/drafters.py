@@ -18,7 +18,7 @@ import torch
 from viasd.decoding.acceptance import SamplingParams
 from viasd.decoding.stats import DecodeStats
 from viasd.decoding.verifier import CallKind, Verifier, pass_bytes
-from viasd.models.runtime import Decoder, KVCache, LayerMask
+from viasd.models.runtime import Decoder, KVCache, LayerMask, ReducedHead
 
 
 @dataclass
@@ -30,6 +30,10 @@ class Draft:
 
     def __len__(self) -> int:
         return len(self.tokens)
+
+    def cut(self, n: int) -> "Draft":
+        """The first n proposals."""
+        return self if n >= len(self.tokens) else Draft(self.tokens[:n], None if self.probs is None else self.probs[:n])
 
 
 NO_DRAFT = Draft([], None)
@@ -59,6 +63,7 @@ class _AutoregressiveDrafter:
         self.stats = DecodeStats()
 
     route: LayerMask | None = None
+    head: ReducedHead | None = None  # a drafting route's reduced LM head
     verifier_share = 0.0
 
     def _sync(self, context: list[int]) -> tuple[KVCache, int]:
@@ -74,8 +79,9 @@ class _AutoregressiveDrafter:
         tokens: list[int] = []
         probs: list[torch.Tensor] = []
         for _ in range(k):
-            logits = self.decoder.forward(feed, start, cache, route=self.route, last_only=True)[0]  # [V]
-            self.stats.observe_call(CallKind.DRAFT, verifier_share=self.verifier_share, bytes_read=pass_bytes(self.decoder, self.route))
+            extra = {"head": self.head} if self.head is not None else {}
+            logits = self.decoder.forward(feed, start, cache, route=self.route, last_only=True, **extra)[0]  # [V]
+            self.stats.observe_call(CallKind.DRAFT, verifier_share=self.verifier_share, bytes_read=pass_bytes(self.decoder, self.route, head=self.head))
             start += feed.shape[0]
             q = self.params.confidence(logits)  # [V]
             token = self.params.draw(q, self.generator)
@@ -123,9 +129,10 @@ class SelfDrafter(_AutoregressiveDrafter):
     the verifier's next full pass overwrites them (the n_full invariant of the runtime).
     """
 
-    def __init__(self, decoder: Decoder, route: LayerMask, params: SamplingParams, generator, threshold: float | None):
+    def __init__(self, decoder: Decoder, route: LayerMask, params: SamplingParams, generator, threshold: float | None,
+                 head: ReducedHead | None = None):
         super().__init__(decoder, params, generator, threshold)
-        self.route = route
+        self.route, self.head = route, head
         self.verifier_share = route.fraction
         self.cache: KVCache | None = None
 

@@ -27,7 +27,7 @@ from viasd.decoding.acceptance import SamplingParams, accept, settle
 from viasd.decoding.drafters import NO_DRAFT, Draft, Drafter
 from viasd.decoding.tiers import Tier, TierThresholds, round_tiers
 from viasd.decoding.verifier import DecodeRequest, Verifier
-from viasd.models.runtime import Decoder, LayerMask
+from viasd.models.runtime import Decoder, LayerMask, ReducedHead
 
 
 def resume_layer(route: LayerMask, resume: bool = True) -> int | None:
@@ -38,14 +38,15 @@ def resume_layer(route: LayerMask, resume: bool = True) -> int | None:
 
 
 def viasd_lossless_decode(decoder: Decoder, drafter: Drafter, route: LayerMask, req: DecodeRequest, k: int, full_block: int = 8,
-                          resume: bool = True) -> list[int]:
+                          resume: bool = True, head: ReducedHead | None = None) -> list[int]:
     """Lossless VIA-SD: blocks of up to `full_block` slim-verified tokens, each checked by one full pass
-    (`resume`: which starts at the route's first incomplete layer, see `resume_layer`)."""
+    (`resume`: which starts at the route's first incomplete layer, see `resume_layer`; `head`: the
+    slim verifier's reduced LM head, drafts cut before the first token outside it)."""
     v = Verifier.start(decoder, drafter, req, len(req.prompt) + req.max_new_tokens + k + full_block + 2, tiers=True,
                        resume_layer=resume_layer(route, resume))
     while not v.done:
         # 1. slim stage: speculative decoding drafter -> slim builds a block distributed as q'
-        block, origin, block_q = _slim_stage(v, drafter, route, k, full_block)
+        block, origin, block_q = _slim_stage(v, drafter, route, k, full_block, head)
         # 2. full stage: one pass verifies the block, with q' as the proposal distribution
         logits = v.full(block)  # [len(block)+1, V]
         n, x = accept(block, block_q, logits, req.params, req.generator)
@@ -57,7 +58,8 @@ def viasd_lossless_decode(decoder: Decoder, drafter: Drafter, route: LayerMask, 
     return v.out
 
 
-def _slim_stage(v: Verifier, drafter: Drafter, route: LayerMask, k: int, full_block: int) -> tuple[list[int], list[Tier], torch.Tensor | None]:
+def _slim_stage(v: Verifier, drafter: Drafter, route: LayerMask, k: int, full_block: int,
+                head: ReducedHead | None = None) -> tuple[list[int], list[Tier], torch.Tensor | None]:
     """Draft and slim-verify rounds until the block is full, an end token appears, or the slim
     verifier rejects a draft. Returns the block, each token's origin (ACCEPT: a drafter token, SLIM:
     the slim verifier's recovered/bonus token) and q' at each block position ([len(block), V];
@@ -77,9 +79,11 @@ def _slim_stage(v: Verifier, drafter: Drafter, route: LayerMask, k: int, full_bl
     while len(block) < min(full_block, v.budget - 1):
         k_eff = min(k, v.budget - 2 - len(block))
         draft = drafter.propose(v.tokens + block, k_eff) if k_eff > 0 else NO_DRAFT
+        if head is not None:  # the slim verifier judges no draft outside its head's vocabulary
+            draft = draft.cut(next((i for i, ok in enumerate(head.contains(draft.tokens)) if not ok), len(draft)))
         if not draft.tokens:
             break
-        slim_logits = v.slim(route, block + draft.tokens, n_rows=len(draft) + 1)  # [k'+1, V]
+        slim_logits = v.slim(route, block + draft.tokens, n_rows=len(draft) + 1, head=head)  # [k'+1, V]
         n, x = accept(draft.tokens, draft.probs, slim_logits, params, v.req.generator)
         v.stats.observe_round(len(draft), n, verification=False)
         v.keep_slim(route, len(block) + n)  # slim K/V now covers the block and the accepted drafts
@@ -93,9 +97,10 @@ def _slim_stage(v: Verifier, drafter: Drafter, route: LayerMask, k: int, full_bl
 
 
 def viasd_tiered_decode(decoder: Decoder, drafter: Drafter, route: LayerMask, req: DecodeRequest, k: int,
-                        thresholds: TierThresholds, resume: bool = True) -> list[int]:
+                        thresholds: TierThresholds, resume: bool = True, head: ReducedHead | None = None) -> list[int]:
     """Tiered VIA-SD (lossy): tier 1 accepts, tier 2 the slim verifier settles, tier 3 the full model
-    decides (`resume`: its pass starts at the route's first incomplete layer, see `resume_layer`)."""
+    decides (`resume`: its pass starts at the route's first incomplete layer, see `resume_layer`;
+    `head`: the slim verifier's reduced LM head, a draft outside it is tier 3)."""
     params, stats = req.params, req.stats
     # thresholds above 1 switch tiers 1 and 2 off: then every position is the full model's, and a slim
     # pass could change nothing (with both off this is plain SD, at SD's cost)
@@ -107,8 +112,8 @@ def viasd_tiered_decode(decoder: Decoder, drafter: Drafter, route: LayerMask, re
         k_eff = min(k, v.budget - 1)
         draft = drafter.propose(v.tokens, k_eff) if k_eff > 0 else NO_DRAFT
         if draft.tokens and slim_tiers:
-            slim = params.confidence(v.slim(route, draft.tokens))  # [k'+1, V]
-            tiers = round_tiers(draft.tokens, draft.probs, slim, thresholds)  # k'+1
+            slim = params.confidence(v.slim(route, draft.tokens, head=head))  # [k'+1, V]
+            tiers = round_tiers(draft.tokens, draft.probs, slim, thresholds, head and head.contains(draft.tokens))  # k'+1
             # 2. tiers 1 and 2, in order, up to the first tier-3 position
             new, i = _settle_without_full(draft, slim, tiers, params, req.generator)
         else:  # no draft (or no tier but the full one): the full model decides, with no slim pass

@@ -17,7 +17,7 @@ from viasd.decoding.strategies import autoregressive_decode, speculative_decode
 from viasd.decoding.tiers import TierThresholds
 from viasd.decoding.verifier import DecodeRequest
 from viasd.errors import UsageError
-from viasd.models.runtime import Decoder, LayerMask
+from viasd.models.runtime import Decoder, LayerMask, ReducedHead
 
 
 class DraftKind(StrEnum):
@@ -44,6 +44,7 @@ class LoopArgs:
     cascade: tuple[DeferralRule, float] | None = None  # (rule, alpha), used by the cascade loop
     adaptive: bool = False  # two-tier loops: draft lengths from measured pass costs (decoding/draft_length.py)
     resume: bool = True  # viasd: full passes resume where the slim route's whole lower layers end
+    slim_head: ReducedHead | None = None  # viasd: the slim verifier's reduced LM head (None: the full one)
 
 
 Loop = Callable[[Decoder, Drafter | None, DecodeRequest, LoopArgs], list[int]]
@@ -51,8 +52,8 @@ Loop = Callable[[Decoder, Drafter | None, DecodeRequest, LoopArgs], list[int]]
 
 def _viasd(decoder: Decoder, drafter: Drafter | None, req: DecodeRequest, a: LoopArgs) -> list[int]:
     if a.mode is Mode.LOSSLESS:
-        return viasd_lossless_decode(decoder, drafter, a.slim, req, a.k, a.full_block, a.resume)
-    return viasd_tiered_decode(decoder, drafter, a.slim, req, a.k, a.thresholds, a.resume)
+        return viasd_lossless_decode(decoder, drafter, a.slim, req, a.k, a.full_block, a.resume, a.slim_head)
+    return viasd_tiered_decode(decoder, drafter, a.slim, req, a.k, a.thresholds, a.resume, a.slim_head)
 
 
 @dataclass(frozen=True)

@@ -7,7 +7,7 @@
 | `Tier.FULL` (3) | everything else | the full verifier |
 
 The bonus position (after the last draft) has no draft, so it can only be `SLIM` (by the same slim
-rule) or `FULL`.
+rule) or `FULL`. A draft the slim verifier cannot judge (outside its reduced head's vocabulary) is `FULL`.
 """
 
 from __future__ import annotations
@@ -94,13 +94,17 @@ def assign_tiers(signals: ConfidenceSignals, t: TierThresholds) -> torch.Tensor:
     return torch.where(tier1, int(Tier.ACCEPT), torch.where(tier2, int(Tier.SLIM), int(Tier.FULL)))
 
 
-def round_tiers(draft: list[int], q: torch.Tensor | None, slim: torch.Tensor, t: TierThresholds) -> list[Tier]:
+def round_tiers(draft: list[int], q: torch.Tensor | None, slim: torch.Tensor, t: TierThresholds,
+                judged: list[bool] | None = None) -> list[Tier]:
     """The tier of every position of a round: k drafts, then the bonus position.
 
-    draft: k ids; q: [k, V] or None; slim: [k+1, V] slim-verifier probabilities.
+    draft: k ids; q: [k, V] or None; slim: [k+1, V] slim-verifier probabilities; judged: [k] whether
+    the slim verifier's head scores each draft (None: all; those it does not go to the full model).
     """
     k = len(draft)
     tiers = [Tier(x) for x in assign_tiers(confidence_signals(torch.tensor(draft, dtype=torch.long), q, slim[:k]), t).tolist()] if k else []
+    if judged is not None:
+        tiers = [tier if ok else Tier.FULL for tier, ok in zip(tiers, judged)]
     bonus = slim[k]
     bonus_slim = float(bonus.max()) >= t.slim and float(entropy(bonus)) <= t.slim_entropy
     return tiers + [Tier.SLIM if bonus_slim else Tier.FULL]

@@ -23,7 +23,7 @@ import torch
 from viasd.decoding.acceptance import SamplingParams
 from viasd.decoding.stats import DecodeStats
 from viasd.decoding.tiers import Tier
-from viasd.models.runtime import Decoder, KVCache, LayerMask
+from viasd.models.runtime import Decoder, KVCache, LayerMask, ReducedHead
 
 if TYPE_CHECKING:
     from viasd.decoding.drafters import Drafter
@@ -51,9 +51,10 @@ class DecodeRequest:
     on_tokens: Callable[[list[int]], None] | None = None  # called with each batch of newly committed ids
 
 
-def pass_bytes(decoder, route: LayerMask | None, from_layer: int = 0, head: bool = True) -> int:
-    """Weight bytes a pass of `decoder` along `route` reads, from layer `from_layer` on, with or
-    without the LM head (0 where the model does not say: T5)."""
+def pass_bytes(decoder, route: LayerMask | None, from_layer: int = 0, head: bool | ReducedHead | None = True) -> int:
+    """Weight bytes a pass of `decoder` along `route` reads, from layer `from_layer` on, with the full
+    LM head (True or None), a reduced one, or none (False) (0 where the model does not say: T5)."""
+    head = True if head is None else head
     weight_bytes = getattr(decoder, "weight_bytes", None)
     return weight_bytes(route, from_layer, head) if weight_bytes is not None else 0
 
@@ -135,24 +136,26 @@ class Verifier:
             self.stats.observe_call(CallKind.LOWER, verifier_share=lower.fraction, bytes_read=pass_bytes(self.decoder, lower, head=False))
         return self._pass(None, start, ahead, n_rows, CallKind.FULL, resume=True)
 
-    def slim(self, route: LayerMask, ahead: list[int], n_rows: int | None = None) -> torch.Tensor:
+    def slim(self, route: LayerMask, ahead: list[int], n_rows: int | None = None, head: ReducedHead | None = None) -> torch.Tensor:
         """Like `full`, along `route`: it starts where the route's K/V stops being valid (a drafting
-        route sharing layers may have overwritten some), at the latest at the first row asked for."""
+        route sharing layers may have overwritten some), at the latest at the first row asked for.
+        `head`: logits over that reduced vocabulary only (-inf elsewhere)."""
         n_rows = len(ahead) + 1 if n_rows is None else n_rows
         start = min(self.cache.length(route), len(self.tokens) + len(ahead) - n_rows)
-        return self._pass(route, start, ahead, n_rows, CallKind.SLIM)
+        return self._pass(route, start, ahead, n_rows, CallKind.SLIM, head=head)
 
     def keep_slim(self, route: LayerMask, n_ahead: int) -> None:
         """Keep the route's K/V for the committed tokens and the first `n_ahead` tokens past them only."""
         self.cache.rollback_route(route, len(self.tokens) + n_ahead)
 
     def _pass(self, route: LayerMask | None, start: int, ahead: list[int], n_rows: int, kind: CallKind,
-              resume: bool = False) -> torch.Tensor:
+              resume: bool = False, head: ReducedHead | None = None) -> torch.Tensor:
         seq = self.tokens + ahead
-        logits = self.decoder.forward(torch.tensor(seq[start:]), start, self.cache, route=route, resume=resume)  # [len - start, V]
+        extra = {"head": head} if head is not None else {}
+        logits = self.decoder.forward(torch.tensor(seq[start:]), start, self.cache, route=route, resume=resume, **extra)  # [len - start, V]
         first = self.cache.resume_layer if resume else 0
         share = (1.0 if route is None else route.fraction) - (first / self.decoder.config.n_layers)
-        self.stats.observe_call(kind, verifier_share=share, bytes_read=pass_bytes(self.decoder, route, from_layer=first))
+        self.stats.observe_call(kind, verifier_share=share, bytes_read=pass_bytes(self.decoder, route, first, head))
         return logits[len(seq) - start - n_rows :]
 
     def commit(self, new: list[int], tiers: list[int] | None = None) -> int:

@@ -59,17 +59,23 @@ class NativeForward:
         # pack="ggml": ggml's only; pack="row-exact": the row-exact kernel on AVX2 CPUs too); the
         # embedding table is looked up from the plain bytes
         self.packed: dict[str, int] = {}  # buffer type (or "plain") -> weights
-        parts = {id(p): p for layer in decoder.layers for lin in (layer.qkv, layer.o, layer.gate_up, layer.down)
-                 for p in lin.parts}
-        parts.update({id(p): p for p in decoder.lm_head.parts})
-        for p in parts.values():
-            kind = (p.pack(row_exact={"ggml": False, "row-exact": "always"}.get(pack, True)) if pack else None) or "plain"
-            self.packed[kind] = self.packed.get(kind, 0) + 1
+        self._pack = pack
+        self.pack_parts(*(lin for layer in decoder.layers for lin in (layer.qkv, layer.o, layer.gate_up, layer.down)),
+                        decoder.lm_head)
         self.pos32 = torch.arange(cfg.max_positions, dtype=torch.int32)
         self.pos64 = torch.arange(cfg.max_positions, dtype=torch.int64)
         self._graphs: OrderedDict[tuple, tuple] = OrderedDict()
         self._keep: list[torch.Tensor] = []  # float copies the graphs' leaves point into (norms, biases)
         self._mask_tables: dict[int, tuple[torch.Tensor, torch.Tensor | None]] = {}  # cache length -> masks
+
+    def pack_parts(self, *linears: QuantLinear, count: bool = True) -> None:
+        """Lay the weights of `linears` out for this CPU's kernels, as chosen at construction (each
+        part once; `count`: tallied in `packed`)."""
+        pack = self._pack
+        for p in {id(p): p for lin in linears for p in lin.parts}.values():
+            kind = (p.pack(row_exact={"ggml": False, "row-exact": "always"}.get(pack, True)) if pack else None) or "plain"
+            if count:
+                self.packed[kind] = self.packed.get(kind, 0) + 1
 
     # ------------------------------------------------------------------ building blocks
     def _f32(self, graph: gk._Graph, t: torch.Tensor) -> gk._T:
@@ -123,10 +129,11 @@ class NativeForward:
 
     # ------------------------------------------------------------------ the graph
     def _build(self, n_rows: int, route: LayerMask | None, last_only: bool, max_len: int, first: int = 0,
-               save: int | None = None, with_logits: bool = True) -> tuple:
+               save: int | None = None, with_logits: bool = True, head: QuantLinear | None = None) -> tuple:
         """The graph of a pass (see `Decoder.forward`): `first`, the layer it starts at (from the
         residual streams stored in the cache's `hidden` rows at its positions); `save`, the layer whose
-        incoming stream it stores there; without `with_logits` it ends at its last kept sub-layer."""
+        incoming stream it stores there; without `with_logits` it ends at its last kept sub-layer;
+        `head`: a reduced LM head's product instead of the full one."""
         from viasd.models.runtime import ROW_ATTENTION_MAX
 
         g, cfg, dec = lib(), self.dec.config, self.dec
@@ -194,7 +201,8 @@ class NativeForward:
         if last_only and n_rows > 1:
             x = g.view_2d(ctx, x, cfg.hidden, 1, x.contents.nb[1], (n_rows - 1) * x.contents.nb[1])
         x = self._norm(graph, x, dec.norm)
-        (logits,) = self._segments(graph, dec.lm_head, x, [dec.lm_head.out_features], 1 if last_only else n_rows)
+        head = head or dec.lm_head
+        (logits,) = self._segments(graph, head, x, [head.out_features], 1 if last_only else n_rows)
         graph.finish(logits, expand=tuple(writes))
         return graph, leaves, logits
 
@@ -223,13 +231,15 @@ class NativeForward:
         return mask[start:end], None if local is None else local[start:end]
 
     def __call__(self, tokens: torch.Tensor, start: int, cache: KVCache, route: LayerMask | None, last_only: bool,
-                 first: int = 0, save: int | None = None, with_logits: bool = True) -> torch.Tensor | None:
+                 first: int = 0, save: int | None = None, with_logits: bool = True, head=None) -> torch.Tensor | None:
+        """(`head`: a `runtime.ReducedHead`; the logits are then its N columns, [T, N].)"""
         n_rows, end = tokens.shape[0], start + tokens.shape[0]
         max_len = cache.k.shape[2]
-        key = (n_rows, route, last_only and n_rows > 1, max_len, first, save, with_logits)
+        head_linear = None if head is None else head.linear
+        key = (n_rows, route, last_only and n_rows > 1, max_len, first, save, with_logits, id(head_linear))
         built = self._graphs.get(key)
         if built is None:
-            built = self._build(n_rows, route, key[2], max_len, first, save, with_logits)
+            built = self._build(n_rows, route, key[2], max_len, first, save, with_logits, head_linear)
             if n_rows <= gk.KEEP_GRAPH_ROWS:  # a prompt's prefill (one of many lengths, large buffers) is not kept
                 self._graphs[key] = built
                 if len(self._graphs) > _KEEP_GRAPHS:
@@ -241,7 +251,7 @@ class NativeForward:
         if ids.numel() and (int(ids.min()) < 0 or int(ids.max()) >= self.dec.embed.table.rows):
             raise IndexError(f"token id out of range [0, {self.dec.embed.table.rows})")
         mask, local = self._masks(start, end, max_len)
-        out = torch.empty(1 if key[2] else n_rows, self.dec.lm_head.out_features) if with_logits else None
+        out = torch.empty(1 if key[2] else n_rows, (head_linear or self.dec.lm_head).out_features) if with_logits else None
         with gk.RUN_LOCK:  # binding and running a shared graph must not interleave between threads
             self._bind_and_run(graph, leaves, logits_t, ids, start, cache, mask, local, out)
         return out

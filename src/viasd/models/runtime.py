@@ -382,6 +382,32 @@ class Embedding:
 Linear = PackedLinear | QuantLinear
 
 
+class ReducedHead:
+    """The LM head over a subset of the vocabulary (issue 11 item 3): the full head's rows for `ids`,
+    multiplied alone, so a slim or drafting pass reads N of the V head rows. Its logits at those ids
+    are the full head's (bit for bit on native weights: rows are independent); every other id gets
+    -inf (probability 0), so a draft outside the subset is one the pass cannot judge.
+
+    ids: [N] ascending token ids; linear: hidden -> N."""
+
+    def __init__(self, ids: torch.Tensor, linear: Linear, vocab_size: int):
+        self.ids, self.linear, self.vocab_size = ids, linear, vocab_size
+        self.member = torch.zeros(vocab_size, dtype=torch.bool)  # [V] True inside the subset
+        self.member[ids] = True
+
+    def __len__(self) -> int:
+        return self.ids.numel()
+
+    def expand(self, logits: torch.Tensor) -> torch.Tensor:
+        """[T, N] -> [T, V]: the subset's logits in place, -inf elsewhere."""
+        out = torch.full((logits.shape[0], self.vocab_size), float("-inf"), dtype=logits.dtype)
+        out[:, self.ids] = logits
+        return out
+
+    def contains(self, tokens: list[int]) -> list[bool]:
+        return self.member[torch.tensor(tokens, dtype=torch.long)].tolist() if tokens else []
+
+
 @dataclass
 class _Layer:
     attn_norm: torch.Tensor  # [hidden]
@@ -448,6 +474,7 @@ class Decoder:
     _cos: torch.Tensor = field(repr=False)  # [n_tables, max_positions, head_dim]: global, then local RoPE
     _sin: torch.Tensor = field(repr=False)
     _graph: "ggml_forward.NativeForward | None" = field(default=None, repr=False)  # native weights: the pass as a ggml graph
+    _head_weight: torch.Tensor | None = field(default=None, repr=False)  # float weights: the head unpacked (reduced heads)
 
     @classmethod
     def from_state_dict(
@@ -529,6 +556,7 @@ class Decoder:
             layers=layers,
             norm=norm("model.norm.weight"),
             lm_head=linear([head]),
+            _head_weight=None if head in native else get(head),
             dtype=dtype,
             device=device,
             _cos=angles.cos().to(device=device, dtype=dtype),
@@ -538,19 +566,19 @@ class Decoder:
             decoder._graph = ggml_forward.NativeForward(decoder, pack=pack)  # the whole pass as one ggml graph
         return decoder
 
-    def weight_bytes(self, route: LayerMask | None = None, from_layer: int = 0, head: bool = True) -> int:
+    def weight_bytes(self, route: LayerMask | None = None, from_layer: int = 0, head: "bool | ReducedHead" = True) -> int:
         """Bytes of weights a pass along `route` reads (None: the full model): each kept sub-layer's
-        products from layer `from_layer` on (a resumed pass) and, with `head`, the LM head (norms and
-        the embedding rows of a pass are negligible). In the weights' stored format: a native model's
+        products from layer `from_layer` on (a resumed pass) and the LM head (`head`: True the full
+        one, a `ReducedHead`, or False: none) (norms and the embedding rows of a pass are negligible). In the weights' stored format: a native model's
         file blocks, a float model's floats. What a pass costs one token when decoding is bound by
         weight bandwidth (issue 11's cost accounting)."""
-        key = (route if route is not None and not route.is_full else None, from_layer, head)
+        key = (route if route is not None and not route.is_full else None, from_layer, head if isinstance(head, bool) else len(head))
         cached = self.__dict__.setdefault("_weight_bytes", {})
         if key not in cached:
             size = lambda lin: lin.nbytes if isinstance(lin, QuantLinear) else (  # noqa: E731
                 lin.out_features * lin.in_features * torch.empty((), dtype=self.dtype).element_size())
             mask = key[0]
-            total = size(self.lm_head) if head else 0
+            total = 0 if head is False else size(self.lm_head if head is True else head.linear)
             for i, layer in enumerate(self.layers[from_layer:], start=from_layer):
                 if mask is None or mask.attn[i]:
                     total += size(layer.qkv) + size(layer.o)
@@ -558,6 +586,30 @@ class Decoder:
                     total += size(layer.gate_up) + size(layer.down)
             cached[key] = total
         return cached[key]
+
+    def reduced_head(self, ids) -> ReducedHead:
+        """The LM head over token ids `ids` (kept per id set: built once, packed like the full head)."""
+        key = tuple(int(i) for i in ids)
+        heads = self.__dict__.setdefault("_reduced_heads", {})
+        if key not in heads:
+            vocab = self.lm_head.out_features
+            index = torch.tensor(key, dtype=torch.long)
+            if not key or any(a >= b for a, b in zip(key, key[1:])) or key[0] < 0 or key[-1] >= vocab:
+                raise ValueError(f"a reduced head needs ascending, distinct token ids in [0, {vocab})")
+            if isinstance(self.lm_head, QuantLinear):
+                parts, offset = [], 0
+                for part in self.lm_head.parts:  # each part's own rows among the ids, in order
+                    inside = index[(index >= offset) & (index < offset + part.rows)] - offset
+                    if inside.numel():
+                        parts.append(part.rows_at(inside))
+                    offset += part.rows
+                linear = QuantLinear(parts, None)
+                if self._graph is not None:
+                    self._graph.pack_parts(linear, count=False)
+            else:
+                linear = PackedLinear(self._head_weight.index_select(0, index).contiguous(), None)
+            heads[key] = ReducedHead(index, linear, vocab)
+        return heads[key]
 
     @property
     def native(self) -> bool:
@@ -581,6 +633,7 @@ class Decoder:
         last_only: bool = False,
         resume: bool = False,
         logits: bool = True,
+        head: ReducedHead | None = None,
     ) -> torch.Tensor | None:
         """Logits for `tokens` at positions start .. start+T-1, reading and writing `cache`.
 
@@ -589,7 +642,8 @@ class Decoder:
         sub-layers `route` keeps and writes K/V only for its kept attention layers; see the module
         docstring for the n_full invariant. `resume` (a full pass): start at the cache's resume layer
         from the residual streams stored there (`KVCache.enable_resume`); a pass that computes the
-        stream entering that layer stores it.
+        stream entering that layer stores it. `head`: logits over a reduced vocabulary only (-inf
+        elsewhere; see `ReducedHead`).
         """
         n_tokens = tokens.shape[0]
         route, end = begin_pass(self.config, cache, route, start, n_tokens, resume)
@@ -597,9 +651,12 @@ class Decoder:
         first = cache.resume_layer if resume else 0
         save = cache.resume_layer if cache.saves_hidden(route) and not resume else None
         if self._graph is not None:
-            out = self._graph(tokens, start, cache, route, last_only, first, save, logits)
+            out = self._graph(tokens, start, cache, route, last_only, first, save, logits, head)
             cache._commit(route, start, end)
-            return _softcap(out, cfg.final_softcap) if out is not None and cfg.final_softcap is not None else out
+            if out is None:
+                return None
+            out = _softcap(out, cfg.final_softcap) if cfg.final_softcap is not None else out
+            return out if head is None else head.expand(out)
 
         if resume:
             x = cache.hidden[start:end].clone()  # [T, hidden] entering layer `first`
@@ -679,7 +736,7 @@ class Decoder:
             return None
         if last_only:
             x = x[-1:]
-        out = self.lm_head(_rms_norm(x, self.norm, cfg.rms_eps)).float()
+        out = (self.lm_head if head is None else head.linear)(_rms_norm(x, self.norm, cfg.rms_eps)).float()
         if cfg.final_softcap is not None:
             out = _softcap(out, cfg.final_softcap)
-        return out
+        return out if head is None else head.expand(out)

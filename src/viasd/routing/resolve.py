@@ -8,10 +8,11 @@ from typing import TYPE_CHECKING
 
 from viasd.errors import UsageError
 from viasd.models.runtime import LayerMask
-from viasd.routing.route import ModelFingerprint, Route, shipped_route_path
+from viasd.routing.route import ModelFingerprint, Route, RouteError, shipped_route_path
 
 if TYPE_CHECKING:
     from viasd.models.loading import LoadedModel
+    from viasd.models.runtime import ReducedHead
 
 
 def default_draft_layers(n_layers: int) -> tuple[int, ...]:
@@ -48,3 +49,16 @@ def resolve_route(model: LoadedModel, role: str, layers: Sequence[int] | None, r
 
 def draft_route(model: LoadedModel, layers: Sequence[int] | None, route_file: str | None = None) -> LayerMask:
     return resolve_route(model, "draft", layers, route_file)[0]
+
+
+def route_head(model: LoadedModel, route_file: Path | None) -> "ReducedHead | None":
+    """The reduced LM head of the vocabulary a route file stores, on `model`'s decoder (None: the file
+    stores none, there is no file, or the decoder has no reduced heads: T5)."""
+    if route_file is None or not hasattr(model.decoder, "reduced_head"):
+        return None
+    vocab = Route.load(route_file).vocab
+    if vocab is None:
+        return None
+    if vocab[-1] >= model.decoder.lm_head.out_features:
+        raise RouteError(f"{route_file}: vocabulary ids reach {vocab[-1]}, past {model.name}'s {model.decoder.lm_head.out_features}")
+    return model.decoder.reduced_head(vocab)

@@ -54,6 +54,8 @@ class Route:
     budget: float | None = None  # the compute budget it was searched under (fraction of sub-layers)
     metrics: dict = field(default_factory=dict)  # e.g. {"kl": .., "top1_agreement": ..}
     search: dict = field(default_factory=dict)  # how it was found: seed, trials, calibration, time_s
+    # the reduced LM head's vocabulary: ascending token ids (None: the full head); see routing/vocab.py
+    vocab: tuple[int, ...] | None = None
 
     def __post_init__(self):
         n = self.model.n_layers
@@ -92,7 +94,12 @@ class Route:
                              f"and cannot be used with {model.source}: {why}")
 
     def to_dict(self) -> dict:
-        return {"format": FORMAT, **asdict(self), "attn": [int(a) for a in self.attn], "mlp": [int(m) for m in self.mlp]}
+        d = {"format": FORMAT, **asdict(self), "attn": [int(a) for a in self.attn], "mlp": [int(m) for m in self.mlp]}
+        if self.vocab is None:
+            del d["vocab"]
+        else:
+            d["vocab"] = list(self.vocab)
+        return d
 
     @classmethod
     def from_dict(cls, d: dict) -> "Route":
@@ -126,8 +133,14 @@ class Route:
         for key in ("metrics", "search"):
             if not isinstance(d.get(key, {}), dict):
                 raise RouteError(f"malformed route: '{key}' must be an object")
+        vocab = d.get("vocab")
+        if vocab is not None:
+            if (not isinstance(vocab, list) or not vocab or any(isinstance(x, bool) or not isinstance(x, int) or x < 0 for x in vocab)
+                    or any(a >= b for a, b in zip(vocab, vocab[1:]))):
+                raise RouteError("malformed route: 'vocab' must be a non-empty list of ascending token ids")
+            vocab = tuple(vocab)
         return cls(model=ModelFingerprint(**m), attn=masks["attn"], mlp=masks["mlp"], budget=budget,
-                   metrics=dict(d.get("metrics", {})), search=dict(d.get("search", {})))
+                   metrics=dict(d.get("metrics", {})), search=dict(d.get("search", {})), vocab=vocab)
 
     def save(self, path: str | Path) -> Path:
         return atomic_write_text(path, dumps_strict(self.to_dict(), indent=1) + "\n")

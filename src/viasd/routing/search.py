@@ -218,8 +218,15 @@ def search_route(
     calib: Calibration | None = None,
     n_random: int = 20,
     progress: bool = True,
+    prefix: int = 0,
+    head_vocab: int | None = None,
 ) -> Route:
-    """Run (or resume) a DIMR study; return the best route found. `trials` is the study's total."""
+    """Run (or resume) a DIMR study; return the best route found. `trials` is the study's total.
+
+    `prefix`: layers 0 .. prefix-1 are kept whole (a resumable route: full passes start at layer
+    `prefix` after its slim passes; see `KVCache.enable_resume`), the search chooses the rest.
+    `head_vocab`: store a reduced LM head of about that many tokens with the route (routing/vocab.py),
+    with the share of calibration positions whose full-model top-1 token it holds."""
     import optuna
     from optuna.trial import TrialState
     from tqdm import tqdm
@@ -238,11 +245,13 @@ def search_route(
         storage = open_storage(storage)
     n = model.config.n_layers
     n_keep = max(1, round(budget * n))
-    pinned = sorted({0, n - 1}) if pin_ends and n_keep >= 2 else []
+    if not 0 <= prefix < n or prefix > n_keep:
+        raise UsageError(f"--prefix must be in 0 .. {min(n - 1, n_keep)} (the budget keeps {n_keep} of {n} layers), got {prefix}")
+    pinned = sorted(({0, n - 1} if pin_ends and n_keep >= 2 else set()) | set(range(prefix)))[:n_keep]
     free = [i for i in range(n) if i not in pinned]
     calib = calib or build_calibration(model, progress=progress)
     fp = ModelFingerprint.of(model)
-    name = f"dimr-{fp.source}-{fp.n_layers}-b{budget}-{cost}-s{seed}-pin{int(pin_ends)}-{calib.description}"
+    name = f"dimr-{fp.source}-{fp.n_layers}-b{budget}-{cost}-s{seed}-pin{int(pin_ends)}{f'-prefix{prefix}' if prefix else ''}-{calib.description}"
     with _optuna_verbosity(optuna.logging.WARNING):  # the caller's logging setting is restored after
         sampler = optuna.samplers.TPESampler(n_startup_trials=n_random, seed=seed, multivariate=True)
         study = optuna.create_study(study_name=name, storage=storage, direction="minimize", sampler=sampler, load_if_exists=True)
@@ -275,11 +284,19 @@ def search_route(
     complete = study.get_trials(deepcopy=False, states=(TrialState.COMPLETE,))
     study_s = sum((t.datetime_complete - t.datetime_start).total_seconds() for t in complete)
     best = study.best_trial
+    metrics, vocab = {**best.user_attrs["metrics"], "cost": cost}, None
+    if head_vocab is not None:
+        from viasd.routing.vocab import calibration_vocab, coverage
+
+        vocab = calibration_vocab(model, head_vocab, calib)
+        metrics["vocab_size"] = len(vocab)
+        metrics["vocab_top1_coverage_calibration"] = coverage(vocab, torch.cat([idx[:, 0] for idx in calib.topk_idx]).tolist())
     return Route.from_layers(
         fp,
         best.user_attrs["kept"],
         budget=budget,
-        metrics={**best.user_attrs["metrics"], "cost": cost},
+        vocab=vocab,
+        metrics=metrics,
         search={"method": "DIMR: random warm start + Optuna TPE", "seed": seed, "trials": len(complete),
                 "random_trials": n_random, "pinned": pinned, "calibration": calib.description,
                 "time_s": round(study_s, 1), "this_run_s": round(time.perf_counter() - t0, 1), "study": name},

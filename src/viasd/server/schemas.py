@@ -59,6 +59,7 @@ class ViasdOptions(Strict):
     slim_layers: Layers | None = None
     full_block: Annotated[int, Field(ge=1, le=256)] | None = None
     resume: bool | None = None
+    reduced_head: bool | None = None
     accept: Prob | None = None
     accept_draft: Prob | None = None
     accept_tv: Prob | None = None
