@@ -15,7 +15,7 @@ from viasd.decoding.acceptance import SamplingParams, cascade_defer, cascade_tar
 from viasd.decoding.drafters import NO_DRAFT, ModelDrafter, NgramDrafter, SelfDrafter, ngram_lookup
 from viasd.decoding.multitier import viasd_lossless_decode, viasd_tiered_decode
 from viasd.decoding.strategies import speculative_decode
-from viasd.decoding.tiers import TierThresholds, assign_tiers, confidence_signals
+from viasd.decoding.tiers import Tier, TierThresholds, assign_tiers, confidence_signals
 from viasd.decoding.verifier import DecodeRequest
 from viasd.models.runtime import LayerMask
 from viasd.routing.resolve import default_slim_layers
@@ -364,3 +364,38 @@ def test_reduced_head_scores_its_vocabulary_only(tiny):
                 == viasd_tiered_decode(dec, NgramDrafter(), slim, same, 4, thr, head=everything))
         req = DecodeRequest(prompt, 24, GREEDY)
         assert viasd_lossless_decode(dec, NgramDrafter(), slim, req, 4, 8, head=head) == run_ar(tiny, prompt, 24)
+
+
+def test_drafter_confident_rounds_skip_the_slim_pass(tiny, tiny_drafter):
+    """Tier 1 from the drafter's own probability: at draft_confident=0 every drafted round is
+    committed without a slim pass (the drafter's greedy text then), and off (2) changes nothing."""
+    slim = LayerMask.from_layers(tiny.config.n_layers, SLIM)
+    for prompt in prompts(2):
+        req = DecodeRequest(prompt, 20, GREEDY)
+        out = viasd_tiered_decode(tiny.decoder, ModelDrafter(tiny_drafter.decoder, GREEDY, None, None), slim, req, 4,
+                                  TierThresholds(draft_confident=0.0))
+        assert "slim" not in req.stats.calls and req.stats.tiers[Tier.ACCEPT] >= 15
+        drafted = run_ar(tiny_drafter, prompt + out[:1], 19)  # after the prefill's token, the drafter's own greedy text
+        assert out[1:-1] == drafted[: len(out) - 2]  # (the last token may be the full model's: one token of budget left)
+        off, default = DecodeRequest(prompt, 20, GREEDY), DecodeRequest(prompt, 20, GREEDY)
+        assert (viasd_tiered_decode(tiny.decoder, ModelDrafter(tiny_drafter.decoder, GREEDY, None, None), slim, off, 4,
+                                    TierThresholds(draft_confident=2.0))
+                == viasd_tiered_decode(tiny.decoder, ModelDrafter(tiny_drafter.decoder, GREEDY, None, None), slim, default, 4,
+                                       TierThresholds()))
+
+
+def test_full_passes_recheck_tokens_settled_without_them(tiny):
+    """The tier-3 pass computes the full model's logits before every token settled without it; greedy,
+    tiered mode counts where the full model would have chosen otherwise: never when the drafts are the
+    full model's own greedy tokens, often with n-gram drafts all accepted unchecked."""
+    slim = LayerMask.from_layers(tiny.config.n_layers, SLIM)
+    everything_tier1 = TierThresholds(accept=0.0, accept_draft=0.0, slim=1.5)  # drafts tier 1; the bonus position tier 3
+    rechecked = disagreed = 0
+    for prompt in prompts(3):
+        req = DecodeRequest(prompt, 30, GREEDY)
+        viasd_tiered_decode(tiny.decoder, drafters(tiny, None)["same-model"](), slim, req, 4, everything_tier1)
+        assert req.stats.rechecked > 0 and req.stats.disagreed == 0
+        req = DecodeRequest(prompt, 30, GREEDY)
+        viasd_tiered_decode(tiny.decoder, NgramDrafter(), slim, req, 4, everything_tier1)
+        rechecked, disagreed = rechecked + req.stats.rechecked, disagreed + req.stats.disagreed
+    assert 0 < disagreed <= rechecked

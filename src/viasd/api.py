@@ -74,6 +74,7 @@ class ViasdOptions:
     accept_tv: float | None = None
     slim: float | None = None
     slim_entropy: float | None = None
+    draft_confident: float | None = None
 
     def validate(self) -> None:
         if self.mode not in MODES:

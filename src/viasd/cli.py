@@ -317,6 +317,9 @@ def _add_generate(p: argparse.ArgumentParser) -> None:
     v.add_argument("--accept-tv", type=float, help="tiered: ... and TV(drafter, slim) is <= this")
     v.add_argument("--slim", type=float, help="tiered: tier 2 when the slim top prob is >= this, else tier 3 (full)")
     v.add_argument("--slim-entropy", type=float, help="tiered: ... and the slim entropy is <= this")
+    v.add_argument("--draft-confident", type=float,
+                   help="tiered: a round whose drafts all have drafter prob >= this is tier 1 with no slim pass "
+                        "(model or self drafters; default 2 = off)")
     c = p.add_argument_group("cascade (--strategy cascade)")
     c.add_argument("--rule", default="opt", choices=[str(r) for r in DEFERRAL_RULES], help="deferral rule (default: %(default)s)")
     c.add_argument("--alpha", type=float, default=0.1, help="deferral rule parameter (default: %(default)s)")

@@ -310,7 +310,7 @@ def check_generate_config(c) -> None:
     check_int("min_ngram", c.min_ngram)
     check_choice("mode", c.mode, _api().MODES)
     check_int("full_block", c.full_block, hi=1024)
-    for name in ("accept", "accept_draft", "accept_tv", "slim"):
+    for name in ("accept", "accept_draft", "accept_tv", "slim", "draft_confident"):
         if getattr(c, name) is not None:
             check_float(name, getattr(c, name), 0.0, 2.0)
     if c.slim_entropy is not None:

@@ -25,7 +25,7 @@ import torch
 
 from viasd.decoding.acceptance import SamplingParams, accept, settle
 from viasd.decoding.drafters import NO_DRAFT, Draft, Drafter
-from viasd.decoding.tiers import Tier, TierThresholds, round_tiers
+from viasd.decoding.tiers import Tier, TierThresholds, confident_round, round_tiers
 from viasd.decoding.verifier import DecodeRequest, Verifier
 from viasd.models.runtime import Decoder, LayerMask, ReducedHead
 
@@ -111,6 +111,11 @@ def viasd_tiered_decode(decoder: Decoder, drafter: Drafter, route: LayerMask, re
         # 1. draft, and score the drafts and the bonus position with one slim pass
         k_eff = min(k, v.budget - 1)
         draft = drafter.propose(v.tokens, k_eff) if k_eff > 0 else NO_DRAFT
+        if confident_round(draft.tokens, draft.probs, thresholds):  # tier 1 by the drafter alone: no slim pass
+            stats.observe_round(len(draft), len(draft))
+            kept = v.commit(list(draft.tokens), [Tier.ACCEPT] * len(draft))
+            stats.unchecked += kept
+            continue
         if draft.tokens and slim_tiers:
             slim = params.confidence(v.slim(route, draft.tokens, head=head))  # [k'+1, V]
             tiers = round_tiers(draft.tokens, draft.probs, slim, thresholds, head and head.contains(draft.tokens))  # k'+1
@@ -122,7 +127,13 @@ def viasd_tiered_decode(decoder: Decoder, drafter: Drafter, route: LayerMask, re
         if i is not None:
             # 3. the full model processes every pending position and the remaining drafts in one
             #    pass, and decides the remaining drafts (lossless from here)
-            rows = v.full(new + draft.tokens[i:], n_rows=len(draft) - i + 1)  # [k'-i+1, V]
+            # the pass also computes the full model's logits before each token settled without it
+            # (pending ones and this round's tiers 1-2): greedy, count where it would have chosen otherwise
+            unchecked = v.tokens[min(v.cache.n_full, len(v.tokens) - 1) + 1 :] + new
+            rows = v.full(new + draft.tokens[i:], n_rows=len(unchecked) + len(draft) - i + 1)  # [u + k'-i+1, V]
+            if params.greedy and unchecked:
+                stats.observe_recheck(len(unchecked), int((rows[: len(unchecked)].argmax(-1) != torch.tensor(unchecked)).sum()))
+            rows = rows[len(unchecked) :]  # [k'-i+1, V]
             n, x = accept(draft.tokens[i:], None if draft.probs is None else draft.probs[i:], rows, params, req.generator)
             stats.observe_full_check(len(draft) - i, n)
             new += draft.tokens[i : i + n] + [x]

@@ -42,6 +42,10 @@ class DecodeStats:
     # lossless VIA-SD, tier-3 drafts in tiered VIA-SD (the paper's rejection rate is this one's)
     full_checked: int = 0
     full_kept: int = 0
+    # tiered mode, greedy: tokens settled without the full model that a later full pass computed
+    # logits before anyway, and how many of them the full model would have chosen otherwise
+    rechecked: int = 0
+    disagreed: int = 0
     _t0: float = field(default_factory=time.perf_counter, repr=False)
 
     def observe_call(self, name: str, n: int = 1, verifier_share: float = 0.0, bytes_read: int = 0) -> None:
@@ -68,6 +72,10 @@ class DecodeStats:
         self.full_checked += n_checked
         self.full_kept += n_kept
 
+    def observe_recheck(self, n_rechecked: int, n_disagreed: int) -> None:
+        self.rechecked += n_rechecked
+        self.disagreed += n_disagreed
+
     def observe_tiers(self, tiers: list[int]) -> None:
         self.tiers.update(tiers)
 
@@ -91,6 +99,7 @@ class DecodeStats:
             accepted_at=[a + b for a, b in zip(pad(self.accepted_at, n), pad(other.accepted_at, n))],
             tiers=self.tiers + other.tiers, unchecked=self.unchecked + other.unchecked,
             full_checked=self.full_checked + other.full_checked, full_kept=self.full_kept + other.full_kept,
+            rechecked=self.rechecked + other.rechecked, disagreed=self.disagreed + other.disagreed,
         )
 
     def finish(self) -> None:
@@ -133,6 +142,10 @@ class DecodeStats:
             "full_kept": self.full_kept,
             "tiers": {tier.name.lower(): self.tiers.get(tier, 0) for tier in Tier},
             "settled_without_full": round(self.unchecked / self.new_tokens, 4) if self.new_tokens else 0.0,
+            "rechecked": self.rechecked,
+            # of those, the share where the full model's greedy choice differs (tiered mode's error rate
+            # where it can be seen; the full model never sees tokens settled after its last pass)
+            "recheck_disagreement": round(self.disagreed / self.rechecked, 4) if self.rechecked else 0.0,
             "acceptance_per_position": [round(a / d, 4) if d else 0.0 for a, d in zip(self.accepted_at, self.drafted_at)],
         }
 

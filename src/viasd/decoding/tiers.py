@@ -6,6 +6,10 @@
 | `Tier.SLIM` (2) | slim top prob >= `slim` and slim entropy <= `slim_entropy` | the slim verifier keeps or replaces the draft |
 | `Tier.FULL` (3) | everything else | the full verifier |
 
+Before any of these, a round whose drafts all have drafter probability >= `draft_confident` (a
+drafter with a distribution: a model or a drafting route) is tier 1 whole, with no slim pass at all:
+the paper decides tiers from the draft distribution, and such a round costs only its drafting.
+
 The bonus position (after the last draft) has no draft, so it can only be `SLIM` (by the same slim
 rule) or `FULL`. A draft the slim verifier cannot judge (outside its reduced head's vocabulary) is `FULL`.
 """
@@ -37,9 +41,18 @@ class TierThresholds:
     accept_tv: float = 1.0
     slim: float = 0.6
     slim_entropy: float = float("inf")
+    draft_confident: float = 2.0  # a round whose drafts all have drafter prob >= this skips the slim pass (> 1: off)
 
     def to_dict(self) -> dict:
-        return {k: getattr(self, k) for k in ("accept", "accept_draft", "accept_tv", "slim", "slim_entropy")}
+        return {k: getattr(self, k) for k in ("accept", "accept_draft", "accept_tv", "slim", "slim_entropy", "draft_confident")}
+
+
+def confident_round(draft: list[int], q: torch.Tensor | None, t: TierThresholds) -> bool:
+    """Whether every draft of a round is tier 1 by the drafter's own probability alone.
+    draft: k ids; q: [k, V] drafter probabilities (None: a deterministic drafter, never)."""
+    if q is None or not draft or t.draft_confident > 1.0:
+        return False
+    return bool((q[torch.arange(len(draft)), torch.tensor(draft, dtype=torch.long)] >= t.draft_confident).all())
 
 
 

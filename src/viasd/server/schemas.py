@@ -65,6 +65,7 @@ class ViasdOptions(Strict):
     accept_tv: Prob | None = None
     slim: Prob | None = None
     slim_entropy: Annotated[float, Field(ge=0.0, le=1e6)] | None = None
+    draft_confident: Prob | None = None
     rule: Literal["chow", "diff", "opt"] | None = None
     alpha: Annotated[float, Field(ge=0.0, le=1e6)] | None = None
 
