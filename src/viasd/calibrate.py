@@ -73,11 +73,23 @@ def thresholds_path(out: str | None, route: str | None, model: str) -> Path:
 
 
 def greedy_agreement(model: LoadedModel, prompt: list[int], out: list[int]) -> int:
-    """How many of `out` equal the full model's greedy choice given the committed prefix."""
-    seq = torch.tensor(prompt + out)
-    cache = model.decoder.new_cache(len(seq))
-    logits = model.decoder.forward(seq[:-1], 0, cache)[len(prompt) - 1 :]  # [len(out), V]
-    return int((logits.argmax(-1) == torch.tensor(out)).sum())
+    """How many of `out` equal the full model's greedy choice given the committed prefix.
+
+    The prompt goes through one pass, as every strategy prefills it; the output through passes of at
+    most ROW_ATTENTION_MAX rows, whose rows come out as decoding computes them (batch-invariant: see
+    models/runtime.py). One long pass would not: with native weights its tiled attention rounds
+    differently, and near-ties flip (plain SD scored 0.979 against itself that way)."""
+    from viasd.models.runtime import ROW_ATTENTION_MAX
+
+    if not out:
+        return 0
+    dec = model.decoder
+    cache = dec.new_cache(len(prompt) + len(out))
+    rows = [dec.forward(torch.tensor(prompt), 0, cache, last_only=True)]  # [1, V] predicting out[0]
+    for start in range(0, len(out) - 1, ROW_ATTENTION_MAX):
+        chunk = out[start : min(start + ROW_ATTENTION_MAX, len(out) - 1)]
+        rows.append(dec.forward(torch.tensor(chunk), len(prompt) + start, cache))  # predicting the next ones
+    return int((torch.cat(rows).argmax(-1) == torch.tensor(out)).sum())
 
 
 def candidates(grid: str) -> list[TierThresholds]:

@@ -143,7 +143,12 @@ class Route:
                    metrics=dict(d.get("metrics", {})), search=dict(d.get("search", {})), vocab=vocab)
 
     def save(self, path: str | Path) -> Path:
-        return atomic_write_text(path, dumps_strict(self.to_dict(), indent=1) + "\n")
+        d = self.to_dict()
+        vocab = d.pop("vocab", None)
+        text = dumps_strict(d, indent=1)
+        if vocab is not None:  # thousands of ids: on one line
+            text = text[: text.rindex("}")].rstrip() + ',\n "vocab": ' + dumps_strict(vocab) + "\n}"
+        return atomic_write_text(path, text + "\n")
 
     @classmethod
     def load(cls, path: str | Path, model: ModelFingerprint | None = None) -> "Route":
