@@ -112,11 +112,44 @@ def _routes_show(args: argparse.Namespace) -> int:
     return 0
 
 
+def _routes_vocab(args: argparse.Namespace) -> int:
+    import dataclasses
+
+    import torch
+
+    from viasd.models.loading import load_model
+    from viasd.routing import Route
+    from viasd.routing.route import ModelFingerprint
+    from viasd.routing.search import build_calibration
+    from viasd.routing.vocab import calibration_vocab, coverage
+    from viasd.validation import check_int, check_writable_file
+
+    check_int("--size", args.size, 1, 1 << 24)
+    route = Route.load(args.route)
+    out = check_writable_file(args.out or args.route, "route file")
+    model = load_model(args.model or route.model.source, progress=not args.quiet)
+    route.check_model(ModelFingerprint.of(model))
+    calib = build_calibration(model, progress=not args.quiet)
+    vocab = calibration_vocab(model, args.size, calib)
+    held = coverage(vocab, torch.cat([idx[:, 0] for idx in calib.topk_idx]).tolist())
+    metrics = {**route.metrics, "vocab_size": len(vocab), "vocab_top1_coverage_calibration": held}
+    dataclasses.replace(route, vocab=vocab, metrics=metrics).save(out)
+    print(f"{out}: reduced head of {len(vocab)} tokens (holds the full model's top-1 token at {held:.1%} of calibration positions)")
+    return 0
+
+
 def _add_routes(p: argparse.ArgumentParser) -> None:
     sub = p.add_subparsers(dest="routes_command", required=True, metavar="ACTION")
     show = sub.add_parser("show", help="draw a route's layer mask and print its metrics")
     show.add_argument("route", help="route JSON file")
     show.set_defaults(run=_routes_show)
+    vocab = sub.add_parser("vocab", help="store a reduced LM head (the calibration corpus' N most frequent tokens) with a route")
+    vocab.add_argument("route", help="route JSON file")
+    vocab.add_argument("--size", type=int, required=True, metavar="N", help="tokens the head keeps (rounded up to 16)")
+    vocab.add_argument("--model", "-m", help="the route's model (default: the one the route names)")
+    vocab.add_argument("--out", "-o", help="route JSON to write (default: the route file itself)")
+    vocab.add_argument("--quiet", "-q", action="store_true", help="no progress bars")
+    vocab.set_defaults(run=_routes_vocab)
 
 
 def _search(args: argparse.Namespace) -> int:
