@@ -2,8 +2,9 @@
 
 One run, every point interleaved per prompt, held-out prompts only (Spec-Bench's first prompts of
 each category, question_id % 5 != 0; thresholds and routes come from the dev split):
-- `ar`, the reference; the lossless two-tier baseline (`pld`, or `sd` with --drafter);
-- `cascade` over its deferral parameter (OPT rule, alpha in ALPHAS), with the same drafter;
+- `ar`, the reference; the lossless two-tier baselines (`pld` and `self-sd`, or `sd` with --drafter);
+- `cascade` over its deferral parameter (OPT rule, alpha in ALPHAS), with the same drafter model (or,
+  without one, the shipped drafting route: its rule needs a drafter's distribution);
 - tiered VIA-SD over a curve of thresholds (accept / slim in TIERED, from "everything to the full
   model" to "the slim verifier settles everything"), with the same drafter.
 Each point's quality: the share of its tokens equal to the full model's greedy choice given its own
@@ -42,9 +43,14 @@ TIERED = ((2.0, 2.0), (0.97, 0.9), (0.9, 0.7), (0.7, 0.5), (0.5, 0.3), (0.0, 0.0
 
 
 def points(draft: str, lossless: str) -> dict[str, dict]:
+    """Without a drafter model, VIA-SD drafts by n-gram lookup (setting A) and cascades, whose rule
+    reads the drafter's distribution, with the verifier's shipped drafting route (`self-sd` its
+    lossless counterpart)."""
     out = {"ar": {"strategy": "ar"}, lossless: {"strategy": lossless}}
+    if draft == "pld":
+        out["self-sd"] = {"strategy": "self-sd"}
     for a in ALPHAS:
-        out[f"cascade alpha={a}"] = {"strategy": "cascade", "draft": draft, "rule": "opt", "alpha": a}
+        out[f"cascade alpha={a}"] = {"strategy": "cascade", "draft": "self" if draft == "pld" else draft, "rule": "opt", "alpha": a}
     for acc, slim in TIERED:
         out[f"viasd-tiered accept={acc} slim={slim}"] = {"strategy": "viasd", "mode": "tiered", "draft": draft,
                                                          "accept": acc, "accept_draft": 0.0 if acc < 1 else 0.5, "slim": slim}

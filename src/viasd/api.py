@@ -164,7 +164,9 @@ class GenerateConfig:
 
     def validate(self) -> None:
         check_generate_config(self.flat())  # types, NaN / inf, seed and value ranges (viasd.validation)
-        strategy(self.strategy)
+        spec = strategy(self.strategy)
+        if self.drafting.draft != DraftKind.AUTO:
+            spec.draft_kind(self.drafting.draft, True)  # a kind the strategy cannot draft with, before any model loads
         if not 0 <= self.k <= 64:
             raise UsageError(f"k must be between 0 and 64, got {self.k}")
         if self.max_new_tokens < 1:

@@ -57,6 +57,7 @@ def parse_methods(spec: str) -> list[tuple[str, dict]]:
             if kind not in (DraftKind.PLD, DraftKind.SELF, DraftKind.MODEL) or STRATEGIES[settings["strategy"]].drafter is not DraftKind.AUTO:
                 raise UsageError(f"method {name!r}: a drafter suffix (:pld, :self, :model) applies to cascade and viasd-* only")
             settings["draft"] = kind
+            STRATEGIES[settings["strategy"]].draft_kind(kind, True)  # a kind the strategy cannot draft with: refused here
         if modifier:
             spec_ = STRATEGIES[settings["strategy"]]
             if modifier not in ("adapt", "fixed") or spec_.drafter is None or spec_.multitier:

@@ -66,6 +66,7 @@ class Strategy:
     lossless: bool = True  # for every mode (viasd: in lossless mode only, see `is_lossless`)
     multitier: bool = False  # a slim verifier between drafter and full verifier; lossless / tiered modes
     full_checks_every_draft: bool = True  # the full verifier judges each draft (SD-family loops)
+    needs_draft_probs: bool = False  # its rule reads the drafter's distribution (n-gram lookup has none)
 
     def draft_kind(self, requested: DraftKind | str, has_model: bool) -> DraftKind | None:
         """The drafter this strategy uses, given --draft and whether a drafter model was given."""
@@ -76,9 +77,11 @@ class Strategy:
             if requested not in (DraftKind.AUTO, self.drafter):
                 raise UsageError(f"strategy {self.name!r} drafts with {self.drafter.value!r}, not {requested.value!r}")
             return self.drafter
-        if requested is not DraftKind.AUTO:
-            return requested
-        return DraftKind.MODEL if has_model else self.default_draft
+        kind = requested if requested is not DraftKind.AUTO else DraftKind.MODEL if has_model else self.default_draft
+        if kind is DraftKind.PLD and self.needs_draft_probs:
+            raise UsageError(f"strategy {self.name!r} reads the drafter's probabilities, which n-gram lookup (pld) does not "
+                             "have: draft with self (a route) or model (--drafter)")
+        return kind
 
     def is_lossless(self, mode: Mode | str = Mode.LOSSLESS) -> bool:
         return self.lossless and (not self.multitier or Mode(mode) is Mode.LOSSLESS)
@@ -101,7 +104,7 @@ STRATEGIES: dict[str, Strategy] = {s.name: s for s in (
     Strategy("pld", "speculative decoding with prompt-lookup n-gram drafts (no drafter model)", _sd, DraftKind.PLD),
     Strategy("self-sd", "speculative decoding drafting with a route of the verifier's own layers", _sd, DraftKind.SELF),
     Strategy("cascade", "speculative cascades (Narasimhan et al. 2024): Chow / Diff / OPT deferral, then SD (lossy)",
-             _cascade, DraftKind.AUTO, default_draft=DraftKind.SELF, lossless=False),
+             _cascade, DraftKind.AUTO, default_draft=DraftKind.SELF, lossless=False, needs_draft_probs=True),
     Strategy("viasd", "VIA-SD: drafter -> slim verifier (a route) -> full verifier; --mode lossless or tiered",
              _viasd, DraftKind.AUTO, default_draft=DraftKind.PLD, multitier=True, full_checks_every_draft=False),
 )}
