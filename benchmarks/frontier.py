@@ -75,14 +75,15 @@ def main() -> int:
     table = points("model" if drafter else "pld", "sd" if drafter else "pld")
     prompts = [p for p in load_tasks(args.tasks, args.limit) if not (p.task.startswith("spec_bench") and int(p.id) % 5 == 0)]
     common = {"max_new_tokens": args.max_new_tokens, "k": args.k}
+    uses = lambda settings: drafter if settings["strategy"] == "sd" or settings.get("draft") == "model" else None  # noqa: E731
     for settings in table.values():  # warm-up: graphs built, pass costs measured
-        generate("Hello", model, drafter=drafter, progress=False, **{**common, **settings, "max_new_tokens": 4})
+        generate("Hello", model, drafter=uses(settings), progress=False, **{**common, **settings, "max_new_tokens": 4})
     rows: dict[str, list[dict]] = {name: [] for name in table}
     for prompt in prompts:
         reference = None
         ids = model.encode(prompt.text, prompt.chat)
         for name, settings in table.items():
-            r = generate(ids, model, drafter=drafter, progress=False, **common, **settings)
+            r = generate(ids, model, drafter=uses(settings), progress=False, **common, **settings)
             if name == "ar":
                 reference = r.token_ids
             same = sum(a == b for a, b in zip(r.token_ids, reference)) / max(len(reference), 1)

@@ -22,6 +22,7 @@ def test_bad_methods_tasks_and_files(tmp_path):
     assert parse_methods("pld+fixed,cascade:model+adapt") == [
         ("pld+fixed", {"strategy": "pld", "adapt_k": False}),
         ("cascade:model+adapt", {"strategy": "cascade", "draft": "model", "adapt_k": True})]
+    assert parse_methods("viasd-tiered:pld+fixed")[0][1] == {"strategy": "viasd", "mode": "tiered", "draft": "pld", "adapt_k": False}
     for bad in ("viasd-lossless+adapt", "ar+adapt", "pld+fast"):
         with pytest.raises(UsageError, match=r"the modifiers are \+adapt and \+fixed"):
             parse_methods(bad)

@@ -399,3 +399,21 @@ def test_full_passes_recheck_tokens_settled_without_them(tiny):
         viasd_tiered_decode(tiny.decoder, NgramDrafter(), slim, req, 4, everything_tier1)
         rechecked, disagreed = rechecked + req.stats.rechecked, disagreed + req.stats.disagreed
     assert 0 < disagreed <= rechecked
+
+
+@pytest.mark.parametrize("kind", ["pld", "model"])
+def test_adaptive_tiered_with_every_token_to_full_equals_ar(tiny, tiny_drafter, kind):
+    """Tiered VIA-SD choosing each round's draft length from measured costs: with tiers 1-2 off it is
+    adaptive SD, so greedy output equals `ar`, and it drafts fewer tokens than the fixed k (some
+    rounds none, a poor drafter on a random model); greedy generate() turns it on for tiered mode."""
+    slim = LayerMask.from_layers(tiny.config.n_layers, SLIM)
+    off = TierThresholds(accept=2.0, slim=2.0)
+    for prompt in prompts(2):
+        make = drafters(tiny, tiny_drafter)[kind]
+        fixed, adaptive = DecodeRequest(prompt, 30, GREEDY), DecodeRequest(prompt, 30, GREEDY)
+        assert viasd_tiered_decode(tiny.decoder, make(), slim, fixed, 4, off) == run_ar(tiny, prompt, 30)
+        assert viasd_tiered_decode(tiny.decoder, make(), slim, adaptive, 4, off, adaptive=True) == run_ar(tiny, prompt, 30)
+        assert adaptive.stats.drafted < fixed.stats.drafted
+    r = generate([1, 5, 6, 7, 5, 6], tiny, strategy="viasd", mode="tiered", slim_layers=SLIM, max_new_tokens=6)
+    assert r.config["adaptive_k"] is True
+    assert generate([1, 5, 6, 7, 5, 6], tiny, strategy="viasd", slim_layers=SLIM, max_new_tokens=6).config.get("adaptive_k") is None

@@ -234,9 +234,10 @@ def _loop_args(spec: Strategy, config: GenerateConfig, verifier: LoadedModel) ->
             extra["tier_thresholds"] = thresholds.to_dict()
     cascade = (DeferralRule(config.cascade.rule), config.cascade.alpha)
     adaptive = config.drafting.adapt_k
+    tiered = spec.multitier and Mode(v.mode) is Mode.TIERED
     if adaptive is None:
-        adaptive = config.temperature == 0 and spec.is_lossless() and not spec.multitier
-    if spec.drafter is not None and not spec.multitier:
+        adaptive = config.temperature == 0 and (spec.is_lossless() and not spec.multitier or tiered)
+    if spec.drafter is not None and (not spec.multitier or tiered):
         extra["adaptive_k"] = adaptive
     if spec.multitier:
         extra["resume_layer"] = resume_layer(slim, v.resume)

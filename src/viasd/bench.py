@@ -60,9 +60,9 @@ def parse_methods(spec: str) -> list[tuple[str, dict]]:
             STRATEGIES[settings["strategy"]].draft_kind(kind, True)  # a kind the strategy cannot draft with: refused here
         if modifier:
             spec_ = STRATEGIES[settings["strategy"]]
-            if modifier not in ("adapt", "fixed") or spec_.drafter is None or spec_.multitier:
+            if modifier not in ("adapt", "fixed") or spec_.drafter is None or settings.get("mode") == "lossless":
                 raise UsageError(f"method {name!r}: the modifiers are +adapt and +fixed (draft lengths from measured "
-                                 "costs, or always k), for sd, pld, self-sd and cascade")
+                                 "costs, or always k), for sd, pld, self-sd, cascade and viasd-tiered")
             settings["adapt_k"] = modifier == "adapt"
         out.append((name, settings))
     if not out:

@@ -21,9 +21,12 @@ Two loops:
 
 from __future__ import annotations
 
+import time
+
 import torch
 
 from viasd.decoding.acceptance import SamplingParams, accept, settle
+from viasd.decoding.draft_length import DraftLength, pass_times
 from viasd.decoding.drafters import NO_DRAFT, Draft, Drafter
 from viasd.decoding.tiers import Tier, TierThresholds, confident_round, round_tiers
 from viasd.decoding.verifier import DecodeRequest, Verifier
@@ -97,20 +100,27 @@ def _slim_stage(v: Verifier, drafter: Drafter, route: LayerMask, k: int, full_bl
 
 
 def viasd_tiered_decode(decoder: Decoder, drafter: Drafter, route: LayerMask, req: DecodeRequest, k: int,
-                        thresholds: TierThresholds, resume: bool = True, head: ReducedHead | None = None) -> list[int]:
+                        thresholds: TierThresholds, resume: bool = True, head: ReducedHead | None = None,
+                        adaptive: bool = False) -> list[int]:
     """Tiered VIA-SD (lossy): tier 1 accepts, tier 2 the slim verifier settles, tier 3 the full model
     decides (`resume`: its pass starts at the route's first incomplete layer, see `resume_layer`;
-    `head`: the slim verifier's reduced LM head, a draft outside it is tier 3)."""
+    `head`: the slim verifier's reduced LM head, a draft outside it is tier 3; `adaptive`: each
+    round drafts the number that commits the most tokens per full pass' measured cost, as `sd`
+    chooses it (`draft_length.DraftLength`, its acceptance counting drafts kept by any tier), down to
+    none: then the full model decides one token, with no slim pass)."""
     params, stats = req.params, req.stats
     # thresholds above 1 switch tiers 1 and 2 off: then every position is the full model's, and a slim
     # pass could change nothing (with both off this is plain SD, at SD's cost)
     slim_tiers = thresholds.accept <= 1.0 or thresholds.slim <= 1.0
     v = Verifier.start(decoder, drafter, req, len(req.prompt) + req.max_new_tokens + k + 2, tiers=True,
                        resume_layer=resume_layer(route, resume and slim_tiers))
+    policy = None
+    if adaptive and k > 0 and not decoder.is_encoder_decoder:
+        policy = DraftLength(k, pass_times(decoder, k + 1), free_drafts=getattr(drafter, "free", False))
     while not v.done:
         # 1. draft, and score the drafts and the bonus position with one slim pass
         k_eff = min(k, v.budget - 1)
-        draft = drafter.propose(v.tokens, k_eff) if k_eff > 0 else NO_DRAFT
+        draft = _propose(drafter, v.tokens, k_eff, policy)
         if confident_round(draft.tokens, draft.probs, thresholds):  # tier 1 by the drafter alone: no slim pass
             stats.observe_round(len(draft), len(draft))
             kept = v.commit(list(draft.tokens), [Tier.ACCEPT] * len(draft))
@@ -139,9 +149,28 @@ def viasd_tiered_decode(decoder: Decoder, drafter: Drafter, route: LayerMask, re
             new += draft.tokens[i : i + n] + [x]
             origin += [Tier.FULL] * (n + 1)
         stats.observe_round(len(draft), _common_prefix(new, draft.tokens))  # settled by the slim or the full verifier
+        if policy is not None:
+            policy.observe(len(draft), _common_prefix(new, draft.tokens))
         kept = v.commit(new, origin)
         stats.unchecked += sum(t != Tier.FULL for t in origin[:kept])
     return v.out
+
+
+def _propose(drafter: Drafter, tokens: list[int], k: int, policy: DraftLength | None) -> Draft:
+    """Up to k drafts; with a policy, as many as it chooses (a free drafter proposes k and is cut)."""
+    if k <= 0:
+        return NO_DRAFT
+    if policy is None:
+        return drafter.propose(tokens, k)
+    if policy.free_drafts:
+        return drafter.propose(tokens, k).cut(policy.choose())
+    j = min(policy.choose(), k)
+    if j == 0:
+        return NO_DRAFT
+    t0 = time.perf_counter()
+    draft = drafter.propose(tokens, j)
+    policy.observe_drafting(time.perf_counter() - t0, len(draft))
+    return draft
 
 
 def _settle_without_full(draft: Draft, slim: torch.Tensor, tiers: list[Tier], params: SamplingParams,

@@ -7,9 +7,11 @@ Gemma's scale), per layer the norm, the Q/K/V products (+ bias), Q/K norms, RoPE
 V into the cache at their positions, attention, the output projection, the MLP, the residuals and
 Gemma's extra norms; then the final norm and the LM head.
 
-Graphs are built per (rows, route, last_only, cache length) and kept (a few dozen: decoding uses a
-handful of block sizes); a prompt's prefill graph is built, run and dropped. Nothing in a graph depends on the position: token ids, RoPE positions,
-the cache rows to write and the attention masks are inputs, so one graph serves every step.
+Graphs are built per (rows, route, last_only, cache length, first layer, layer whose incoming
+stream is stored, with or without logits, LM head) and kept (a few dozen: decoding uses a handful
+of block sizes); a prompt's prefill graph is built, run and dropped. Nothing in a graph depends on
+the position: token ids, RoPE positions, the cache rows to write and the attention masks are
+inputs, so one graph serves every step.
 
 Batch invariance: every op computes each row on its own (the products on row-exact kernels), and
 attention (ggml's reference flash attention in decoding passes) runs each query row over exactly the

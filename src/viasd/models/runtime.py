@@ -569,9 +569,9 @@ class Decoder:
     def weight_bytes(self, route: LayerMask | None = None, from_layer: int = 0, head: "bool | ReducedHead" = True) -> int:
         """Bytes of weights a pass along `route` reads (None: the full model): each kept sub-layer's
         products from layer `from_layer` on (a resumed pass) and the LM head (`head`: True the full
-        one, a `ReducedHead`, or False: none) (norms and the embedding rows of a pass are negligible). In the weights' stored format: a native model's
-        file blocks, a float model's floats. What a pass costs one token when decoding is bound by
-        weight bandwidth (issue 11's cost accounting)."""
+        one, a `ReducedHead`, or False: none); norms and the embedding rows of a pass are negligible.
+        In the weights' stored format: a native model's file blocks, a float model's floats. What a
+        pass costs one token when decoding is bound by weight bandwidth (issue 11's cost accounting)."""
         key = (route if route is not None and not route.is_full else None, from_layer, head if isinstance(head, bool) else len(head))
         cached = self.__dict__.setdefault("_weight_bytes", {})
         if key not in cached:
