@@ -35,5 +35,19 @@ class Records:
         return record
 
 
+def per_model_run(doc: str, out: Path) -> tuple[list[str], str, Records]:
+    """The command line of a probe over models (`--models a,b`, `--out FILE`): the models, a new run
+    id and the records file with this run's environment."""
+    import argparse
+    import uuid
+
+    ap = argparse.ArgumentParser(description=doc, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--models", default="smollm2-135m,qwen2.5-coder-1.5b")
+    ap.add_argument("--out", type=Path, default=out)
+    args = ap.parse_args()
+    run_id = time.strftime("%Y%m%dT%H%M%S") + "-" + uuid.uuid4().hex[:6]
+    return args.models.split(","), run_id, Records(args.out, environment())
+
+
 def median(xs: list[float]) -> float:
     return statistics.median(xs) if xs else float("nan")

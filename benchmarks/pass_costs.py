@@ -19,16 +19,14 @@ benchmarks/results/pass-costs.jsonl; compare rows of one run only.
 
 from __future__ import annotations
 
-import argparse
 import sys
 import time
-import uuid
 from pathlib import Path
 
 import torch
 
 sys.path.insert(0, str(Path(__file__).parent))
-from common import Records, environment, median  # noqa: E402
+from common import median, per_model_run  # noqa: E402
 
 from viasd.models.loading import load_model  # noqa: E402
 from viasd.models.runtime import LayerMask  # noqa: E402
@@ -70,13 +68,8 @@ def cases(model) -> dict[str, tuple[LayerMask | None, object, bool]]:
 
 
 def main() -> int:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--models", default="smollm2-135m,qwen2.5-coder-1.5b")
-    ap.add_argument("--out", type=Path, default=OUT)
-    args = ap.parse_args()
-    run_id = time.strftime("%Y%m%dT%H%M%S") + "-" + uuid.uuid4().hex[:6]
-    records = Records(args.out, environment())
-    for name in args.models.split(","):
+    models, run_id, records = per_model_run(__doc__, OUT)
+    for name in models:
         model = load_model(name, progress=False)
         dec = model.decoder
         ids = torch.randint(100, 1000, (PROMPT + max(ROWS),), generator=torch.Generator().manual_seed(0))
@@ -113,7 +106,7 @@ def main() -> int:
             print(f"{name} {label}: " + ", ".join(f"{rows} rows {ms[rows]:.2f} ms ({ms[rows] / full[rows]:.2f} of full)" for rows in ROWS)
                   + f"; bytes {read / dec.weight_bytes():.2f} of full", flush=True)
         del model, dec, cache
-    print(f"run {run_id}: {args.out}")
+    print(f"run {run_id}: {records.path}")
     return 0
 
 

@@ -12,15 +12,12 @@ benchmarks/results (deduplicated; no decoding here, so no timing).
 
 from __future__ import annotations
 
-import argparse
 import json
 import sys
-import time
-import uuid
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).parent))
-from common import Records, environment  # noqa: E402
+from common import per_model_run  # noqa: E402
 
 from viasd.models.loading import load_model  # noqa: E402
 from viasd.routing.vocab import calibration_vocab, coverage  # noqa: E402
@@ -51,13 +48,8 @@ def held_out_outputs(model_name: str) -> dict[tuple[str, str], list[int]]:
 
 
 def main() -> int:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--models", default="smollm2-135m,qwen2.5-coder-1.5b")
-    ap.add_argument("--out", type=Path, default=OUT)
-    args = ap.parse_args()
-    run_id = time.strftime("%Y%m%dT%H%M%S") + "-" + uuid.uuid4().hex[:6]
-    records = Records(args.out, environment())
-    for name in args.models.split(","):
+    models, run_id, records = per_model_run(__doc__, OUT)
+    for name in models:
         outputs = held_out_outputs(name)
         tokens = [t for ids in outputs.values() for t in ids]
         model = load_model(name, progress=False)
@@ -72,7 +64,7 @@ def main() -> int:
             print(f"{name}: head of {len(vocab)} of {vocab_size} tokens holds {share:.1%} of {len(tokens)} tokens "
                   f"`ar` wrote on {len(outputs)} held-out prompts", flush=True)
         del model
-    print(f"run {run_id}: {args.out}")
+    print(f"run {run_id}: {records.path}")
     return 0
 
 
