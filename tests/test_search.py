@@ -136,3 +136,22 @@ def test_prefix_search_keeps_lower_layers_whole_and_stores_a_vocabulary(planted,
     assert again.vocab == route.vocab and again == route
     with pytest.raises(UsageError, match="--prefix must be in 0 .. 6"):
         search_route(planted, 0.75, 2, calib=calib, progress=False, prefix=7)
+
+
+def test_routes_vocab_adds_a_head_and_routes_show_draws_it(planted, planted_dir, tmp_path, capsys):
+    from viasd.cli import main
+
+    calib = build_calibration(planted, progress=False)  # the default calibration `routes vocab` reads
+    route = search_route(planted, 0.75, 4, seed=0, calib=calib, n_random=4, progress=False, prefix=3)
+    path = route.save(tmp_path / "r.json")
+    assert main(["routes", "vocab", str(path), "--size", "20", "--model", str(planted_dir), "-q"]) == 0
+    stored = Route.load(path)
+    assert len(stored.vocab) == 32 and stored.mask == route.mask and stored.metrics["vocab_size"] == 32
+    capsys.readouterr()
+    assert main(["routes", "show", str(path)]) == 0
+    shown = capsys.readouterr().out
+    assert "resumes full passes at layer" in shown and "reduced: 32 tokens" in shown
+    other = tmp_path / "other.json"
+    path.write_text(path.read_text().replace('"n_layers": 8', '"n_layers": 9'))
+    assert main(["routes", "vocab", str(path), "--size", "20", "--model", str(planted_dir), "-o", str(other), "-q"]) == 2
+    assert not other.exists()
