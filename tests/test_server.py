@@ -265,7 +265,9 @@ def test_a_server_with_a_drafter_model_serves_sd(tiny, tiny_drafter):
     app = create_app(tiny, tiny_drafter, settings=ServeSettings(defaults={"strategy": "sd", "k": 3}, served_name="tiny"))
     with LiveServer(app) as live:
         c = live.client()
-        for ext in ({}, {"adapt_k": False}, {"strategy": "viasd", "draft": "model", "slim_layers": [0, 1, 3]}):
+        for ext in ({}, {"adapt_k": False}, {"strategy": "viasd", "draft": "model", "slim_layers": [0, 1, 3]},
+                    {"strategy": "viasd", "mode": "tiered", "draft": "model", "slim_layers": [0, 1, 3], "resume": False,
+                     "reduced_head": False, "draft_confident": 0.9}):
             r = c.completions.create(model="tiny", prompt="w5 w6 w7", max_tokens=6, extra_body={"viasd": ext})
             ref = generate("w5 w6 w7", tiny, drafter=tiny_drafter, chat=False, progress=False,
                            **{"strategy": "sd", "k": 3, "max_new_tokens": 6, **{k: tuple(v) if isinstance(v, list) else v for k, v in ext.items()}})
@@ -274,8 +276,17 @@ def test_a_server_with_a_drafter_model_serves_sd(tiny, tiny_drafter):
             assert r.model_extra["viasd"]["stats"]["calls"].get("draft", 0) >= 1 or r.usage.completion_tokens <= 1
             config = r.model_extra["viasd"]["config"]
             assert config["adapt_k"] is ext.get("adapt_k")  # as asked; None: the default
-            # what ran: adaptive drafting for sd under greedy decoding unless asked not to; none for VIA-SD
-            assert config.get("adaptive_k") == (None if ext.get("strategy") == "viasd" else ext.get("adapt_k", True))
+            # what ran: adaptive drafting for sd and tiered VIA-SD under greedy decoding unless asked not to;
+            # none for lossless VIA-SD; the new VIA-SD settings reach the record
+            lossless_viasd = ext.get("strategy") == "viasd" and ext.get("mode", "lossless") == "lossless"
+            assert config.get("adaptive_k") == (None if lossless_viasd else ext.get("adapt_k", True))
+            for key in ("resume", "reduced_head"):
+                if key in ext:
+                    assert config[key] == ext[key]
+            if "draft_confident" in ext:
+                assert config["tier_thresholds"]["draft_confident"] == ext["draft_confident"]
+            if ext.get("resume") is False:
+                assert config["resume_layer"] is None and "lower" not in r.model_extra["viasd"]["stats"]["calls"]
 
 
 # ---------------------------------------------------------------- bad input: never a 500, never a traceback
