@@ -216,8 +216,8 @@ def _make_drafter(kind: DraftKind, verifier: LoadedModel, drafter: str | LoadedM
         return ModelDrafter(draft_model.decoder, params, generator, opts.draft_threshold)
     if kind is DraftKind.PLD:
         return NgramDrafter(opts.max_ngram, opts.min_ngram)
-    route, path = resolve_route(verifier, "draft", opts.draft_layers, opts.draft_route)
-    return SelfDrafter(verifier.decoder, route, params, generator, opts.draft_threshold, route_head(verifier, path) if reduced_head else None)
+    route = resolve_route(verifier, "draft", opts.draft_layers, opts.draft_route)
+    return SelfDrafter(verifier.decoder, route.mask, params, generator, opts.draft_threshold, route_head(verifier, route) if reduced_head else None)
 
 
 def _loop_args(spec: Strategy, config: GenerateConfig, verifier: LoadedModel) -> tuple[LoopArgs, dict]:
@@ -225,9 +225,10 @@ def _loop_args(spec: Strategy, config: GenerateConfig, verifier: LoadedModel) ->
     v, extra = config.viasd, {}
     slim = thresholds = head = None
     if spec.multitier:
-        slim, slim_file = resolve_route(verifier, "slim", v.slim_layers, v.slim_route)
+        resolved = resolve_route(verifier, "slim", v.slim_layers, v.slim_route)
+        slim, slim_file = resolved.mask, resolved.path
         extra["slim_fraction"] = round(slim.fraction, 4)
-        head = route_head(verifier, slim_file) if v.reduced_head else None
+        head = route_head(verifier, resolved) if v.reduced_head else None
         extra["slim_head_vocab"] = len(head) if head is not None else None
         if Mode(v.mode) is Mode.TIERED:
             thresholds = v.tier_thresholds(slim_file.with_suffix(".thresholds.json") if slim_file else None)

@@ -217,7 +217,7 @@ def _calibrate(args: argparse.Namespace) -> int:
     out = thresholds_path(args.out, args.route, args.model)  # writable, checked before the minutes of work
     model = load_model(args.model, progress=progress)
     drafter = load_model(args.drafter, progress=progress) if args.drafter else None
-    _, route_file = resolve_route(model, "slim", None, args.route)
+    route_file = resolve_route(model, "slim", None, args.route).path
     prompts = dev_prompts(model, args.prompts)
     best, cands = calibrate(model, base, prompts, drafter, args.grid, args.min_agreement, progress)
     meta = {"model": args.model, "drafter": args.drafter or base.drafting.draft, "route": str(route_file) if route_file else "default",

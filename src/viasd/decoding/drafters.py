@@ -79,8 +79,7 @@ class _AutoregressiveDrafter:
         tokens: list[int] = []
         probs: list[torch.Tensor] = []
         for _ in range(k):
-            extra = {"head": self.head} if self.head is not None else {}
-            logits = self.decoder.forward(feed, start, cache, route=self.route, last_only=True, **extra)[0]  # [V]
+            logits = self.decoder.forward(feed, start, cache, route=self.route, last_only=True, head=self.head)[0]  # [V]
             self.stats.observe_call(CallKind.DRAFT, verifier_share=self.verifier_share, bytes_read=pass_bytes(self.decoder, self.route, head=self.head))
             start += feed.shape[0]
             q = self.params.confidence(logits)  # [V]

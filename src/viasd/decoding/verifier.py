@@ -151,8 +151,7 @@ class Verifier:
     def _pass(self, route: LayerMask | None, start: int, ahead: list[int], n_rows: int, kind: CallKind,
               resume: bool = False, head: ReducedHead | None = None) -> torch.Tensor:
         seq = self.tokens + ahead
-        extra = {"head": head} if head is not None else {}
-        logits = self.decoder.forward(torch.tensor(seq[start:]), start, self.cache, route=route, resume=resume, **extra)  # [len - start, V]
+        logits = self.decoder.forward(torch.tensor(seq[start:]), start, self.cache, route=route, resume=resume, head=head)  # [len - start, V]
         first = self.cache.resume_layer if resume else 0
         share = (1.0 if route is None else route.fraction) - (first / self.decoder.config.n_layers)
         self.stats.observe_call(kind, verifier_share=share, bytes_read=pass_bytes(self.decoder, route, first, head))

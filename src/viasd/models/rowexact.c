@@ -211,7 +211,7 @@ static void tiles_vnni(const rx_weight *w, int64_t t0, int64_t t1, int64_t T, co
                                y + c * ystride, ystride)
     for (int64_t c = 0; c < T; c += RX_CHUNK) {
         const int nt = (int)(T - c < RX_CHUNK ? T - c : RX_CHUNK);
-        const int U = nt == 1 ? 2 : nt <= 3 ? 2 : 1;
+        const int U = nt <= 3 ? 2 : 1;  // independent chains: two tiles at once for up to three rows
         int64_t tile = t0;
         for (; tile + U <= t1; tile += U) {
             switch (nt) {

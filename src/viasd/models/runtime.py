@@ -28,6 +28,7 @@ depend on the other rows of its pass (what makes lossless strategies equal `ar` 
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass, field
 from typing import ClassVar
 
@@ -212,7 +213,7 @@ class LayerMask:
     def is_full(self) -> bool:
         return all(self.attn) and all(self.mlp)
 
-    @property
+    @functools.cached_property
     def prefix(self) -> int:
         """How many leading layers the route keeps whole (attention and MLP). A pass along it computes,
         exactly as the full model does, the residual stream entering layer `prefix` and the K/V of
@@ -589,7 +590,7 @@ class Decoder:
 
     def reduced_head(self, ids) -> ReducedHead:
         """The LM head over token ids `ids` (kept per id set: built once, packed like the full head)."""
-        key = tuple(int(i) for i in ids)
+        key = ids if isinstance(ids, tuple) else tuple(int(i) for i in ids)  # (a route's vocabulary: a tuple already)
         heads = self.__dict__.setdefault("_reduced_heads", {})
         if key not in heads:
             vocab = self.lm_head.out_features

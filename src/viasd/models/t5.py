@@ -157,9 +157,12 @@ class EncoderDecoder:
 
     @torch.inference_mode()
     def forward(self, tokens: torch.Tensor, start: int, cache: Seq2SeqCache, route: LayerMask | None = None,
-                last_only: bool = False, resume: bool = False) -> torch.Tensor:
+                last_only: bool = False, resume: bool = False, head=None) -> torch.Tensor:
         """Decoder logits for `tokens` at decoder positions start .. start+T-1 (after `encode`).
-        (`resume` is refused: an encoder-decoder's cache never stores resumable streams.)"""
+        (`resume` is refused: an encoder-decoder's cache never stores resumable streams; so is a
+        reduced `head`: routes of a T5 store no vocabulary.)"""
+        if head is not None:
+            raise ValueError("an encoder-decoder decoder has no reduced LM heads")
         if cache.cross_k is None:
             raise ValueError("encoder-decoder model: encode the source into this cache first")
         n_tokens = tokens.shape[0]

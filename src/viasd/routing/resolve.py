@@ -4,11 +4,11 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, NamedTuple
 
 from viasd.errors import UsageError
 from viasd.models.runtime import LayerMask
-from viasd.routing.route import ModelFingerprint, Route, RouteError, shipped_route_path
+from viasd.routing.route import ModelFingerprint, Route, RouteError, shipped_route, shipped_route_path
 
 if TYPE_CHECKING:
     from viasd.models.loading import LoadedModel
@@ -26,17 +26,26 @@ def default_slim_layers(n_layers: int) -> tuple[int, ...]:
     return tuple(i for i in range(n_layers) if not (n_layers // 3 <= i < 2 * n_layers // 3 and i % 2))
 
 
-def resolve_route(model: LoadedModel, role: str, layers: Sequence[int] | None, route_file: str | None) -> tuple[LayerMask, Path | None]:
-    """(mask, route file) for role "draft" or "slim": given layers, a route file, else the shipped
-    searched route for this model, else the default layers."""
+class Resolved(NamedTuple):
+    mask: LayerMask
+    path: Path | None  # the route file (None: given layers or the default)
+    vocab: tuple[int, ...] | None  # the reduced head's vocabulary the file stores
+
+
+def resolve_route(model: LoadedModel, role: str, layers: Sequence[int] | None, route_file: str | None) -> Resolved:
+    """(mask, route file, its head's vocabulary) for role "draft" or "slim": given layers, a route
+    file, else the shipped searched route for this model, else the default layers. Each file is read
+    once (the shipped ones once per process)."""
     n = model.config.n_layers
     fingerprint = ModelFingerprint.of(model)
     if route_file is not None:
-        return Route.load(route_file, fingerprint).mask, Path(route_file)
+        route = Route.load(route_file, fingerprint)
+        return Resolved(route.mask, Path(route_file), route.vocab)
     if layers is None:
         shipped = shipped_route_path(fingerprint, role)
         if shipped is not None:
-            return Route.load(shipped).mask, shipped
+            route = shipped_route(fingerprint, role)
+            return Resolved(route.mask, shipped, route.vocab)
         layers = default_draft_layers(n) if role == "draft" else default_slim_layers(n)
     layers = tuple(layers)
     bad = [i for i in layers if not 0 <= i < n]
@@ -44,21 +53,19 @@ def resolve_route(model: LoadedModel, role: str, layers: Sequence[int] | None, r
         raise UsageError(f"{role} layers {bad} out of range: {model.name} has layers 0..{n - 1}")
     if not layers:
         raise UsageError(f"a {role} route must keep at least one layer")
-    return LayerMask.from_layers(n, layers), None
+    return Resolved(LayerMask.from_layers(n, layers), None, None)
 
 
 def draft_route(model: LoadedModel, layers: Sequence[int] | None, route_file: str | None = None) -> LayerMask:
-    return resolve_route(model, "draft", layers, route_file)[0]
+    return resolve_route(model, "draft", layers, route_file).mask
 
 
-def route_head(model: LoadedModel, route_file: Path | None) -> "ReducedHead | None":
-    """The reduced LM head of the vocabulary a route file stores, on `model`'s decoder (None: the file
-    stores none, there is no file, or the decoder has no reduced heads: T5)."""
-    if route_file is None or not hasattr(model.decoder, "reduced_head"):
-        return None
-    vocab = Route.load(route_file).vocab
-    if vocab is None:
+def route_head(model: LoadedModel, resolved: Resolved) -> "ReducedHead | None":
+    """The reduced LM head of the vocabulary a resolved route stores, on `model`'s decoder (None: it
+    stores none, or the decoder has no reduced heads: T5)."""
+    vocab = resolved.vocab
+    if vocab is None or not hasattr(model.decoder, "reduced_head"):
         return None
     if vocab[-1] >= model.decoder.lm_head.out_features:
-        raise RouteError(f"{route_file}: vocabulary ids reach {vocab[-1]}, past {model.name}'s {model.decoder.lm_head.out_features}")
+        raise RouteError(f"{resolved.path}: vocabulary ids reach {vocab[-1]}, past {model.name}'s {model.decoder.lm_head.out_features}")
     return model.decoder.reduced_head(vocab)

@@ -6,6 +6,7 @@ changes the model. Saved as JSON (atomically: temporary file + rename).
 
 from __future__ import annotations
 
+import functools
 import json
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -166,17 +167,26 @@ class Route:
 ROLES = ("slim", "draft")
 
 
+@functools.cache
+def _shipped(role: str) -> tuple[tuple[Path, "Route"], ...]:
+    """Every route shipped for `role`, read once per process (package data: they never change)."""
+    return tuple((path, Route.from_dict(json.loads(path.read_text())))
+                 for path in sorted((Path(__file__).parent / "shipped").glob(f"*.{role}.json")))
+
+
+def _shipped_match(model: ModelFingerprint, role: str) -> tuple[Path, "Route"] | None:
+    if role not in ROLES:
+        raise ValueError(f"unknown route role {role!r}: {', '.join(ROLES)}")
+    return next(((path, route) for path, route in _shipped(role) if route.model.mismatch(model) is None), None)
+
+
 def shipped_route_path(model: ModelFingerprint, role: str) -> Path | None:
     """The searched route shipped with viasd for `model` (matched by weight hash) and `role`
     ("slim": the slim verifier, "draft": a self-drafting route), or None."""
-    if role not in ROLES:
-        raise ValueError(f"unknown route role {role!r}: {', '.join(ROLES)}")
-    for path in sorted((Path(__file__).parent / "shipped").glob(f"*.{role}.json")):
-        if Route.from_dict(json.loads(path.read_text())).model.mismatch(model) is None:
-            return path
-    return None
+    found = _shipped_match(model, role)
+    return found[0] if found else None
 
 
 def shipped_route(model: ModelFingerprint, role: str) -> Route | None:
-    path = shipped_route_path(model, role)
-    return Route.load(path) if path else None
+    found = _shipped_match(model, role)
+    return found[1] if found else None
