@@ -156,6 +156,63 @@ def test_row_exact_kernel_refuses_what_it_cannot_hold():
         rowexact.RowExactWeight(gk.F32, f32.data, 16, 64)
 
 
+@pytest.mark.parametrize("head_dim,softcap", [(64, None), (16, None), (128, 30.0)])
+def test_row_exact_attention_is_softmax_attention_and_keeps_each_rows_result(head_dim, softcap):
+    """viasd's row-exact attention op: the softmax attention of each query row over the keys its mask
+    leaves visible (grouped K/V heads, key counts off the 16-key chunks, a row that sees nothing, a
+    sliding window, Gemma's softcap); and a row's result is bit for bit the same alone or among others."""
+    rowexact = _row_exact_or_skip()
+    if rowexact.attention_unavailable_reason(head_dim):
+        pytest.skip(rowexact.attention_unavailable_reason(head_dim))
+    g = torch.Generator().manual_seed(head_dim)
+    T, H, Hkv, N = 6, 6, 2, 75
+    q, k, v = torch.randn(T, H, head_dim, generator=g), torch.randn(Hkv, N, head_dim, generator=g), torch.randn(Hkv, N, head_dim, generator=g)
+    seen = torch.zeros(T, N, dtype=torch.bool)
+    for t, (lo, hi) in enumerate([(0, 1), (0, 17), (0, 33), (20, 64), (0, 75), (0, 0)]):  # the last row sees no key
+        seen[t, lo:hi] = True
+    mask = torch.where(seen, 0.0, float("-inf"))
+    scale = head_dim ** -0.5
+    out = rowexact.attention(q, k, v, mask, scale, softcap)
+    kk, vv = (x.double().repeat_interleave(H // Hkv, 0) for x in (k, v))
+    s = torch.einsum("thd,hnd->thn", q.double(), kk) * scale
+    if softcap:
+        s = softcap * torch.tanh(s / softcap)
+    s = s + mask.double()[:, None, :]
+    ref = torch.einsum("thn,hnd->thd", torch.nan_to_num(s.softmax(-1)), vv)
+    assert torch.allclose(out.double(), ref, atol=2e-6), (out.double() - ref).abs().max()
+    assert torch.equal(out[-1], torch.zeros(H, head_dim))  # nothing visible: zeros, as ggml's reference
+    alone = torch.cat([rowexact.attention(q[t : t + 1], k, v, mask[t : t + 1], scale, softcap) for t in range(T)])
+    assert torch.equal(alone, out)
+
+
+def test_native_forward_attends_with_the_row_exact_op_where_it_runs(tiny_native):
+    """Decoding passes attend with the row-exact op where the products run on the row-exact kernel
+    (else ggml's reference flash attention), and both give the same logits within activation rounding."""
+    from viasd.models import ggml_forward, rowexact
+
+    dec = tiny_native.decoder
+    expected = "row-exact" if gk.ROW_EXACT in dec._graph.packed and not rowexact.attention_unavailable_reason(16) else "ggml"
+    assert dec._graph.attention == expected
+    ids = torch.arange(3, 40) % 64
+    outs = {}
+    for attention in ("row-exact", "ggml"):
+        if attention == "row-exact" and rowexact.attention_unavailable_reason(dec.config.head_dim):
+            continue
+        graph = dec._graph
+        try:
+            dec._graph = ggml_forward.NativeForward(dec, pack=graph._pack, attention=attention)
+            cache = dec.new_cache(len(ids))
+            dec.forward(ids[:30], 0, cache)
+            outs[attention] = dec.forward(ids[30:], 30, cache)
+        finally:
+            dec._graph = graph
+    if len(outs) == 2:
+        # the attention outputs agree to float rounding (see the test above); the int8 quantization of
+        # the next product's activations can round one of them differently: ~1% of a logit at most
+        a, b = outs["row-exact"], outs["ggml"]
+        assert (a - b).abs().max() <= 0.02 * b.abs().max()
+
+
 def test_quant_embedding_rows_and_range():
     w = torch.randn(50, 32, generator=torch.Generator().manual_seed(2))
     native = _native(w, Q8_0)

@@ -21,12 +21,14 @@ alone or inside a block of drafts, which is what lets every lossless strategy eq
 
 from __future__ import annotations
 
+import ctypes
 from collections import OrderedDict
 from typing import TYPE_CHECKING
 
 import torch
 
 from viasd.models import ggml_kernels as gk
+from viasd.models import rowexact
 from viasd.models.ggml_kernels import F32, I32, QuantLinear, lib
 
 if TYPE_CHECKING:
@@ -53,7 +55,7 @@ class NativeForward:
     """`decoder.forward` for native weights: logits [T, V] (or [1, V] with last_only) of `tokens` at
     positions start.., reading and writing `cache` along `route` (None: every layer)."""
 
-    def __init__(self, decoder: Decoder, pack: bool | str = True):
+    def __init__(self, decoder: Decoder, pack: bool | str = True, attention: str | None = None):
         self.dec = decoder
         cfg = decoder.config
         # the products' weights laid out for a faster kernel where this CPU has one for them
@@ -64,6 +66,17 @@ class NativeForward:
         self._pack = pack
         self.pack_parts(*(lin for layer in decoder.layers for lin in (layer.qkv, layer.o, layer.gate_up, layer.down)),
                         decoder.lm_head)
+        # decoding passes attend with viasd's row-exact op where the products run on the row-exact kernel
+        # and the CPU has AVX-512 (`rowexact.attention_op_address`), else with ggml's reference flash
+        # attention; attention="ggml" / "row-exact" asks for one (tests compare them)
+        usable = rowexact.attention_unavailable_reason(cfg.head_dim) is None
+        if attention is None:
+            attention = "row-exact" if usable and gk.ROW_EXACT in self.packed else "ggml"
+        elif attention == "row-exact" and not usable:
+            raise gk.NativeWeightsUnavailable(rowexact.attention_unavailable_reason(cfg.head_dim))
+        self.attention = attention
+        self._attn_params = rowexact.AttentionParams.of(
+            cfg.attn_scale if cfg.attn_scale is not None else cfg.head_dim ** -0.5, cfg.attn_softcap)
         self.pos32 = torch.arange(cfg.max_positions, dtype=torch.int32)
         self.pos64 = torch.arange(cfg.max_positions, dtype=torch.int64)
         self._graphs: OrderedDict[tuple, tuple] = OrderedDict()
@@ -120,13 +133,18 @@ class NativeForward:
         return g.rope_ext(graph.ctx, t, pos, None, d, _ROPE_NEOX, 0, theta, freq_scale, 0.0, 1.0, 32.0, 1.0)
 
     def _attention(self, graph: gk._Graph, q: gk._T, k: gk._T, v: gk._T, mask: gk._T, scale: float) -> gk._T:
-        """Flash attention, q [d, T, H] -> [d, H, T], one op. In passes of up to ROW_ATTENTION_MAX rows
-        the graph runs ggml's reference flash attention (`_Graph(exact_attention=True)`): each query
-        row and head over its visible keys in order, whatever the other rows. ggml's default paths
-        would not keep a row's result: one row with 512 or more keys splits them across threads and
-        combines the parts, and many rows take a tiled kernel. Longer passes (a prompt's prefill, the
-        same for every strategy) take the tiled one."""
+        """Flash attention, q [d, T, H] -> [d, H, T], one op. Passes of up to ROW_ATTENTION_MAX rows
+        attend row by row: each query row and head over its visible keys in order, whatever the other
+        rows; with viasd's row-exact op (`self.attention`), else with ggml's reference flash attention
+        (`_Graph(exact_attention=True)`). ggml's default paths would not keep a row's result: one row
+        with 512 or more keys splits them across threads and combines the parts, and many rows take a
+        tiled kernel. Longer passes (a prompt's prefill, the same for every strategy) take the tiled one."""
         g, cfg = lib(), self.dec.config
+        if graph.exact_attention and self.attention == "row-exact":
+            args = (gk._T * 4)(q, k, v, mask)
+            d, n_heads, n_rows = q.contents.ne[0], q.contents.ne[2], q.contents.ne[1]
+            return g.custom_4d(graph.ctx, F32, d, n_heads, n_rows, 1, args, 4, rowexact.attention_op_address(), -1,
+                               ctypes.addressof(self._attn_params))
         return g.flash_attn_ext(graph.ctx, q, k, v, mask, scale, 0.0, cfg.attn_softcap or 0.0)
 
     # ------------------------------------------------------------------ the graph

@@ -13,7 +13,12 @@ stored 4-bit for 4-bit types and 8-bit otherwise. Activations are quantized per 
 int8, as ggml quantizes them (to Q8 blocks) for its own integer dot products.
 
 The C source is compiled on first use with the system C compiler (the one that built ggml-py) into
-the cache directory. Three kernels compute the same sums, bit for bit: AVX-512 VNNI (used by
+the cache directory. It also holds the row-exact attention op (`attention_op_address`): each query
+row and head over the keys its mask leaves visible, with the same float operations whatever the other
+rows, 16 keys at a time (ggml's reference flash attention, which is row-exact too, takes one key at
+a time with scalar exponentials: 5-8x slower on this project's AVX-512 machine).
+
+Three product kernels compute the same sums, bit for bit: AVX-512 VNNI (used by
 default), AVX2 (used when asked for: see `unavailable_reason`) and a portable reference (tests).
 Where there is no compiler or the CPU has neither, `available()` is False and native weights keep
 ggml's kernels.
@@ -131,6 +136,55 @@ def best_kernel() -> int:
 def op_address() -> int:
     """Address of the ggml custom-op function (`ggml_custom_4d`'s fun)."""
     return ctypes.cast(lib().rx_ggml_op, ctypes.c_void_p).value
+
+
+class AttentionParams(ctypes.Structure):  # struct rx_attn_params
+    _fields_ = [("scale", ctypes.c_float), ("softcap", ctypes.c_float)]
+
+    @classmethod
+    def of(cls, scale: float, softcap: float | None) -> "AttentionParams":
+        """As ggml's flash attention applies them: softcap * tanh(scale / softcap * q.k) with a softcap."""
+        return cls(scale / softcap if softcap else scale, softcap or 0.0)
+
+
+def attention_unavailable_reason(head_dim: int) -> str | None:
+    """Why the row-exact attention op (`rx_attn_op`) cannot run here (None: it can)."""
+    cdll = lib()
+    if cdll is None:
+        return f"the row-exact kernels could not be compiled: {_lib_error}"
+    if not cdll.rx_has_avx512():
+        return "the CPU lacks AVX-512"
+    if head_dim % 16 or head_dim > 256:
+        return f"head size {head_dim} is not a multiple of 16 up to 256"
+    return None
+
+
+def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor, scale: float,
+              softcap: float | None = None) -> torch.Tensor:
+    """The row-exact attention on tensors, on the calling thread (tests; graphs use the custom op):
+    q [T, H, d], k / v [Hkv, n_keys, d] float32, mask [T, n_keys] (0 where a row sees a key, -inf
+    elsewhere; taken as float16) -> [T, H, d]."""
+    reason = attention_unavailable_reason(q.shape[-1])
+    if reason:
+        raise OSError(reason)
+    q, k, v = (t.to(torch.float32).contiguous() for t in (q, k, v))
+    mask = mask.to(torch.float16).contiguous()
+    out = torch.empty_like(q)
+    prm = AttentionParams.of(scale, softcap)
+    status = lib().rx_attention(ctypes.c_void_p(q.data_ptr()), ctypes.c_void_p(k.data_ptr()), ctypes.c_void_p(v.data_ptr()),
+                                ctypes.c_void_p(mask.data_ptr()), ctypes.c_void_p(out.data_ptr()),
+                                ctypes.c_int64(q.shape[0]), ctypes.c_int64(q.shape[1]), ctypes.c_int64(k.shape[0]),
+                                ctypes.c_int64(k.shape[1]), ctypes.c_int(q.shape[2]), ctypes.c_float(prm.scale),
+                                ctypes.c_float(prm.softcap))
+    if status != 0:
+        raise MemoryError("the row-exact attention could not allocate its score buffer")
+    return out
+
+
+def attention_op_address() -> int:
+    """Address of the row-exact attention custom op: dst [d, H, T] from q [d, T, H], the K and V cache
+    [d, n_keys, Hkv] float32 and the mask [n_keys, T] float16; userdata an `AttentionParams`."""
+    return ctypes.cast(lib().rx_attn_op, ctypes.c_void_p).value
 
 
 # ---------------------------------------------------------------- unpacking the file's blocks
