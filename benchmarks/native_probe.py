@@ -10,12 +10,15 @@ for every candidate that multiplies quantized weights on this CPU, plus the floa
 - the same blocks packed into each of ggml's extra buffer types this CPU has (AMX, CPU_REPACK), one-row
   products (what the forward graph runs with them), and into viasd's row-exact kernel (ROW_EXACT,
   models/rowexact.py: every row of a block in one call);
-Then the whole forward pass at 1 and 8 tokens after a 128-token prompt, per `--weights` format
-(`native`: the row-exact kernel where the CPU has it; `native-ggml`: ggml's packed layouts only;
-`native-plain`: native weights left unpacked):
-T(1), T(8), T(8)/T(1), and the peak RSS of a process that loads the model and runs it.
+Then the whole forward pass at 1 and 8 tokens after a 128-token prompt and after a 600-token one, per
+`--weights` format (`native`: the row-exact kernel and attention op where the CPU has them;
+`native-ggml-attention`: the same products with ggml's reference flash attention; `native-ggml`:
+ggml's packed layouts and attention only; `native-plain`: native weights left unpacked):
+T(1), T(8), T(8)/T(1), and the peak RSS of a process that loads the model and runs it. And, where
+the row-exact attention op runs, native passes with it and with ggml's reference flash attention,
+interleaved call by call (`attention_ab`; `--formats ''` `--no-products` runs only that).
 
-    python benchmarks/native_probe.py [--models smollm2-135m,qwen2.5-coder-1.5b] [--out FILE]
+    python benchmarks/native_probe.py [--models smollm2-135m,qwen2.5-coder-1.5b] [--formats ...] [--no-products] [--out FILE]
 
 Appends JSONL records (run id, environment with CPU flags) to benchmarks/results/native-probe.jsonl.
 Timings are medians of repeated calls on a quiet machine; compare rows of one run only.
@@ -41,6 +44,7 @@ from common import environment  # noqa: E402
 from viasd.models import ggml_kernels as gk  # noqa: E402
 from viasd.models import rowexact  # noqa: E402
 from viasd.models.loading import load_model  # noqa: E402
+from viasd.models.ggml_forward import NativeForward  # noqa: E402
 from viasd.models.native import quantize  # noqa: E402
 from viasd.models.runtime import PackedLinear  # noqa: E402
 
@@ -159,19 +163,51 @@ def product_candidates(native_model) -> dict:
     return cands
 
 
-def forward_times(model, prompt_len: int = 128) -> dict:
+def forward_times(model, prompt_len: int = 128, long_len: int = 600) -> dict:
+    """T(1), T(8) after `prompt_len` tokens (and after `long_len`: "1@long", "8@long"), and the prefill."""
     dec = model.decoder
-    ids = torch.randint(100, 1000, (prompt_len + 8,), generator=torch.Generator().manual_seed(0))
-    cache = dec.new_cache(prompt_len + 16)
-    dec.forward(ids[:prompt_len], 0, cache)
+    ids = torch.randint(100, 1000, (long_len + 8,), generator=torch.Generator().manual_seed(0))
     out = {}
-    for t in (1, 8):
-        def step(t=t):
-            dec.forward(ids[prompt_len : prompt_len + t], prompt_len, cache)
-            cache.rollback(prompt_len)
-        out[t] = median_ms(step, reps=20)
+    for n, suffix in ((prompt_len, ""), (long_len, "@long")):
+        cache = dec.new_cache(n + 16)
+        dec.forward(ids[:n], 0, cache)
+        for t in (1, 8):
+            def step(t=t, n=n, cache=cache):
+                dec.forward(ids[n : n + t], n, cache)
+                cache.rollback(n)
+            out[f"{t}{suffix}"] = median_ms(step, reps=20)
     prefill_cache = dec.new_cache(prompt_len)
     out["prefill"] = median_ms(lambda: (dec.forward(ids[:prompt_len], 0, prefill_cache), prefill_cache.rollback(0)), reps=5, warmup=1)
+    return out
+
+
+def attention_ab(model, contexts=(128, 600), reps: int = 30) -> list[dict]:
+    """Native decoding passes attending with viasd's row-exact op against ggml's reference flash
+    attention, the same products otherwise: the two graphs alternate call by call (interleaved, so
+    drift on a shared machine hits both alike). Median ms per (context, rows)."""
+    dec = model.decoder
+    graphs = {"row-exact": dec._graph, "ggml": NativeForward(dec, pack=True, attention="ggml")}
+    ids = torch.randint(100, 1000, (max(contexts) + 8,), generator=torch.Generator().manual_seed(0))
+    out = []
+    try:
+        for n in contexts:
+            cache = dec.new_cache(n + 16)
+            dec.forward(ids[:n], 0, cache)
+            for t in (1, 8):
+                times = {k: [] for k in graphs}
+                for rep in range(reps + 3):
+                    for k, g in graphs.items():
+                        dec._graph = g
+                        start = time.perf_counter()
+                        dec.forward(ids[n : n + t], n, cache)
+                        if rep >= 3:
+                            times[k].append(time.perf_counter() - start)
+                        cache.rollback(n)
+                ms = {k: 1000 * statistics.median(v) for k, v in times.items()}
+                out.append({"context": n, "rows": t, "ms_row_exact": round(ms["row-exact"], 3), "ms_ggml": round(ms["ggml"], 3),
+                            "ratio": round(ms["row-exact"] / ms["ggml"], 3)})
+    finally:
+        dec._graph = graphs["row-exact"]
     return out
 
 
@@ -186,9 +222,13 @@ def rss_child(model: str, weights: str, pack: bool = True) -> float:
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--models", default="smollm2-135m,qwen2.5-coder-1.5b")
-    ap.add_argument("--formats", default="native,native-ggml,native-plain,float32,bfloat16",
-                    help="weight formats for the whole pass (native-ggml: ggml's packed layouts only; "
-                         "native-plain: native weights left unpacked)")
+    ap.add_argument("--formats", default="native,native-ggml-attention,native-ggml,native-plain,float32,bfloat16",
+                    help="weight formats for the whole pass (native-ggml-attention: native, attending with ggml's "
+                         "reference flash attention instead of viasd's row-exact op; native-ggml: ggml's packed "
+                         "layouts and attention only; native-plain: native weights left unpacked)")
+    ap.add_argument("--no-products", action="store_true", help="skip the per-layer product candidates")
+    ap.add_argument("--no-attention-ab", action="store_true",
+                    help="skip the interleaved comparison of the row-exact attention op with ggml's")
     ap.add_argument("--out", type=Path, default=OUT)
     ap.add_argument("--no-rss", action="store_true", help="skip the peak-RSS child processes")
     args = ap.parse_args()
@@ -206,7 +246,7 @@ def main() -> int:
             native = load_model(name, progress=False, weights="native")
             x = {t: torch.randn(t, native.config.hidden) for t in (1, 8)}
             x_down = {t: torch.randn(t, native.config.intermediate) for t in (1, 8)}
-            for cand, (prods, nbytes) in product_candidates(native).items():
+            for cand, (prods, nbytes) in ({} if args.no_products else product_candidates(native)).items():
                 ms = {}
                 for t in (1, 8):
                     def layer(t=t, prods=prods):
@@ -215,15 +255,24 @@ def main() -> int:
                     ms[t] = median_ms(layer)
                 emit({"kind": "layer_products", "model": name, "candidate": cand, "weight_mb": round(nbytes / 2**20, 2),
                       "ms_1": round(ms[1], 4), "ms_8": round(ms[8], 4), "ratio_8_1": round(ms[8] / ms[1], 3)})
+            if not args.no_attention_ab and native.decoder._graph is not None and native.decoder._graph.attention == "row-exact":
+                for rec in attention_ab(native):
+                    emit({"kind": "attention_ab", "model": name, **rec})
             del native
-            for fmt in args.formats.split(","):
+            for fmt in filter(None, args.formats.split(",")):
                 # native-plain: unpacked; native-ggml: ggml's packed layouts only (no row-exact kernel)
-                weights = fmt.removesuffix("-plain").removesuffix("-ggml")
+                weights = fmt.removesuffix("-ggml-attention").removesuffix("-plain").removesuffix("-ggml")
                 pack = False if fmt.endswith("-plain") else "ggml" if fmt.endswith("-ggml") else True
                 model = load_model(name, progress=False, weights=weights, pack=pack)
+                if fmt.endswith("-ggml-attention"):
+                    model.decoder._graph = NativeForward(model.decoder, pack=pack, attention="ggml")
+                graph = model.decoder._graph
                 ft = forward_times(model)
-                emit({"kind": "forward", "model": name, "weights": fmt, "kernels": model.kernels, "ms_1": round(ft[1], 3),
-                      "ms_8": round(ft[8], 3), "ratio_8_1": round(ft[8] / ft[1], 3), "prefill_128_ms": round(ft["prefill"], 2),
+                emit({"kind": "forward", "model": name, "weights": fmt, "kernels": model.kernels,
+                      "attention": graph.attention if graph is not None else "torch", "ms_1": round(ft["1"], 3),
+                      "ms_8": round(ft["8"], 3), "ratio_8_1": round(ft["8"] / ft["1"], 3),
+                      "ms_1_ctx600": round(ft["1@long"], 3), "ms_8_ctx600": round(ft["8@long"], 3),
+                      "ratio_8_1_ctx600": round(ft["8@long"] / ft["1@long"], 3), "prefill_128_ms": round(ft["prefill"], 2),
                       "peak_rss_mb": None if args.no_rss else round(rss_child(name, weights, pack), 1)})
                 del model
     return 0
