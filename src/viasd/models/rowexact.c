@@ -26,8 +26,6 @@
 #include <math.h>
 #include <immintrin.h>
 
-int rx_has_vnni(void);
-
 typedef struct {
     int64_t rows, cols;
     int32_t blk, bits;
@@ -132,9 +130,6 @@ static void tiles_ref(const rx_weight *w, int64_t t0, int64_t t1, int64_t T, con
 
 // ---------------------------------------------------------------- AVX-512 VNNI kernel
 #define RX_CHUNK 8  // activation rows per pass over a tile's weights
-#ifndef RX_AMX_MIN_ROWS
-#define RX_AMX_MIN_ROWS 2  // calls of this many rows or more take the AMX kernel where it runs
-#endif
 #define RX_AHEAD 8  // software prefetch distance, in blocks
 
 __attribute__((target("avx512f,avx512bw,avx512vnni")))
@@ -364,136 +359,6 @@ RX_AVX2 static void tiles_avx2(const rx_weight *w, int64_t t0, int64_t t1, int64
 }
 
 
-// ---------------------------------------------------------------- AMX kernel (several rows)
-// The integer sums of 16 output rows by up to 16 activation rows for one block in one tile product
-// (TDPBSUD: signed activations by unsigned weights, exact in int32), then the same float steps per
-// (row, output) as the VNNI kernel: so its results are the VNNI kernel's, bit for bit, and a row's
-// result does not depend on which kernel a call's row count picked. The weights' packed layout is
-// AMX's B-tile layout already (byte 4r + j of row g = q[r][4g + j]); 4-bit blocks are unpacked
-// into a 64-byte-aligned buffer first. Linux grants a process AMX's tile state on request
-// (arch_prctl ARCH_REQ_XCOMP_PERM), asked once in rx_amx_init.
-#include <cpuid.h>
-#include <sys/syscall.h>
-#include <unistd.h>
-
-#define RX_AMX __attribute__((target("avx512f,avx512bw,avx512vnni,amx-tile,amx-int8")))
-
-typedef struct {
-    uint8_t palette, start_row, reserved[14];
-    uint16_t colsb[16];
-    uint8_t rows[16];
-} __attribute__((aligned(64))) rx_tilecfg;
-
-static int amx_state = -1;  // -1 not asked yet, 0 unavailable, 1 granted
-
-int rx_amx_init(void) {
-    if (amx_state >= 0) return amx_state;
-    unsigned a, b, c, d;
-    amx_state = 0;
-    if (!rx_has_vnni() || !__get_cpuid_count(7, 0, &a, &b, &c, &d) || !(d & (1u << 24)) || !(d & (1u << 25)))
-        return amx_state;  // no AMX-TILE / AMX-INT8
-    unsigned long bitmask = 0;
-    if (syscall(SYS_arch_prctl, 0x1023 /* ARCH_REQ_XCOMP_PERM */, 18 /* XFEATURE_XTILEDATA */) != 0) return amx_state;
-    if (syscall(SYS_arch_prctl, 0x1022 /* ARCH_GET_XCOMP_PERM */, &bitmask) != 0 || !(bitmask & (1ul << 18))) return amx_state;
-    amx_state = 1;
-    return amx_state;
-}
-
-RX_AMX __attribute__((always_inline))
-static inline void tiles_amx_nt(const rx_weight *w, int64_t t0, int64_t t1, const int NT, const int BLK, const int BITS,
-                                const int8_t *xq, const float *dx, const float *sx, const int32_t *qsum, float *y,
-                                int64_t ystride) {
-    const int64_t nblk = w->cols / BLK;
-    const int G = BLK / 4;
-    const int64_t qbytes = (int64_t)BLK * (BITS == 8 ? 16 : 8);
-    const __m512i low = _mm512_set1_epi8(15);
-    const int mult = w->min_mode == 3;
-    int8_t unpacked[2 * 8 * 64] __attribute__((aligned(64)));
-    int32_t sums[2 * 16 * 16] __attribute__((aligned(64)));
-    rx_tilecfg cfg;
-    memset(&cfg, 0, sizeof cfg);
-    cfg.palette = 1;
-    // two blocks in flight (tiles 0-2 and 3-5): the second's product runs while the first's sums are read
-    for (int i = 0; i < 2; i++) {
-        cfg.rows[3 * i] = NT, cfg.colsb[3 * i] = BLK;        // A: activations, NT rows of one block
-        cfg.rows[3 * i + 1] = G, cfg.colsb[3 * i + 1] = 64;  // B: weights, G groups of 4 inputs x 16 outputs
-        cfg.rows[3 * i + 2] = NT, cfg.colsb[3 * i + 2] = 64; // C: int32 sums, NT rows x 16 outputs
-    }
-    _tile_loadconfig(&cfg);
-#define RX_AMX_B(TB, b) do {                                                                               \
-        const uint8_t *p = w->q + (tile * nblk + (b)) * qbytes;                                            \
-        if (BITS == 8) {                                                                                   \
-            _tile_loadd(TB, p, 64);                                                                        \
-        } else {                                                                                           \
-            int8_t *u = unpacked + ((TB) == 1 ? 0 : 512);                                                  \
-            for (int v = 0; v < G / 2; v++) {                                                              \
-                const __m512i raw = _mm512_loadu_si512((const void *)(p + 64 * v));                        \
-                _mm512_store_si512((void *)(u + 64 * v), _mm512_and_si512(raw, low));                      \
-                _mm512_store_si512((void *)(u + 64 * (v + G / 2)), _mm512_and_si512(_mm512_srli_epi16(raw, 4), low)); \
-            }                                                                                              \
-            _tile_loadd(TB, u, 64);                                                                        \
-        }                                                                                                  \
-    } while (0)
-    for (int64_t tile = t0; tile < t1; tile++) {
-        __m512 acc[16];
-        for (int t = 0; t < NT; t++) acc[t] = _mm512_setzero_ps();
-        for (int64_t b = 0; b < nblk; b += 2) {
-            const int two = b + 1 < nblk;
-            RX_AMX_B(1, b);
-            _tile_loadd(0, xq + b * BLK, w->cols);
-            _tile_zero(2);
-            _tile_dpbsud(2, 0, 1);
-            if (two) {
-                RX_AMX_B(4, b + 1);
-                _tile_loadd(3, xq + (b + 1) * BLK, w->cols);
-                _tile_zero(5);
-                _tile_dpbsud(5, 3, 4);
-            }
-            _tile_stored(2, sums, 64);
-            if (two) _tile_stored(5, sums + 256, 64);
-            for (int k = 0; k <= two; k++) {
-                const int64_t bk = b + k;
-                const int32_t *sk = sums + 256 * k;
-                const __m512 sc = block_vector(w, 0, tile, bk);
-                const __m512 mn = mult ? _mm512_setzero_ps() : block_vector(w, 1, tile, bk);  // (mult: unused)
-                for (int t = 0; t < NT; t++) {
-                    __m512i isum = _mm512_load_si512((const void *)(sk + 16 * t));
-                    if (mult) isum = _mm512_add_epi32(isum, _mm512_set1_epi32((int32_t)w->min_mult * qsum[t * nblk + bk]));
-                    acc[t] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(isum), _mm512_mul_ps(sc, _mm512_set1_ps(dx[t * nblk + bk])), acc[t]);
-                    if (!mult) acc[t] = _mm512_fmadd_ps(mn, _mm512_set1_ps(sx[t * nblk + bk]), acc[t]);
-                }
-            }
-        }
-        for (int t = 0; t < NT; t++) _mm512_storeu_ps(y + t * ystride + tile * 16, acc[t]);
-    }
-#undef RX_AMX_B
-}
-
-RX_AMX __attribute__((always_inline))
-static inline void rx_case_amx(const rx_weight *w, int64_t t0, int64_t t1, const int NT, const int8_t *xq, const float *dx,
-                               const float *sx, const int32_t *qsum, float *y, int64_t ystride) {
-    if (w->bits == 4) tiles_amx_nt(w, t0, t1, NT, 32, 4, xq, dx, sx, qsum, y, ystride);
-    else if (w->blk == 32) tiles_amx_nt(w, t0, t1, NT, 32, 8, xq, dx, sx, qsum, y, ystride);
-    else tiles_amx_nt(w, t0, t1, NT, 16, 8, xq, dx, sx, qsum, y, ystride);
-}
-
-RX_AMX static void tiles_amx(const rx_weight *w, int64_t t0, int64_t t1, int64_t T, const int8_t *xq, const float *dx,
-                             const float *sx, const int32_t *qsum, float *y, int64_t ystride) {
-    const int64_t nblk = w->cols / w->blk;
-    for (int64_t c = 0; c < T; c += 16) {
-        const int nt = (int)(T - c < 16 ? T - c : 16);
-#define RX_CASE_AMX(NT) case NT: rx_case_amx(w, t0, t1, NT, xq + c * w->cols, dx + c * nblk, sx + c * nblk, qsum + c * nblk, \
-                                             y + c * ystride, ystride); break;
-        switch (nt) {
-            RX_CASE_AMX(1) RX_CASE_AMX(2) RX_CASE_AMX(3) RX_CASE_AMX(4) RX_CASE_AMX(5) RX_CASE_AMX(6) RX_CASE_AMX(7)
-            RX_CASE_AMX(8) RX_CASE_AMX(9) RX_CASE_AMX(10) RX_CASE_AMX(11) RX_CASE_AMX(12) RX_CASE_AMX(13) RX_CASE_AMX(14)
-            RX_CASE_AMX(15) default: RX_CASE_AMX(16)
-        }
-#undef RX_CASE_AMX
-    }
-    _tile_release();
-}
-
 int rx_has_avx2(void) {
     __builtin_cpu_init();
     return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") && __builtin_cpu_supports("f16c");
@@ -524,8 +389,7 @@ static int reserve(int64_t T, int64_t cols, int blk) {
 }
 
 // y = W x for T rows: x [T][x_stride floats], y [T][y_stride floats]; tiles split among nth callers.
-// `impl`: 0 the reference kernel, 1 AVX-512 VNNI, 2 AVX2, 3 AMX for RX_AMX_MIN_ROWS rows or more (else
-// VNNI; AMX only after rx_amx_init() returned 1). Returns 0, or -1 when out of memory.
+// `impl`: 0 the reference kernel, 1 AVX-512 VNNI, 2 AVX2. Returns 0, or -1 when out of memory.
 int rx_matmul(const rx_weight *w, const float *x, int64_t x_stride, int64_t T, float *y, int64_t y_stride,
               int ith, int nth, int impl) {
     const int64_t nblk = w->cols / w->blk;
@@ -535,14 +399,11 @@ int rx_matmul(const rx_weight *w, const float *x, int64_t x_stride, int64_t T, f
     float *sx = dx + T * nblk;
     int32_t *qsum = (int32_t *)(sx + T * nblk);
     for (int64_t t = 0; t < T; t++)
-        (impl == 1 || impl == 3 ? quantize_row_vnni : quantize_row)(x + t * x_stride, w->cols, w->blk, xq + t * w->cols, dx + t * nblk,
+        (impl == 1 ? quantize_row_vnni : quantize_row)(x + t * x_stride, w->cols, w->blk, xq + t * w->cols, dx + t * nblk,
                                                        sx + t * nblk, qsum + t * nblk);
     const int64_t ntiles = w->rows / 16;
     const int64_t t0 = ntiles * ith / nth, t1 = ntiles * (ith + 1) / nth;
-    if (impl == 3 && T < RX_AMX_MIN_ROWS) impl = 1;  // few rows: the VNNI kernel (the same sums)
-    if (impl == 3)
-        tiles_amx(w, t0, t1, T, xq, dx, sx, qsum, y, y_stride);
-    else if (impl == 1)
+    if (impl == 1)
         tiles_vnni(w, t0, t1, T, xq, dx, sx, qsum, y, y_stride);
     else if (impl == 2)
         tiles_avx2(w, t0, t1, T, xq, dx, sx, qsum, y, y_stride);

@@ -105,7 +105,7 @@ def lib() -> ctypes.CDLL | None:
         return _lib
 
 
-REFERENCE, VNNI, AVX2, AMX = 0, 1, 2, 3  # the kernels (`impl`): portable reference, AVX-512 VNNI, AVX2, AMX (a trial)
+REFERENCE, VNNI, AVX2 = 0, 1, 2  # the kernels (`impl`): portable reference, AVX-512 VNNI, AVX2
 
 
 def unavailable_reason(by_default: bool = True) -> str | None:
@@ -123,12 +123,6 @@ def unavailable_reason(by_default: bool = True) -> str | None:
 
 def available(by_default: bool = True) -> bool:
     return unavailable_reason(by_default) is None
-
-
-def amx_available() -> bool:
-    """Whether the AMX trial kernel runs here (AMX-INT8, and this process granted the tile state)."""
-    cdll = lib()
-    return cdll is not None and bool(cdll.rx_amx_init())
 
 
 def best_kernel() -> int:
