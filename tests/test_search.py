@@ -16,7 +16,7 @@ import torch
 from viasd.models.loading import load_model
 from viasd.models.runtime import LayerMask
 from viasd.routing import Route
-from viasd.routing.search import build_calibration, evaluate_route, kept_from_scores, search_route
+from viasd.routing.search import build_calibration, evaluate_route, kept_from_scores, kept_within_bytes, search_route
 
 from conftest import save_tiny
 
@@ -65,6 +65,38 @@ def test_full_route_costs_nothing(tiny):
 def test_kept_from_scores():
     assert kept_from_scores({1: 0.9, 2: 0.1, 3: 0.5}, 4, [0, 4]) == [0, 1, 3, 4]
     assert kept_from_scores({1: 0.2, 2: 0.3}, 1, []) == [2]
+
+
+def test_kept_within_bytes():
+    sizes = [4, 3, 3, 2, 4]
+    # pinned 0 and 4 (8 bytes), then by score while it fits: 1 (11), 3 (13); 2 no longer fits
+    assert kept_within_bytes({1: 0.9, 2: 0.5, 3: 0.1}, [0, 4], sizes, 13) == [0, 1, 3, 4]
+    assert kept_within_bytes({1: 0.9, 2: 0.5, 3: 0.1}, [0, 4], sizes, 8) == [0, 4]
+
+
+def test_byte_budget_search_counts_the_head_and_fills_the_budget(planted):
+    """--budget-unit bytes: the slim pass' weight bytes, head included, stay within the budget, and
+    no layer left out would still fit; a budget that cannot hold the head and the pinned layers is
+    refused; the route records what it and a full pass resumed after it read."""
+    from viasd.errors import UsageError
+
+    calib = build_calibration(planted, seq_len=32, top_k=16, progress=False, prompts=prompts())
+    dec, n = planted.decoder, 8
+    full = dec.weight_bytes()
+    route = search_route(planted, 0.6, 8, seed=0, calib=calib, n_random=4, progress=False, prefix=2, head_vocab=20,
+                         budget_unit="bytes")
+    head = dec.reduced_head(route.vocab)
+    used = dec.weight_bytes(route.mask, head=head)
+    assert used <= 0.6 * full and route.metrics["weight_bytes_fraction"] == pytest.approx(used / full, abs=1e-4)
+    assert route.kept_layers[:2] == [0, 1] and 7 in route.kept_layers
+    layer = dec.weight_bytes(LayerMask.from_layers(n, [3]), head=False)  # every layer of the tiny model is alike
+    assert used + layer > 0.6 * full  # full: another layer would not fit
+    assert route.metrics["resumed_full_fraction"] == pytest.approx(dec.weight_bytes(None, from_layer=route.mask.prefix) / full, abs=1e-4)
+    assert route.search["budget_unit"] == "bytes"
+    with pytest.raises(UsageError, match="cannot hold the LM head"):
+        search_route(planted, 0.05, 2, calib=calib, progress=False, budget_unit="bytes")
+    with pytest.raises(UsageError, match="unknown --budget-unit 'flops'"):
+        search_route(planted, 0.5, 2, calib=calib, progress=False, budget_unit="flops")
 
 
 def test_search_finds_the_planted_mask_and_repeats_with_a_seed(planted):

@@ -171,10 +171,12 @@ def _search(args: argparse.Namespace) -> int:
     calib = build_calibration(model, n_seqs=args.calib_seqs, seq_len=args.calib_len, progress=progress)
     route = search_route(model, args.budget, args.trials, seed=args.seed, storage=study_storage, cost=args.cost,
                          pin_ends=args.pin_ends, calib=calib, n_random=args.random_trials, progress=progress,
-                         prefix=args.prefix, head_vocab=args.head_vocab)
+                         prefix=args.prefix, head_vocab=args.head_vocab, budget_unit=args.budget_unit)
     route.save(out)
     print(f"{out}: {route.picture()}  {args.cost} {route.metrics[args.cost]:.4f}, "
-          f"top-1 agreement {route.metrics['top1_agreement']:.3f} (study in {storage})")
+          f"top-1 agreement {route.metrics['top1_agreement']:.3f}, reads {route.metrics['weight_bytes_fraction']:.2f} "
+          f"of a full pass' weight bytes (a full pass resumed after it {route.metrics['resumed_full_fraction']:.2f}) "
+          f"(study in {storage})")
     return 0
 
 
@@ -183,7 +185,11 @@ def _add_search(p: argparse.ArgumentParser) -> None:
     from viasd.routing.search import COSTS
 
     p.add_argument("--model", "-m", default=DEFAULT_MODEL, help="model to route (default: %(default)s)")
-    p.add_argument("--budget", type=float, required=True, help="fraction of layers kept, e.g. 0.5")
+    p.add_argument("--budget", type=float, required=True,
+                   help="fraction of layers kept (or, with --budget-unit bytes, of a full pass' weight bytes), e.g. 0.5")
+    p.add_argument("--budget-unit", choices=("layers", "bytes"), default="layers",
+                   help="layers: --budget is the share of layers kept; bytes: the share of a full pass' weight bytes "
+                        "the slim pass reads, its LM head included (the reduced one with --head-vocab) (default: %(default)s)")
     p.add_argument("--trials", type=int, default=100, help="the study's total trials; a rerun runs only the missing ones (default: %(default)s)")
     p.add_argument("--random-trials", type=int, default=20, help="random-search warm start before TPE (default: %(default)s)")
     p.add_argument("--seed", type=int, default=0)

@@ -32,6 +32,7 @@ from viasd.routing.route import ModelFingerprint, Route
 from viasd.validation import atomic_write_bytes, check_choice, check_float, check_int, check_seed, check_writable_file
 
 COSTS = ("kl", "reverse_kl", "tv")
+BUDGET_UNITS = ("layers", "bytes")  # what --budget is a share of: the layers, or a full pass' weight bytes
 
 
 @dataclass
@@ -195,6 +196,28 @@ def kept_from_scores(scores: dict[int, float], n_keep: int, pinned: list[int]) -
     return sorted(set(pinned) | set(free))
 
 
+def kept_within_bytes(scores: dict[int, float], pinned: list[int], sizes: list[int], capacity: float) -> list[int]:
+    """The pinned layers plus free ones in order of score, each that still fits: at most `capacity`
+    bytes of layer weights in all (`sizes[i]`: layer i's)."""
+    kept, used = list(pinned), sum(sizes[i] for i in pinned)
+    for i in sorted(scores, key=lambda i: -scores[i]):
+        if used + sizes[i] <= capacity:
+            kept.append(i)
+            used += sizes[i]
+    return sorted(kept)
+
+
+def route_costs(model: LoadedModel, mask: LayerMask, vocab: tuple[int, ...] | None = None) -> dict[str, float]:
+    """What a pass along `mask` reads, as a fraction of a full pass' weight bytes (its kept layers and
+    its head: the reduced one over `vocab`, else the full one), and what a full pass resumed after it
+    reads (the layers from its prefix on, and the full head)."""
+    dec = model.decoder
+    full = dec.weight_bytes()
+    head = dec.reduced_head(vocab) if vocab else True
+    return {"weight_bytes_fraction": dec.weight_bytes(mask, head=head) / full,
+            "resumed_full_fraction": dec.weight_bytes(None, from_layer=mask.prefix) / full}
+
+
 @contextmanager
 def _optuna_verbosity(level: int) -> Iterator[None]:
     import optuna
@@ -220,9 +243,13 @@ def search_route(
     progress: bool = True,
     prefix: int = 0,
     head_vocab: int | None = None,
+    budget_unit: str = "layers",
 ) -> Route:
     """Run (or resume) a DIMR study; return the best route found. `trials` is the study's total.
 
+    `budget_unit`: "layers", the share of layers kept; or "bytes", the share of a full pass' weight
+    bytes the slim pass reads, its LM head included (the reduced one with `head_vocab`): layers are
+    then kept in order of score while they fit.
     `prefix`: layers 0 .. prefix-1 are kept whole (a resumable route: full passes start at layer
     `prefix` after its slim passes; see `KVCache.enable_resume`), the search chooses the rest.
     `head_vocab`: store a reduced LM head of about that many tokens with the route (routing/vocab.py),
@@ -241,17 +268,43 @@ def search_route(
         raise UsageError(f"{model.name}: DIMR search calibrates on decoder-only text; give an encoder-decoder "
                          "model's decoder route as layers (--slim-layers, --draft-layers) or a route file")
     check_settings(budget, trials, n_random, seed, 1, 4, cost)
+    check_choice("--budget-unit", budget_unit, BUDGET_UNITS)
     if isinstance(storage, str):
         storage = open_storage(storage)
     n = model.config.n_layers
-    n_keep = max(1, round(budget * n))
-    if not 0 <= prefix < n or prefix > n_keep:
-        raise UsageError(f"--prefix must be in 0 .. {min(n - 1, n_keep)} (the budget keeps {n_keep} of {n} layers), got {prefix}")
-    pinned = sorted(({0, n - 1} if pin_ends and n_keep >= 2 else set()) | set(range(prefix)))[:n_keep]
-    free = [i for i in range(n) if i not in pinned]
+    vocab, n_keep = None, max(1, round(budget * n))
+    if budget_unit == "layers":
+        if not 0 <= prefix < n or prefix > n_keep:
+            raise UsageError(f"--prefix must be in 0 .. {min(n - 1, n_keep)} (the budget keeps {n_keep} of {n} layers), got {prefix}")
+        pinned = sorted(({0, n - 1} if pin_ends and n_keep >= 2 else set()) | set(range(prefix)))[:n_keep]
+    else:
+        if not 0 <= prefix < n:
+            raise UsageError(f"--prefix must be in 0 .. {n - 1}, got {prefix}")
+        pinned = sorted(({0, n - 1} if pin_ends else set()) | set(range(prefix)))
     calib = calib or build_calibration(model, progress=progress)
+    if budget_unit == "layers":
+        select = lambda scores: kept_from_scores(scores, n_keep, pinned)  # noqa: E731
+        unit = ""
+    else:
+        if head_vocab is not None:
+            from viasd.routing.vocab import calibration_vocab
+
+            vocab = calibration_vocab(model, head_vocab, calib)
+        dec = model.decoder
+        sizes = [dec.weight_bytes(LayerMask.from_layers(n, [i]), head=False) for i in range(n)]
+        full = dec.weight_bytes()
+        head_bytes = dec.weight_bytes(LayerMask.from_layers(n, []), head=dec.reduced_head(vocab) if vocab else True)
+        capacity = budget * full - head_bytes
+        if sum(sizes[i] for i in pinned) > capacity:
+            raise UsageError(f"a budget of {budget} of a full pass' {full / 2**20:.1f} MB cannot hold the LM head "
+                             f"({head_bytes / 2**20:.1f} MB) and the pinned layers {pinned} "
+                             f"({sum(sizes[i] for i in pinned) / 2**20:.1f} MB)")
+        select = lambda scores: kept_within_bytes(scores, pinned, sizes, capacity)  # noqa: E731
+        unit = f"-bytes-v{len(vocab) if vocab else 'full'}"
+    free = [i for i in range(n) if i not in pinned]
     fp = ModelFingerprint.of(model)
-    name = f"dimr-{fp.source}-{fp.n_layers}-b{budget}-{cost}-s{seed}-pin{int(pin_ends)}{f'-prefix{prefix}' if prefix else ''}-{calib.description}"
+    name = (f"dimr-{fp.source}-{fp.n_layers}-b{budget}{unit}-{cost}-s{seed}-pin{int(pin_ends)}"
+            f"{f'-prefix{prefix}' if prefix else ''}-{calib.description}")
     with _optuna_verbosity(optuna.logging.WARNING):  # the caller's logging setting is restored after
         sampler = optuna.samplers.TPESampler(n_startup_trials=n_random, seed=seed, multivariate=True)
         study = optuna.create_study(study_name=name, storage=storage, direction="minimize", sampler=sampler, load_if_exists=True)
@@ -266,7 +319,7 @@ def search_route(
 
         def objective(trial: "optuna.Trial") -> float:
             scores = {i: trial.suggest_float(f"layer_{i}", 0.0, 1.0) for i in free}
-            kept = kept_from_scores(scores, n_keep, pinned)
+            kept = select(scores)
             key = tuple(kept)
             if key not in memo:
                 memo[key] = evaluate_route(model, calib, LayerMask.from_layers(n, kept))
@@ -284,13 +337,14 @@ def search_route(
     complete = study.get_trials(deepcopy=False, states=(TrialState.COMPLETE,))
     study_s = sum((t.datetime_complete - t.datetime_start).total_seconds() for t in complete)
     best = study.best_trial
-    metrics, vocab = {**best.user_attrs["metrics"], "cost": cost}, None
+    metrics = {**best.user_attrs["metrics"], "cost": cost}
     if head_vocab is not None:
         from viasd.routing.vocab import calibration_vocab, coverage
 
-        vocab = calibration_vocab(model, head_vocab, calib)
+        vocab = vocab or calibration_vocab(model, head_vocab, calib)
         metrics["vocab_size"] = len(vocab)
         metrics["vocab_top1_coverage_calibration"] = coverage(vocab, torch.cat([idx[:, 0] for idx in calib.topk_idx]).tolist())
+    metrics.update({k: round(v, 4) for k, v in route_costs(model, LayerMask.from_layers(n, best.user_attrs["kept"]), vocab).items()})
     return Route.from_layers(
         fp,
         best.user_attrs["kept"],
@@ -298,6 +352,6 @@ def search_route(
         vocab=vocab,
         metrics=metrics,
         search={"method": "DIMR: random warm start + Optuna TPE", "seed": seed, "trials": len(complete),
-                "random_trials": n_random, "pinned": pinned, "calibration": calib.description,
+                "random_trials": n_random, "pinned": pinned, "budget_unit": budget_unit, "calibration": calib.description,
                 "time_s": round(study_s, 1), "this_run_s": round(time.perf_counter() - t0, 1), "study": name},
     )
