@@ -12,6 +12,7 @@ import torch
 
 from viasd import generate
 from viasd.decoding.acceptance import SamplingParams, cascade_defer, cascade_target, greedy_accept
+from viasd.decoding.draft_length import DraftLength
 from viasd.decoding.drafters import NO_DRAFT, ModelDrafter, NgramDrafter, SelfDrafter, ngram_lookup
 from viasd.decoding.multitier import viasd_lossless_decode, viasd_tiered_decode
 from viasd.decoding.strategies import speculative_decode
@@ -417,3 +418,42 @@ def test_adaptive_tiered_with_every_token_to_full_equals_ar(tiny, tiny_drafter, 
     r = generate([1, 5, 6, 7, 5, 6], tiny, strategy="viasd", mode="tiered", slim_layers=SLIM, max_new_tokens=6)
     assert r.config["adaptive_k"] is True
     assert generate([1, 5, 6, 7, 5, 6], tiny, strategy="viasd", slim_layers=SLIM, max_new_tokens=6).config.get("adaptive_k") is None
+
+
+class _Oracle:
+    """A free drafter (as prompt lookup is) that proposes `ar`'s own continuation."""
+
+    free = True
+
+    def __init__(self, prompt: list[int], continuation: list[int]):
+        self.sequence = list(prompt) + list(continuation)
+
+    def begin(self, max_len, verifier) -> None:
+        pass
+
+    def propose(self, context: list[int], k: int):
+        from viasd.decoding.drafters import Draft
+
+        return Draft(self.sequence[len(context) : len(context) + k], None)
+
+
+def test_adaptive_tiered_scores_free_drafts_it_did_not_verify(tiny, monkeypatch):
+    """Where each row costs nearly a pass, the prior acceptance chooses no draft; a free drafter is
+    then still scored on the token it proposed, so a drafter that is always right earns its drafts
+    back (as in `sd`). Tiered mode once never learnt: it drafted nothing for the whole request."""
+    k, prompt = 4, [1, 5, 6, 7, 5, 6]
+    expected = run_ar(tiny, prompt, 40)
+    slim = LayerMask.from_layers(tiny.config.n_layers, SLIM)
+    off = TierThresholds(accept=2.0, slim=2.0)
+    # each row 0.7 of a pass: at the prior acceptance (0.6) no draft pays; at 0.8 one does (the costs
+    # held there: measured passes of the tiny model would replace them)
+    tiny.decoder.__dict__["_pass_times"] = {k + 1: [1 + 0.7 * j for j in range(k + 1)]}
+    monkeypatch.setattr(DraftLength, "observe_pass", lambda self, rows, seconds: None)
+    try:
+        for decode in (lambda req: speculative_decode(tiny.decoder, _Oracle(prompt, expected), req, k, adaptive=True),
+                       lambda req: viasd_tiered_decode(tiny.decoder, _Oracle(prompt, expected), slim, req, k, off, adaptive=True)):
+            req = DecodeRequest(prompt, 40, GREEDY)
+            assert decode(req) == expected
+            assert req.stats.drafted >= 20 and req.stats.accepted == req.stats.drafted
+    finally:
+        tiny.decoder.__dict__.pop("_pass_times", None)

@@ -120,7 +120,7 @@ def viasd_tiered_decode(decoder: Decoder, drafter: Drafter, route: LayerMask, re
     while not v.done:
         # 1. draft, and score the drafts and the bonus position with one slim pass
         k_eff = min(k, v.budget - 1)
-        draft = _propose(drafter, v.tokens, k_eff, policy)
+        draft, peek = _propose(drafter, v.tokens, k_eff, policy)
         if confident_round(draft.tokens, draft.probs, thresholds):  # tier 1 by the drafter alone: no slim pass
             stats.observe_round(len(draft), len(draft))
             kept = v.commit(list(draft.tokens), [Tier.ACCEPT] * len(draft))
@@ -140,7 +140,11 @@ def viasd_tiered_decode(decoder: Decoder, drafter: Drafter, route: LayerMask, re
             # the pass also computes the full model's logits before each token settled without it
             # (pending ones and this round's tiers 1-2): greedy, count where it would have chosen otherwise
             unchecked = v.tokens[min(v.cache.n_full, len(v.tokens) - 1) + 1 :] + new
-            rows = v.full(new + draft.tokens[i:], n_rows=len(unchecked) + len(draft) - i + 1)  # [u + k'-i+1, V]
+            n_rows = len(unchecked) + len(draft) - i + 1
+            t0 = time.perf_counter()
+            rows = v.full(new + draft.tokens[i:], n_rows=n_rows)  # [u + k'-i+1, V]
+            if policy is not None:  # the costs it chooses by follow the measured passes, as in `sd`
+                policy.observe_pass(n_rows, time.perf_counter() - t0)
             if params.greedy and unchecked:
                 stats.observe_recheck(len(unchecked), int((rows[: len(unchecked)].argmax(-1) != torch.tensor(unchecked)).sum()))
             rows = rows[len(unchecked) :]  # [k'-i+1, V]
@@ -150,27 +154,35 @@ def viasd_tiered_decode(decoder: Decoder, drafter: Drafter, route: LayerMask, re
             origin += [Tier.FULL] * (n + 1)
         stats.observe_round(len(draft), _common_prefix(new, draft.tokens))  # settled by the slim or the full verifier
         if policy is not None:
-            policy.observe(len(draft), _common_prefix(new, draft.tokens))
+            kept_drafts = _common_prefix(new, draft.tokens)
+            policy.observe(len(draft), kept_drafts)
+            if peek is not None and kept_drafts == len(draft) and len(new) > len(draft):
+                policy.observe(1, int(new[len(draft)] == peek))  # the proposed token after the verified drafts
         kept = v.commit(new, origin)
         stats.unchecked += sum(t != Tier.FULL for t in origin[:kept])
     return v.out
 
 
-def _propose(drafter: Drafter, tokens: list[int], k: int, policy: DraftLength | None) -> Draft:
-    """Up to k drafts; with a policy, as many as it chooses (a free drafter proposes k and is cut)."""
+def _propose(drafter: Drafter, tokens: list[int], k: int, policy: DraftLength | None) -> tuple[Draft, int | None]:
+    """Up to k drafts; with a policy, as many as it chooses. A free drafter proposes k and is cut; the
+    first token cut off comes back too (`peek`), so that the policy scores the drafter on it even in
+    rounds that verify no draft (as `sd` does: else an acceptance estimate that chose no draft could
+    never learn otherwise)."""
     if k <= 0:
-        return NO_DRAFT
+        return NO_DRAFT, None
     if policy is None:
-        return drafter.propose(tokens, k)
+        return drafter.propose(tokens, k), None
     if policy.free_drafts:
-        return drafter.propose(tokens, k).cut(policy.choose())
+        proposal = drafter.propose(tokens, k)
+        j = min(policy.choose(), len(proposal))
+        return proposal.cut(j), proposal.tokens[j] if j < len(proposal) else None
     j = min(policy.choose(), k)
     if j == 0:
-        return NO_DRAFT
+        return NO_DRAFT, None
     t0 = time.perf_counter()
     draft = drafter.propose(tokens, j)
     policy.observe_drafting(time.perf_counter() - t0, len(draft))
-    return draft
+    return draft, None
 
 
 def _settle_without_full(draft: Draft, slim: torch.Tensor, tiers: list[Tier], params: SamplingParams,
