@@ -273,8 +273,9 @@ def test_a_server_with_a_drafter_model_serves_sd(tiny, tiny_drafter):
                            **{"strategy": "sd", "k": 3, "max_new_tokens": 6, **{k: tuple(v) if isinstance(v, list) else v for k, v in ext.items()}})
             assert r.choices[0].text == ref.text
             assert r.model_extra["viasd"]["config"]["draft"] == "model"
-            assert r.model_extra["viasd"]["stats"]["calls"].get("draft", 0) >= 1 or r.usage.completion_tokens <= 1
             config = r.model_extra["viasd"]["config"]
+            if not config.get("adaptive_k"):  # adaptive drafting follows measured costs: it may draft nothing in 6 tokens
+                assert r.model_extra["viasd"]["stats"]["calls"].get("draft", 0) >= 1 or r.usage.completion_tokens <= 1
             assert config["adapt_k"] is ext.get("adapt_k")  # as asked; None: the default
             # what ran: adaptive drafting for sd and tiered VIA-SD under greedy decoding unless asked not to;
             # none for lossless VIA-SD; the new VIA-SD settings reach the record
