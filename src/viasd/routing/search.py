@@ -282,14 +282,14 @@ def search_route(
             raise UsageError(f"--prefix must be in 0 .. {n - 1}, got {prefix}")
         pinned = sorted(({0, n - 1} if pin_ends else set()) | set(range(prefix)))
     calib = calib or build_calibration(model, progress=progress)
+    if head_vocab is not None:  # it depends on the calibration only, not on the route
+        from viasd.routing.vocab import calibration_vocab
+
+        vocab = calibration_vocab(model, head_vocab, calib)
     if budget_unit == "layers":
         select = lambda scores: kept_from_scores(scores, n_keep, pinned)  # noqa: E731
         unit = ""
     else:
-        if head_vocab is not None:
-            from viasd.routing.vocab import calibration_vocab
-
-            vocab = calibration_vocab(model, head_vocab, calib)
         dec = model.decoder
         sizes = [dec.weight_bytes(LayerMask.from_layers(n, [i]), head=False) for i in range(n)]
         full = dec.weight_bytes()
@@ -338,10 +338,9 @@ def search_route(
     study_s = sum((t.datetime_complete - t.datetime_start).total_seconds() for t in complete)
     best = study.best_trial
     metrics = {**best.user_attrs["metrics"], "cost": cost}
-    if head_vocab is not None:
-        from viasd.routing.vocab import calibration_vocab, coverage
+    if vocab is not None:
+        from viasd.routing.vocab import coverage
 
-        vocab = vocab or calibration_vocab(model, head_vocab, calib)
         metrics["vocab_size"] = len(vocab)
         metrics["vocab_top1_coverage_calibration"] = coverage(vocab, torch.cat([idx[:, 0] for idx in calib.topk_idx]).tolist())
     metrics.update({k: round(v, 4) for k, v in route_costs(model, LayerMask.from_layers(n, best.user_attrs["kept"]), vocab).items()})
