@@ -16,7 +16,9 @@ Then the whole forward pass at 1 and 8 tokens after a 128-token prompt and after
 ggml's packed layouts and attention only; `native-plain`: native weights left unpacked):
 T(1), T(8), T(8)/T(1), and the peak RSS of a process that loads the model and runs it. And, where
 the row-exact attention op runs, native passes with it and with ggml's reference flash attention,
-interleaved call by call (`attention_ab`; `--formats ''` `--no-products` runs only that).
+interleaved call by call (`attention_ab`); and the row-exact kernel prefetching weights at every row
+count against only at one or two rows (`prefetch_ab`, interleaved the same way). `--formats ''`
+`--no-products` runs only those two.
 
     python benchmarks/native_probe.py [--models smollm2-135m,qwen2.5-coder-1.5b] [--formats ...] [--no-products] [--out FILE]
 
@@ -181,33 +183,61 @@ def forward_times(model, prompt_len: int = 128, long_len: int = 600) -> dict:
     return out
 
 
-def attention_ab(model, contexts=(128, 600), reps: int = 30) -> list[dict]:
-    """Native decoding passes attending with viasd's row-exact op against ggml's reference flash
-    attention, the same products otherwise: the two graphs alternate call by call (interleaved, so
-    drift on a shared machine hits both alike). Median ms per (context, rows)."""
+def interleaved_passes(model, setups: dict, contexts=(128, 600), reps: int = 30) -> list[dict]:
+    """Native decoding passes at 1 and 8 rows under each of `setups` (name -> a function that puts the
+    decoder in that state), alternating call by call (interleaved, so drift on a shared machine hits
+    them alike). Median ms per (context, rows, setup)."""
     dec = model.decoder
-    graphs = {"row-exact": dec._graph, "ggml": NativeForward(dec, pack=True, attention="ggml")}
     ids = torch.randint(100, 1000, (max(contexts) + 8,), generator=torch.Generator().manual_seed(0))
     out = []
+    for n in contexts:
+        cache = dec.new_cache(n + 16)
+        dec.forward(ids[:n], 0, cache)
+        for t in (1, 8):
+            times = {k: [] for k in setups}
+            for rep in range(reps + 3):
+                for k, setup in setups.items():
+                    setup()
+                    start = time.perf_counter()
+                    dec.forward(ids[n : n + t], n, cache)
+                    if rep >= 3:
+                        times[k].append(time.perf_counter() - start)
+                    cache.rollback(n)
+            out.append({"context": n, "rows": t, "ms": {k: 1000 * statistics.median(v) for k, v in times.items()}})
+    return out
+
+
+def attention_ab(model, contexts=(128, 600), reps: int = 30) -> list[dict]:
+    """Native decoding passes attending with viasd's row-exact op against ggml's reference flash
+    attention, the same products otherwise, interleaved call by call."""
+    dec = model.decoder
+    graphs = {"row-exact": dec._graph, "ggml": NativeForward(dec, pack=True, attention="ggml")}
+
+    def use(g):
+        return lambda: setattr(dec, "_graph", g)
     try:
-        for n in contexts:
-            cache = dec.new_cache(n + 16)
-            dec.forward(ids[:n], 0, cache)
-            for t in (1, 8):
-                times = {k: [] for k in graphs}
-                for rep in range(reps + 3):
-                    for k, g in graphs.items():
-                        dec._graph = g
-                        start = time.perf_counter()
-                        dec.forward(ids[n : n + t], n, cache)
-                        if rep >= 3:
-                            times[k].append(time.perf_counter() - start)
-                        cache.rollback(n)
-                ms = {k: 1000 * statistics.median(v) for k, v in times.items()}
-                out.append({"context": n, "rows": t, "ms_row_exact": round(ms["row-exact"], 3), "ms_ggml": round(ms["ggml"], 3),
-                            "ratio": round(ms["row-exact"] / ms["ggml"], 3)})
+        recs = interleaved_passes(model, {k: use(g) for k, g in graphs.items()}, contexts, reps)
     finally:
         dec._graph = graphs["row-exact"]
+    return [{"context": r["context"], "rows": r["rows"], "ms_row_exact": round(r["ms"]["row-exact"], 3),
+             "ms_ggml": round(r["ms"]["ggml"], 3), "ratio": round(r["ms"]["row-exact"] / r["ms"]["ggml"], 3)} for r in recs]
+
+
+def prefetch_ab(model, contexts=(128, 600), reps: int = 30) -> list[dict]:
+    """The row-exact kernel prefetching weights at every row count (the default) against only in
+    passes of up to two rows (before session 9), interleaved call by call: T(1), T(8) and T(8)/T(1)
+    under each."""
+    def rows(n):
+        return lambda: rowexact.set_prefetch_rows(n)
+    try:
+        recs = interleaved_passes(model, {"all": rows(8), "up_to_2": rows(2)}, contexts, reps)
+    finally:
+        rowexact.set_prefetch_rows(8)
+    out = []
+    for n in contexts:
+        one, eight = ({r["rows"]: r for r in recs if r["context"] == n}[t]["ms"] for t in (1, 8))
+        out.append({"context": n, **{f"ms_{t}_{k}": round(m[k], 3) for t, m in ((1, one), (8, eight)) for k in m},
+                    **{f"ratio_8_1_{k}": round(eight[k] / one[k], 3) for k in one}})
     return out
 
 
@@ -229,6 +259,9 @@ def main() -> int:
     ap.add_argument("--no-products", action="store_true", help="skip the per-layer product candidates")
     ap.add_argument("--no-attention-ab", action="store_true",
                     help="skip the interleaved comparison of the row-exact attention op with ggml's")
+    ap.add_argument("--no-prefetch-ab", action="store_true",
+                    help="skip the interleaved comparison of the row-exact kernel prefetching weights at every row "
+                         "count against only at one or two rows")
     ap.add_argument("--out", type=Path, default=OUT)
     ap.add_argument("--no-rss", action="store_true", help="skip the peak-RSS child processes")
     args = ap.parse_args()
@@ -258,6 +291,9 @@ def main() -> int:
             if not args.no_attention_ab and native.decoder._graph is not None and native.decoder._graph.attention == "row-exact":
                 for rec in attention_ab(native):
                     emit({"kind": "attention_ab", "model": name, **rec})
+            if not args.no_prefetch_ab and gk.ROW_EXACT in (native.kernels or {}):
+                for rec in prefetch_ab(native):
+                    emit({"kind": "prefetch_ab", "model": name, **rec})
             del native
             for fmt in filter(None, args.formats.split(",")):
                 # native-plain: unpacked; native-ggml: ggml's packed layouts only (no row-exact kernel)

@@ -131,6 +131,12 @@ static void tiles_ref(const rx_weight *w, int64_t t0, int64_t t1, int64_t T, con
 // ---------------------------------------------------------------- AVX-512 VNNI kernel
 #define RX_CHUNK 8  // activation rows per pass over a tile's weights
 #define RX_AHEAD 8  // software prefetch distance, in blocks
+// software prefetch of the weights for passes of up to this many rows (all by default: with 8 rows a
+// block's weights are still read from memory while the previous ones are multiplied; benchmarks lower
+// it to compare, see rx_set_prefetch_rows)
+static int prefetch_rows = RX_CHUNK;
+
+void rx_set_prefetch_rows(int rows) { prefetch_rows = rows; }
 
 __attribute__((target("avx512f,avx512bw,avx512vnni")))
 static inline __m512 block_vector(const rx_weight *w, int which, int64_t tile, int64_t b) {
@@ -161,7 +167,7 @@ static inline void tiles_vnni_un(const rx_weight *w, int64_t tile0, const int U,
         for (int u = 0; u < U; u++) {
             const int64_t tile = tile0 + u;
             const uint8_t *p = w->q + (tile * nblk + b) * qbytes;
-            if (NT <= 2)  // one or two rows: bound by memory; ask for the weights RX_AHEAD blocks on
+            if (NT <= prefetch_rows)  // ask for the weights RX_AHEAD blocks on
                 for (int64_t off = 0; off < qbytes; off += 64) _mm_prefetch((const char *)p + RX_AHEAD * qbytes + off, _MM_HINT_T0);
             __m512i wv[8];
             if (BITS == 8) {
@@ -440,8 +446,9 @@ void rx_ggml_op(void *dst, int ith, int nth, void *userdata) {
 // out[t, h] = sum_p softmax_p(s) v[p],  s[p] = scale * q[t, h] . k[p] (+ softcap) + mask[t, p], over
 // the keys row t's mask leaves visible (mask > -inf). The same float operations for (t, h) whatever
 // the other rows of the call or the thread: keys go in chunks of 16 at fixed positions (p / 16), a
-// chunk with no visible key adds exactly nothing, each dot product reduces its lanes in a fixed
-// tree, the exponentials are computed lane by lane, and the values are summed key by key in order.
+// chunk with no visible key adds exactly nothing (nor does any key past the last visible chunk), each
+// dot product reduces its lanes in a fixed tree, the exponentials are computed lane by lane, and the
+// values are summed key by key in order, even and odd keys in two chains added at the end.
 // What it replaces, ggml's reference flash attention, does the same per row but one key at a time
 // with scalar exponentials: 5-8x slower here.
 
@@ -494,11 +501,13 @@ int rx_has_avx512(void) {
 }
 
 // one (row, head): q [D] -> out [D], keys / values p at k + p * ks, v + p * vs (floats), mask [n_keys] f16
-RX_AVX512 static void attend_one(const float *q, const char *k, size_t ks, const char *v, size_t vs, const uint16_t *mask,
-                                 int64_t n_keys, int D, float scale, float softcap, float *s, float *out) {
+__attribute__((target("avx512f,avx512bw,avx512vl"), always_inline))
+static inline void attend_d(const float *q, const char *k, size_t ks, const char *v, size_t vs, const uint16_t *mask,
+                            int64_t n_keys, const int D, float scale, float softcap, float *s, float *out) {
     const int64_t n_chunks = (n_keys + 15) / 16;
     __m512 mx = _mm512_set1_ps(-INFINITY);
     const __m512 neg = _mm512_set1_ps(-INFINITY);
+    int64_t used = 0;  // chunks up to the last one with a visible key (the rest add nothing)
     for (int64_t c = 0; c < n_chunks; c++) {
         const int64_t p0 = c * 16;
         const int n = n_keys - p0 < 16 ? (int)(n_keys - p0) : 16;
@@ -509,6 +518,7 @@ RX_AVX512 static void attend_one(const float *q, const char *k, size_t ks, const
             _mm512_storeu_ps(s + p0, neg);
             continue;
         }
+        used = c + 1;
         __m512 acc[16];
         for (int j = 0; j < 16; j++) {
             const float *kp = (const float *)(k + (p0 + (j < n ? j : 0)) * ks);
@@ -532,22 +542,40 @@ RX_AVX512 static void attend_one(const float *q, const char *k, size_t ks, const
     if (m == -INFINITY) return;  // no visible key (ggml's reference gives zeros too)
     __m512 sum = _mm512_setzero_ps();
     const __m512 mm = _mm512_set1_ps(m);
-    for (int64_t c = 0; c < n_chunks; c++) {
+    for (int64_t c = 0; c < used; c++) {
         const __m512 e = exp_ps(_mm512_sub_ps(_mm512_loadu_ps(s + c * 16), mm));
         _mm512_storeu_ps(s + c * 16, e);
         sum = _mm512_add_ps(sum, e);
     }
-    __m512 o[16];  // D <= 256
-    for (int i = 0; i < D / 16; i++) o[i] = _mm512_setzero_ps();
-    for (int64_t p = 0; p < n_keys; p++) {
-        if (s[p] == 0.0f) continue;  // masked (or underflowed: adds exactly nothing)
-        const __m512 e = _mm512_set1_ps(s[p]);
-        const float *vp = (const float *)(v + p * vs);
-        for (int i = 0; i < D / 16; i++) o[i] = _mm512_fmadd_ps(e, _mm512_loadu_ps(vp + 16 * i), o[i]);
+    // values key by key in order, even and odd keys in two chains (summed at the end: a fixed order)
+    __m512 o0[16], o1[16];  // D <= 256
+    for (int i = 0; i < D / 16; i++) o0[i] = o1[i] = _mm512_setzero_ps();
+    const int64_t last = used * 16 < n_keys ? used * 16 : n_keys;
+    for (int64_t p = 0; p < last; p += 2) {
+        if (s[p] != 0.0f) {  // (zero: masked or underflowed, adds exactly nothing)
+            const __m512 e = _mm512_set1_ps(s[p]);
+            const float *vp = (const float *)(v + p * vs);
+            for (int i = 0; i < D / 16; i++) o0[i] = _mm512_fmadd_ps(e, _mm512_loadu_ps(vp + 16 * i), o0[i]);
+        }
+        if (p + 1 < last && s[p + 1] != 0.0f) {
+            const __m512 e = _mm512_set1_ps(s[p + 1]);
+            const float *vp = (const float *)(v + (p + 1) * vs);
+            for (int i = 0; i < D / 16; i++) o1[i] = _mm512_fmadd_ps(e, _mm512_loadu_ps(vp + 16 * i), o1[i]);
+        }
     }
     const float total = _mm512_reduce_add_ps(sum);
     const __m512 inv = _mm512_set1_ps(total == 0.0f ? 0.0f : 1.0f / total);
-    for (int i = 0; i < D / 16; i++) _mm512_storeu_ps(out + 16 * i, _mm512_mul_ps(o[i], inv));
+    for (int i = 0; i < D / 16; i++) _mm512_storeu_ps(out + 16 * i, _mm512_mul_ps(_mm512_add_ps(o0[i], o1[i]), inv));
+}
+
+// head sizes as constants (the value sums stay in registers), any other multiple of 16 as a variable
+RX_AVX512 static void attend_one(const float *q, const char *k, size_t ks, const char *v, size_t vs, const uint16_t *mask,
+                                 int64_t n_keys, int D, float scale, float softcap, float *s, float *out) {
+    switch (D) {
+        case 64: attend_d(q, k, ks, v, vs, mask, n_keys, 64, scale, softcap, s, out); break;
+        case 128: attend_d(q, k, ks, v, vs, mask, n_keys, 128, scale, softcap, s, out); break;
+        default: attend_d(q, k, ks, v, vs, mask, n_keys, D, scale, softcap, s, out); break;
+    }
 }
 
 // ggml custom op (ggml_custom_4d): dst [D, H, T] from src[0] q [D, T, H], src[1] k, src[2] v

@@ -138,6 +138,14 @@ def op_address() -> int:
     return ctypes.cast(lib().rx_ggml_op, ctypes.c_void_p).value
 
 
+def set_prefetch_rows(rows: int) -> None:
+    """The VNNI kernel prefetches a tile's weights a few blocks ahead in passes of up to `rows` rows
+    (default 8, all of them). Results never depend on it; benchmarks lower it to measure what it saves."""
+    cdll = lib()
+    if cdll is not None:
+        cdll.rx_set_prefetch_rows(ctypes.c_int(rows))
+
+
 class AttentionParams(ctypes.Structure):  # struct rx_attn_params
     _fields_ = [("scale", ctypes.c_float), ("softcap", ctypes.c_float)]
 
