@@ -128,6 +128,23 @@ def test_draft_length_follows_costs_and_acceptance():
         DraftLength(4, [0.01] * 3, free_drafts=True)
 
 
+def test_pass_times_are_measured_interleaved(tiny, monkeypatch):
+    """Every row count is measured in every round (1, 2, 3, 1, 2, 3, ...), not one after another."""
+    calls = []
+    forward = type(tiny.decoder).forward
+
+    def counting(self, tokens, start, cache, *args, **kwargs):
+        calls.append(int(tokens.shape[0]))
+        return forward(self, tokens, start, cache, *args, **kwargs)
+    monkeypatch.setattr(type(tiny.decoder), "forward", counting)
+    tiny.decoder.__dict__.pop("_pass_times", None)
+    try:
+        times = pass_times(tiny.decoder, 3, reps=2)
+    finally:
+        tiny.decoder.__dict__.pop("_pass_times", None)
+    assert calls[1:] == [1, 2, 3] * 3 and len(times) == 3
+
+
 @pytest.mark.parametrize("steep", [False, True])
 def test_adaptive_draft_lengths_keep_every_drafter_lossless(tiny, tiny_drafter, steep):
     """Draft lengths chosen round by round (from the tiny model's measured pass costs, or from

@@ -8,8 +8,10 @@ j drafts commit (1 - alpha^(j+1)) / (1 - alpha) tokens on average (Leviathan et 
 and cost c(j) = T(j+1)/T(1) one-row passes plus the drafting; each round takes the j in 0..k that
 commits the most tokens per unit of cost. alpha is learnt as the request decodes, from what the full
 model accepted (decayed, so that a copied passage raises it quickly and ordinary text lowers it).
-T(r) starts from a measurement on a short context (`pass_times`, once per model) and follows the
-request's own verification passes (their attention grows with the context).
+T(r) starts from a measurement on a short context (`pass_times`, once per model: the row counts
+interleaved, so that a slow spell of a shared machine hits them alike rather than making some row
+counts look dear for good) and follows the request's own verification passes (their attention grows
+with the context).
 
 The choice changes only how fast a lossless strategy decodes, never what it outputs (greedy output
 equals `ar`'s and sampled output follows the verifier's distribution at every draft length); a seeded
@@ -44,16 +46,17 @@ def pass_times(decoder: Decoder, rows: int, reps: int = 3) -> list[float]:
     ids = torch.arange(rows + n) % min(1000, decoder.config.vocab_size)  # any tokens: the cost is the same
     cache = decoder.new_cache(n + rows)
     decoder.forward(ids[:n], 0, cache)
-    times: list[float] = []
-    for r in range(1, rows + 1):
-        samples = []
-        for i in range(reps + 1):
+    samples: list[list[float]] = [[] for _ in range(rows)]
+    for i in range(reps + 1):  # row counts interleaved: drift hits all of them alike
+        for r in range(1, rows + 1):
             t0 = time.perf_counter()
             decoder.forward(ids[n : n + r], n, cache)
-            if i:  # the first call builds the graph
-                samples.append(time.perf_counter() - t0)
+            if i:  # the first round builds the graphs
+                samples[r - 1].append(time.perf_counter() - t0)
             cache.rollback(n)
-        times.append(max(statistics.median(samples), times[-1] if times else 0.0))
+    times: list[float] = []
+    for r in range(rows):
+        times.append(max(statistics.median(samples[r]), times[-1] if times else 0.0))
     cached[rows] = times
     return times
 
