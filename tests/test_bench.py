@@ -23,6 +23,11 @@ def test_bad_methods_tasks_and_files(tmp_path):
         ("pld+fixed", {"strategy": "pld", "adapt_k": False}),
         ("cascade:model+adapt", {"strategy": "cascade", "draft": "model", "adapt_k": True})]
     assert parse_methods("viasd-tiered:pld+fixed")[0][1] == {"strategy": "viasd", "mode": "tiered", "draft": "pld", "adapt_k": False}
+    assert parse_methods("viasd-tiered:pld+correct+fixed")[0][1] == {
+        "strategy": "viasd", "mode": "tiered", "draft": "pld", "correct": True, "adapt_k": False}
+    for bad in ("viasd-lossless+correct", "pld+correct"):
+        with pytest.raises(UsageError, match=r"\+correct applies to viasd-tiered only"):
+            parse_methods(bad)
     for bad in ("viasd-lossless+adapt", "ar+adapt", "pld+fast"):
         with pytest.raises(UsageError, match=r"the modifiers are \+adapt and \+fixed"):
             parse_methods(bad)

@@ -27,6 +27,8 @@ def run(capsys, *argv):
         (["generate", "hi", "--top-p", "0"], "viasd: error: top_p must be in (0, 1]"),
         (["generate", "hi", "--max-new-tokens", "0"], "viasd: error: max_new_tokens must be >= 1"),
         (["generate", "hi", "--strategy", "nope"], "invalid choice: 'nope'"),
+        (["generate", "hi", "--strategy", "viasd", "--correct"],
+         "viasd: error: correct applies to strategy viasd in tiered mode with greedy decoding"),
         (["frobnicate"], "invalid choice: 'frobnicate'"),
     ],
 )

@@ -303,6 +303,15 @@ def test_viasd_api_settings_and_errors(tiny, tmp_path):
         generate([1, 2, 3], tiny, strategy="viasd", mode="tiered", thresholds=str(tmp_path / "bad.json"), max_new_tokens=4)
     with pytest.raises(UsageError, match="unknown mode 'fast'"):
         generate([1, 2, 3], tiny, strategy="viasd", mode="fast")
+    for bad in (dict(strategy="viasd", mode="lossless"), dict(strategy="pld"),
+                dict(strategy="viasd", mode="tiered", temperature=0.5)):
+        with pytest.raises(UsageError, match="correct applies to strategy viasd in tiered mode with greedy decoding"):
+            generate([1, 2, 3], tiny, correct=True, max_new_tokens=4, **bad)
+    with pytest.raises(UsageError, match="correct must be True or False"):
+        generate([1, 2, 3], tiny, strategy="viasd", mode="tiered", correct="yes", max_new_tokens=4)
+    out = generate([1, 2, 3], tiny, strategy="viasd", mode="tiered", slim_layers=tuple(SLIM), accept=0.0, accept_draft=0.0,
+                   slim=0.0, correct=True, max_new_tokens=12)
+    assert out.config["correct"] is True and out.token_ids == generate([1, 2, 3], tiny, strategy="ar", max_new_tokens=12).token_ids
     with pytest.raises(UsageError, match="unknown setting\\(s\\): mdoe"):
         generate([1, 2, 3], tiny, strategy="viasd", mdoe="tiered")
     assert default_slim_layers(30) == tuple(i for i in range(30) if not (10 <= i < 20 and i % 2))
@@ -400,6 +409,46 @@ def test_full_passes_recheck_tokens_settled_without_them(tiny):
         viasd_tiered_decode(tiny.decoder, NgramDrafter(), slim, req, 4, everything_tier1)
         rechecked, disagreed = rechecked + req.stats.rechecked, disagreed + req.stats.disagreed
     assert 0 < disagreed <= rechecked
+
+
+@pytest.mark.parametrize("kind", ["pld", "self", "model"])
+@pytest.mark.parametrize("thr", [TierThresholds(accept=0.0, accept_draft=0.0, slim=1.5),  # drafts tier 1, bonus full
+                                 TierThresholds(accept=2.0, slim=0.0),  # the slim verifier settles everything
+                                 TierThresholds(accept=0.5, accept_draft=0.0, slim=0.4)])
+def test_tiered_correction_equals_ar_and_streams_only_checked_tokens(tiny, tiny_drafter, kind, thr):
+    """Correction mode: full passes replace the first token settled without them where the full
+    model's greedy choice differs. The output equals ar's under thresholds that change it without
+    correction, and the stream (tokens passed to on_tokens) is exactly the output: no token that a
+    correction took back was ever emitted."""
+    slim = LayerMask.from_layers(tiny.config.n_layers, SLIM)
+    changed = corrected = 0
+    for prompt in prompts(3):
+        expected = run_ar(tiny, prompt, 30)
+        plain = DecodeRequest(prompt, 30, GREEDY)
+        changed += viasd_tiered_decode(tiny.decoder, drafters(tiny, tiny_drafter)[kind](), slim, plain, 4, thr) != expected
+        streamed: list[int] = []
+        req = DecodeRequest(prompt, 30, GREEDY, on_tokens=streamed.extend)
+        out = viasd_tiered_decode(tiny.decoder, drafters(tiny, tiny_drafter)[kind](), slim, req, 4, thr, correct=True)
+        assert out == expected and streamed == out
+        s = req.stats
+        assert s.new_tokens == 30 and sum(s.tiers.values()) == 30 and s.discarded >= s.corrected
+        corrected += s.corrected
+    assert changed > 0 and corrected > 0  # the thresholds do change tokens, and correction mends them
+
+
+def test_tiered_correction_checks_the_budget_s_last_tokens(tiny):
+    """Tokens settled without the full model at the end of the budget get a full pass of their own
+    (and, where it disagrees, decoding goes on from the corrected token): with every draft tier 1
+    and n-gram drafts, the output still equals ar's, at every budget."""
+    slim = LayerMask.from_layers(tiny.config.n_layers, SLIM)
+    thr = TierThresholds(accept=0.0, accept_draft=0.0, slim=0.0)
+    for n in (1, 2, 5, 13):
+        for prompt in prompts(2):
+            req = DecodeRequest(prompt, n, GREEDY)
+            assert viasd_tiered_decode(tiny.decoder, NgramDrafter(), slim, req, 4, thr, correct=True) == run_ar(tiny, prompt, n)
+    with pytest.raises(ValueError, match="greedy"):
+        viasd_tiered_decode(tiny.decoder, NgramDrafter(), slim, DecodeRequest(prompts(1)[0], 4, SamplingParams(0.7)), 4, thr,
+                            correct=True)
 
 
 @pytest.mark.parametrize("kind", ["pld", "model"])

@@ -69,6 +69,9 @@ class ViasdOptions:
     resume: bool = True  # full passes start where the slim route's whole lower layers end (same output)
     reduced_head: bool = True  # slim and drafting routes: the reduced LM head their route file stores, if any
     thresholds: str | None = None  # tiered: a JSON file of TierThresholds fields
+    # tiered, greedy: each full pass corrects the first token settled without the full model where its
+    # greedy choice differs (dropping what follows); such tokens are streamed once checked. Output = ar's
+    correct: bool = False
     accept: float | None = None  # tiered threshold overrides (TierThresholds)
     accept_draft: float | None = None
     accept_tv: float | None = None
@@ -175,6 +178,9 @@ class GenerateConfig:
             raise UsageError(f"temperature must be >= 0 (0 = greedy), got {self.temperature}")
         if not 0 < self.top_p <= 1:
             raise UsageError(f"top_p must be in (0, 1], got {self.top_p}")
+        if self.viasd.correct and not (spec.multitier and self.viasd.mode == Mode.TIERED.value and self.temperature == 0):
+            raise UsageError("correct applies to strategy viasd in tiered mode with greedy decoding (temperature 0): "
+                             "it replaces tokens by the full model's greedy choice")
         for group in _GROUPS:
             getattr(self, group).validate()
 
@@ -242,7 +248,9 @@ def _loop_args(spec: Strategy, config: GenerateConfig, verifier: LoadedModel) ->
         extra["adaptive_k"] = adaptive
     if spec.multitier:
         extra["resume_layer"] = resume_layer(slim, v.resume)
-    return LoopArgs(config.k, Mode(v.mode), v.full_block, slim, thresholds, cascade, adaptive, v.resume, head), extra
+    if tiered:
+        extra["correct"] = v.correct
+    return LoopArgs(config.k, Mode(v.mode), v.full_block, slim, thresholds, cascade, adaptive, v.resume, head, v.correct), extra
 
 
 def check_messages(messages: Sequence[dict]) -> list[dict[str, str]]:

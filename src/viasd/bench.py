@@ -47,22 +47,28 @@ class Prompt:
 def parse_methods(spec: str) -> list[tuple[str, dict]]:
     out = []
     for name in [m.strip() for m in spec.split(",") if m.strip()]:
-        head, _, modifier = name.partition("+")
+        head, *modifiers = name.split("+")
         base, _, kind = head.partition(":")
         if base not in METHODS:
             raise UsageError(f"unknown method {name!r}: choose from {', '.join(METHODS)} (optionally :pld, :self or :model, "
-                             "and +adapt or +fixed)")
+                             "and +adapt or +fixed, +correct for viasd-tiered)")
         settings = dict(METHODS[base])
         if kind:
             if kind not in (DraftKind.PLD, DraftKind.SELF, DraftKind.MODEL) or STRATEGIES[settings["strategy"]].drafter is not DraftKind.AUTO:
                 raise UsageError(f"method {name!r}: a drafter suffix (:pld, :self, :model) applies to cascade and viasd-* only")
             settings["draft"] = kind
             STRATEGIES[settings["strategy"]].draft_kind(kind, True)  # a kind the strategy cannot draft with: refused here
-        if modifier:
+        for modifier in modifiers:
             spec_ = STRATEGIES[settings["strategy"]]
+            if modifier == "correct":
+                if settings.get("mode") != "tiered":
+                    raise UsageError(f"method {name!r}: +correct applies to viasd-tiered only")
+                settings["correct"] = True
+                continue
             if modifier not in ("adapt", "fixed") or spec_.drafter is None or settings.get("mode") == "lossless":
                 raise UsageError(f"method {name!r}: the modifiers are +adapt and +fixed (draft lengths from measured "
-                                 "costs, or always k), for sd, pld, self-sd, cascade and viasd-tiered")
+                                 "costs, or always k), for sd, pld, self-sd, cascade and viasd-tiered, and +correct "
+                                 "for viasd-tiered")
             settings["adapt_k"] = modifier == "adapt"
         out.append((name, settings))
     if not out:

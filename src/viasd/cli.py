@@ -351,6 +351,10 @@ def _add_generate(p: argparse.ArgumentParser) -> None:
                    help="slim and drafting routes score only the vocabulary their route file stores, if it stores one "
                         "(a draft outside it goes to the full model) (default: on)")
     v.add_argument("--thresholds", metavar="FILE.json", help="tiered: thresholds file (as written by `viasd calibrate`)")
+    v.add_argument("--correct", action="store_true",
+                   help="tiered, greedy: each full pass corrects the first token settled without the full model where "
+                        "its choice differs, dropping what follows; tokens are printed once checked, and the output "
+                        "equals --strategy ar's")
     v.add_argument("--accept", type=float, help="tiered: tier 1 when the slim prob of the draft is >= this")
     v.add_argument("--accept-draft", type=float, help="tiered: ... and the drafter's prob of its token is >= this")
     v.add_argument("--accept-tv", type=float, help="tiered: ... and TV(drafter, slim) is <= this")

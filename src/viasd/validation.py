@@ -310,6 +310,9 @@ def check_generate_config(c) -> None:
     check_int("min_ngram", c.min_ngram)
     check_choice("mode", c.mode, _api().MODES)
     check_int("full_block", c.full_block, hi=1024)
+    for name in ("resume", "reduced_head", "correct"):
+        if not isinstance(getattr(c, name), bool):
+            raise InvalidArgumentError(f"{name} must be True or False, got {getattr(c, name)!r}")
     for name in ("accept", "accept_draft", "accept_tv", "slim", "draft_confident"):
         if getattr(c, name) is not None:
             check_float(name, getattr(c, name), 0.0, 2.0)

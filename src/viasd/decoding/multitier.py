@@ -17,6 +17,8 @@ Two loops:
   processes every pending position in one pass (which also fills its KV cache). A round with no
   draft (prompt lookup found nothing, or one token of budget is left) makes no slim pass: the full
   model decides its token; nor does any round when thresholds above 1 switch tiers 1 and 2 off.
+  With `correct` (greedy), that pass also corrects the first token settled without it where the full
+  model's choice differs (`_correct`), and tokens go out only once checked: the output equals `ar`'s.
 """
 
 from __future__ import annotations
@@ -101,29 +103,47 @@ def _slim_stage(v: Verifier, drafter: Drafter, route: LayerMask, k: int, full_bl
 
 def viasd_tiered_decode(decoder: Decoder, drafter: Drafter, route: LayerMask, req: DecodeRequest, k: int,
                         thresholds: TierThresholds, resume: bool = True, head: ReducedHead | None = None,
-                        adaptive: bool = False) -> list[int]:
+                        adaptive: bool = False, correct: bool = False) -> list[int]:
     """Tiered VIA-SD (lossy): tier 1 accepts, tier 2 the slim verifier settles, tier 3 the full model
     decides (`resume`: its pass starts at the route's first incomplete layer, see `resume_layer`;
     `head`: the slim verifier's reduced LM head, a draft outside it is tier 3; `adaptive`: each
     round drafts the number that commits the most tokens per full pass' measured cost, as `sd`
     chooses it (`draft_length.DraftLength`, its acceptance counting drafts kept by any tier), down to
-    none: then the full model decides one token, with no slim pass)."""
+    none: then the full model decides one token, with no slim pass).
+
+    `correct` (greedy only): every full pass computes the full model's logits before each token
+    settled without it since the last one (pending tokens and the round's tiers 1-2); the first token
+    where its greedy choice differs is replaced by that choice and everything after it is dropped
+    (`_correct`). Such tokens are streamed only once a full pass has checked them, and the budget's
+    last ones get a full pass of their own, so every emitted token is the full model's greedy choice
+    after its prefix: the output equals `ar`'s (at batch-invariant passes), and tiers 1-2 only defer
+    the full model's work into larger passes."""
     params, stats = req.params, req.stats
+    if correct and not params.greedy:
+        raise ValueError("correction needs greedy decoding: it replaces a token by the full model's greedy choice")
     # thresholds above 1 switch tiers 1 and 2 off: then every position is the full model's, and a slim
     # pass could change nothing (with both off this is plain SD, at SD's cost)
     slim_tiers = thresholds.accept <= 1.0 or thresholds.slim <= 1.0
-    v = Verifier.start(decoder, drafter, req, len(req.prompt) + req.max_new_tokens + k + 2, tiers=True,
-                       resume_layer=resume_layer(route, resume and slim_tiers))
-    policy = None
+    policy = None  # (first: measuring the pass costs belongs to the time to the first token, not to decoding)
     if adaptive and k > 0 and not decoder.is_encoder_decoder:
         policy = DraftLength(k, pass_times(decoder, k + 1), free_drafts=getattr(drafter, "free", False))
-    while not v.done:
+    v = Verifier.start(decoder, drafter, req, len(req.prompt) + req.max_new_tokens + k + 2, tiers=True,
+                       resume_layer=resume_layer(route, resume and slim_tiers))
+    v.hold = correct
+    while not v.done or (correct and v.cache.n_full < len(v.tokens) - 1):
+        if v.done:  # correction: the budget is spent, and tokens the full model has not checked remain
+            unchecked = v.tokens[v.cache.n_full + 1 :]
+            rows = v.full([], n_rows=len(unchecked) + 1)[:-1]  # [u, V]: the logits before each of them
+            stats.observe_recheck(len(unchecked), int((rows.argmax(-1) != torch.tensor(unchecked)).sum()))
+            new, origin, _ = _correct(v, rows, unchecked, [], [])
+            v.commit(new, origin)  # (nothing when they all agree: then every token is checked, and goes out)
+            continue
         # 1. draft, and score the drafts and the bonus position with one slim pass
         k_eff = min(k, v.budget - 1)
         draft, peek = _propose(drafter, v.tokens, k_eff, policy)
         if confident_round(draft.tokens, draft.probs, thresholds):  # tier 1 by the drafter alone: no slim pass
             stats.observe_round(len(draft), len(draft))
-            kept = v.commit(list(draft.tokens), [Tier.ACCEPT] * len(draft))
+            kept = v.commit(list(draft.tokens), [Tier.ACCEPT] * len(draft), checked=False)
             stats.unchecked += kept
             continue
         if draft.tokens and slim_tiers:
@@ -147,20 +167,48 @@ def viasd_tiered_decode(decoder: Decoder, drafter: Drafter, route: LayerMask, re
                 policy.observe_pass(n_rows, time.perf_counter() - t0)
             if params.greedy and unchecked:
                 stats.observe_recheck(len(unchecked), int((rows[: len(unchecked)].argmax(-1) != torch.tensor(unchecked)).sum()))
-            rows = rows[len(unchecked) :]  # [k'-i+1, V]
-            n, x = accept(draft.tokens[i:], None if draft.probs is None else draft.probs[i:], rows, params, req.generator)
-            stats.observe_full_check(len(draft) - i, n)
-            new += draft.tokens[i : i + n] + [x]
-            origin += [Tier.FULL] * (n + 1)
+            corrected = False
+            if correct and unchecked:
+                new, origin, corrected = _correct(v, rows[: len(unchecked)], unchecked, new, origin)
+            if not corrected:  # the full model decides the remaining drafts
+                rows = rows[len(unchecked) :]  # [k'-i+1, V]
+                n, x = accept(draft.tokens[i:], None if draft.probs is None else draft.probs[i:], rows, params, req.generator)
+                stats.observe_full_check(len(draft) - i, n)
+                new += draft.tokens[i : i + n] + [x]
+                origin += [Tier.FULL] * (n + 1)
         stats.observe_round(len(draft), _common_prefix(new, draft.tokens))  # settled by the slim or the full verifier
         if policy is not None:
             kept_drafts = _common_prefix(new, draft.tokens)
             policy.observe(len(draft), kept_drafts)
             if peek is not None and kept_drafts == len(draft) and len(new) > len(draft):
                 policy.observe(1, int(new[len(draft)] == peek))  # the proposed token after the verified drafts
-        kept = v.commit(new, origin)
+        kept = v.commit(new, origin, checked=i is not None)
         stats.unchecked += sum(t != Tier.FULL for t in origin[:kept])
     return v.out
+
+
+def _correct(v: Verifier, rows: torch.Tensor, unchecked: list[int], new: list[int],
+             origin: list[Tier]) -> tuple[list[int], list[Tier], bool]:
+    """Correction mode, after a full pass: rows [u, V] are the full model's logits before each of
+    `unchecked` (the committed tokens it had not processed, then the round's `new` ones). At the
+    first token where its greedy choice differs, that choice replaces it and everything after it is
+    dropped: committed ones are taken back (`Verifier.retract`, never streamed), the round's are cut.
+    Returns the round's tokens and tiers to commit (unchanged when the full model agrees throughout;
+    otherwise ending with the corrected token, tier 3) and whether it corrected one."""
+    choice = rows.argmax(-1).tolist()
+    j = next((p for p, (c, t) in enumerate(zip(choice, unchecked)) if c != t), None)
+    if j is None:
+        return new, origin, False
+    v.stats.corrected += 1
+    n_pending = len(unchecked) - len(new)
+    if j < n_pending:
+        removed = v.retract(n_pending - j)
+        v.stats.unchecked -= sum(t != Tier.FULL for t in removed)
+        new, origin = [], []
+    else:
+        new, origin = new[: j - n_pending], origin[: j - n_pending]
+    v.stats.discarded += len(unchecked) - j
+    return new + [choice[j]], origin + [Tier.FULL], True
 
 
 def _propose(drafter: Drafter, tokens: list[int], k: int, policy: DraftLength | None) -> tuple[Draft, int | None]:

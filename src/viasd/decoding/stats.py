@@ -46,6 +46,10 @@ class DecodeStats:
     # logits before anyway, and how many of them the full model would have chosen otherwise
     rechecked: int = 0
     disagreed: int = 0
+    # tiered correction mode: tokens replaced by the full model's choice, and tokens dropped with them
+    # (the corrected one and everything settled after it)
+    corrected: int = 0
+    discarded: int = 0
     _t0: float = field(default_factory=time.perf_counter, repr=False)
 
     def observe_call(self, name: str, n: int = 1, verifier_share: float = 0.0, bytes_read: int = 0) -> None:
@@ -100,6 +104,7 @@ class DecodeStats:
             tiers=self.tiers + other.tiers, unchecked=self.unchecked + other.unchecked,
             full_checked=self.full_checked + other.full_checked, full_kept=self.full_kept + other.full_kept,
             rechecked=self.rechecked + other.rechecked, disagreed=self.disagreed + other.disagreed,
+            corrected=self.corrected + other.corrected, discarded=self.discarded + other.discarded,
         )
 
     def finish(self) -> None:
@@ -146,6 +151,8 @@ class DecodeStats:
             # of those, the share where the full model's greedy choice differs (tiered mode's error rate
             # where it can be seen; the full model never sees tokens settled after its last pass)
             "recheck_disagreement": round(self.disagreed / self.rechecked, 4) if self.rechecked else 0.0,
+            "corrected": self.corrected,
+            "discarded": self.discarded,
             "acceptance_per_position": [round(a / d, 4) if d else 0.0 for a, d in zip(self.accepted_at, self.drafted_at)],
         }
 

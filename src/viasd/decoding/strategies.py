@@ -42,10 +42,10 @@ def speculative_decode(
     per measured second (`draft_length.DraftLength`), down to none.
     """
     params, stats = req.params, req.stats
-    v = Verifier.start(decoder, drafter, req, len(req.prompt) + req.max_new_tokens + k + 1)
-    policy = None
+    policy = None  # (first: measuring the pass costs belongs to the time to the first token, not to decoding)
     if adaptive and k > 0 and not decoder.is_encoder_decoder:
         policy = DraftLength(k, pass_times(decoder, k + 1), free_drafts=getattr(drafter, "free", False))
+    v = Verifier.start(decoder, drafter, req, len(req.prompt) + req.max_new_tokens + k + 1)
     while not v.done:
         # 1. draft up to k tokens; never more than the budget can use (the round adds one more)
         limit = min(k, v.budget - 1) if v.budget > 1 else 0

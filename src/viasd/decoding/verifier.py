@@ -73,7 +73,13 @@ class Verifier:
         # every committed token, prompt included (decoder-only) or the start token (encoder-decoder)
         self.tokens: list[int] = [decoder.start_token] if self.source is not None else list(req.prompt)
         self.out: list[int] = []  # the new tokens
+        self.origins: list[int] = []  # each new token's `Tier`, where the loop records tiers
         self.done = req.max_new_tokens <= 0
+        # tiered VIA-SD's correction mode: tokens settled without the full model are streamed only
+        # once a full pass has checked them (`commit(checked=...)`), so that a correction can still
+        # take them back (`retract`)
+        self.hold = False
+        self.streamed = 0  # new tokens passed to `req.on_tokens`
 
     @classmethod
     def start(cls, decoder: Decoder, drafter: Drafter | None, req: DecodeRequest, max_len: int,
@@ -157,9 +163,10 @@ class Verifier:
         self.stats.observe_call(kind, verifier_share=share, bytes_read=pass_bytes(self.decoder, route, first, head))
         return logits[len(seq) - start - n_rows :]
 
-    def commit(self, new: list[int], tiers: list[int] | None = None) -> int:
+    def commit(self, new: list[int], tiers: list[int] | None = None, checked: bool = True) -> int:
         """Commit `new`, cut at the token budget and after the first end token; record the kept
-        tokens' tiers; stream them; restore the cache invariant. Returns how many were kept."""
+        tokens' tiers; stream them (with `hold`, only once `checked`: then every committed token goes
+        out); restore the cache invariant. Returns how many were kept."""
         new = new[: self.budget]
         end = next((i + 1 for i, t in enumerate(new) if t in self.req.eos), None)
         self.done = end is not None or len(new) >= self.budget
@@ -168,8 +175,25 @@ class Verifier:
         self.out += new
         if tiers is not None:
             self.stats.observe_tiers(tiers[: len(new)])
+            self.origins += tiers[: len(new)]
         self.stats.observe_tokens(len(new))
-        if self.req.on_tokens:
-            self.req.on_tokens(new)
+        if self.req.on_tokens and (checked or not self.hold):
+            self.req.on_tokens(self.out[self.streamed :])
+            self.streamed = len(self.out)
         self.cache.rollback(len(self.tokens) - 1)
         return len(new)
+
+    def retract(self, n: int) -> list[int]:
+        """Take back the last `n` committed tokens (correction mode: a full pass disagreed with the
+        first of them), which must not have been streamed; their counts are taken back too. Returns
+        their tiers."""
+        if not 0 < n <= len(self.out) - self.streamed or len(self.origins) != len(self.out):
+            raise RuntimeError(f"cannot retract {n} tokens: {len(self.out) - self.streamed} unstreamed, tiers of "
+                               f"{len(self.origins)} of {len(self.out)} recorded")
+        removed = self.origins[-n:]
+        del self.tokens[-n:], self.out[-n:], self.origins[-n:]
+        self.stats.tiers.subtract(removed)
+        self.stats.new_tokens -= n
+        self.done = False
+        self.cache.rollback(len(self.tokens) - 1)
+        return removed

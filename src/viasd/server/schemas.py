@@ -60,6 +60,7 @@ class ViasdOptions(Strict):
     full_block: Annotated[int, Field(ge=1, le=256)] | None = None
     resume: bool | None = None
     reduced_head: bool | None = None
+    correct: bool | None = None
     accept: Prob | None = None
     accept_draft: Prob | None = None
     accept_tv: Prob | None = None
