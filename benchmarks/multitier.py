@@ -37,10 +37,11 @@ from viasd.report import load_records, report, summarize  # noqa: E402
 
 SETTINGS = {
     "A": {"model": "smollm2-135m", "drafter": None, "max_new_tokens": 128, "out": "results/bench-smollm2-A.jsonl",
-          "methods": "ar,self-sd,pld,cascade:self,viasd-lossless:self,viasd-lossless:pld,viasd-tiered:self,viasd-tiered:pld",
+          "methods": "ar,self-sd,pld,cascade:self,viasd-lossless:self,viasd-lossless:pld,viasd-tiered:self,viasd-tiered:pld,"
+                     "viasd-tiered:pld+correct",
           "runs": [("spec_bench", 10), ("human_eval", 20)]},
     "B": {"model": "qwen2.5-coder-1.5b", "drafter": "qwen2.5-coder-0.5b", "max_new_tokens": 64, "out": "results/bench-qwen-B.jsonl",
-          "methods": "ar,sd,pld,self-sd,cascade:model,viasd-lossless:model,viasd-tiered:model",
+          "methods": "ar,sd,pld,self-sd,cascade:model,viasd-lossless:model,viasd-tiered:model,viasd-tiered:model+correct",
           "runs": [("spec_bench", 3), ("human_eval", 5)]},
 }
 TWO_TIER = ("sd", "self-sd", "pld", "cascade")
@@ -72,7 +73,7 @@ def check_targets(summary: dict, setting: str) -> list[dict]:
     for method, v in overall.items():
         if not method.startswith("viasd"):
             continue
-        kind = method.partition(":")[2] or ("model" if SETTINGS[setting]["drafter"] else "self")
+        kind = method.partition(":")[2].partition("+")[0] or ("model" if SETTINGS[setting]["drafter"] else "self")
         sd = overall.get(SAME_DRAFTER_SD[kind])
         check = {
             "setting": setting, "method": method, "same_drafter_sd": SAME_DRAFTER_SD[kind],
