@@ -451,6 +451,25 @@ def test_tiered_correction_checks_the_budget_s_last_tokens(tiny):
                             correct=True)
 
 
+def test_tiered_correction_stops_at_the_end_token_ar_stops_at(tiny):
+    """End tokens: settled without the full model, an end token ends the budget early; the final check
+    keeps it when the full model agrees (the decode ends there, as ar's does) and takes it back when
+    it does not (decoding goes on). Either way the output is ar's with the same end tokens."""
+    slim = LayerMask.from_layers(tiny.config.n_layers, SLIM)
+    thr = TierThresholds(accept=0.0, accept_draft=0.0, slim=0.0)
+    ended = 0
+    for prompt in prompts(4):
+        free = run_ar(tiny, prompt, 30)
+        for eos in ({free[6]}, {free[11], free[17]}):
+            expected = run_ar(tiny, prompt, 30, frozenset(eos))
+            streamed: list[int] = []
+            req = DecodeRequest(prompt, 30, GREEDY, frozenset(eos), on_tokens=streamed.extend)
+            out = viasd_tiered_decode(tiny.decoder, NgramDrafter(), slim, req, 4, thr, correct=True)
+            assert out == expected == streamed
+            ended += len(out) < 30
+    assert ended > 0
+
+
 @pytest.mark.parametrize("kind", ["pld", "model"])
 def test_adaptive_tiered_with_every_token_to_full_equals_ar(tiny, tiny_drafter, kind):
     """Tiered VIA-SD choosing each round's draft length from measured costs: with tiers 1-2 off it is

@@ -135,8 +135,11 @@ def viasd_tiered_decode(decoder: Decoder, drafter: Drafter, route: LayerMask, re
             unchecked = v.tokens[v.cache.n_full + 1 :]
             rows = v.full([], n_rows=len(unchecked) + 1)[:-1]  # [u, V]: the logits before each of them
             stats.observe_recheck(len(unchecked), int((rows.argmax(-1) != torch.tensor(unchecked)).sum()))
-            new, origin, _ = _correct(v, rows, unchecked, [], [])
-            v.commit(new, origin)  # (nothing when they all agree: then every token is checked, and goes out)
+            new, origin, corrected = _correct(v, rows, unchecked, [], [])
+            if not corrected:  # all checked: they go out, and the decode ends (at its budget or end token)
+                v.release()
+                break
+            v.commit(new, origin)  # decoding goes on from the corrected token
             continue
         # 1. draft, and score the drafts and the bonus position with one slim pass
         k_eff = min(k, v.budget - 1)

@@ -177,11 +177,16 @@ class Verifier:
             self.stats.observe_tiers(tiers[: len(new)])
             self.origins += tiers[: len(new)]
         self.stats.observe_tokens(len(new))
-        if self.req.on_tokens and (checked or not self.hold):
-            self.req.on_tokens(self.out[self.streamed :])
-            self.streamed = len(self.out)
+        if checked or not self.hold:
+            self.release()
         self.cache.rollback(len(self.tokens) - 1)
         return len(new)
+
+    def release(self) -> None:
+        """Stream every committed token not streamed yet (correction mode: a full pass checked them)."""
+        if self.req.on_tokens and self.streamed < len(self.out):
+            self.req.on_tokens(self.out[self.streamed :])
+        self.streamed = len(self.out)
 
     def retract(self, n: int) -> list[int]:
         """Take back the last `n` committed tokens (correction mode: a full pass disagreed with the
