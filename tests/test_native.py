@@ -416,3 +416,35 @@ def test_tiny_native_reduced_head_and_resumed_pass_are_exact(tiny_native):
     for lower_rows in (0, 1):
         expected, got = resumed_after_slim(tiny_native, route, [3, 9, 4, 11], [5, 8, 2, 40], lower_rows)
         assert torch.equal(got, expected)
+
+
+def test_tensor_index_is_read_once_then_from_the_cache(tmp_path, tiny_dir, monkeypatch):
+    """Where each tensor lies in a GGUF file: from gguf's reader the first time, from the cache's index
+    after that (the reader is not called again), the same weights bit for bit; a file changed since
+    (another size) is read again, and a truncated one is refused, not mapped past its end."""
+    import gguf as gguf_module
+
+    from viasd.models import native as native_module
+    from viasd.models.runtime import ModelConfig
+
+    monkeypatch.setenv("VIASD_CACHE", str(tmp_path / "cache"))
+    path = write_tiny_gguf(tmp_path / "tiny.gguf", tiny_dir)
+    from transformers import AutoConfig
+
+    from viasd.errors import CorruptFileError
+
+    config = ModelConfig.from_hf(AutoConfig.from_pretrained(tiny_dir))
+    reads = []
+    reader = gguf_module.GGUFReader
+    monkeypatch.setattr(gguf_module, "GGUFReader", lambda p: reads.append(p) or reader(p))
+    first = native_module.read_native(path, config)
+    second = native_module.read_native(path, config)
+    assert len(reads) == 1 and len(list((tmp_path / "cache" / "gguf-index").iterdir())) == 1
+    assert first.keys() == second.keys()
+    for name in first:
+        assert torch.equal(first[name].data, second[name].data) and first[name].ggml_type == second[name].ggml_type, name
+    whole = path.read_bytes()
+    path.write_bytes(whole[: len(whole) - 64])  # cut: another size, so the index no longer applies
+    with pytest.raises(CorruptFileError):
+        native_module.read_native(path, config)
+    assert len(reads) == 2

@@ -1,11 +1,13 @@
 """A GGUF file's weights in their own format, named as transformers names them.
 
-`read_native(path, config)` memory-maps the file (gguf's reader) and returns, for every 2-D weight the
+`read_native(path, config)` memory-maps the file and returns, for every 2-D weight the
 runtime multiplies or looks up (projections, embeddings, the LM head), a `NativeTensor` over the file's
 own blocks, keyed by the transformers name (`model.layers.0.self_attn.q_proj.weight`). Norms and biases
 are not returned: they come from the float conversion like every other weight. llama.cpp stores the Q
 and K projections of the `llama` architecture with their rows permuted for its RoPE layout; the same
 rows are put back in transformers' order here, exactly as transformers does when it dequantizes.
+Where each tensor lies in the file comes from gguf's reader the first time and from a small index in
+the cache after that (`tensor_index`).
 
 `quantize(state, ggml_type)` makes native weights from float ones (ggml's own quantizer), for models
 that come without a GGUF file, tests among them.
@@ -14,6 +16,10 @@ that come without a GGUF file, tests among them.
 from __future__ import annotations
 
 import ctypes
+import hashlib
+import json
+import os
+import tempfile
 import warnings
 from pathlib import Path
 
@@ -47,17 +53,51 @@ def _unpermute_rows(n_rows: int, n_head: int) -> torch.Tensor:
     return torch.arange(n_rows).reshape(n_head, dim, 2).transpose(1, 2).reshape(n_rows)
 
 
-def read_native(path: Path, config: ModelConfig) -> dict[str, gk.NativeTensor]:
-    from gguf import MODEL_ARCH_NAMES, GGUFReader, get_tensor_name_map
+_INDEX_VERSION = 1
 
-    arch_name = _GGUF_ARCH.get(config.architecture)
-    if arch_name is None:
-        raise CorruptFileError(f"{path.name}: no native weight layout for architecture {config.architecture!r}")
+
+def tensor_index(path: Path) -> dict[str, tuple[int, tuple[int, ...], int, int]]:
+    """{tensor name: (ggml type, shape in ggml's order, offset of its data in the file, bytes)} of a
+    GGUF file. gguf's reader parses every metadata field to find them, the tokenizer's strings among
+    them: 5 s for smollm2's file and ~15 s for qwen 1.5B's here, at every load. So the first read
+    writes this index to the cache (`<cache>/gguf-index/`, keyed by the file's resolved path, size and
+    modification time; written atomically) and later loads read it in milliseconds."""
+    from viasd.models.loading import cache_dir
+
+    st = path.stat()
+    key = hashlib.sha256(f"{path.resolve()}|{st.st_size}|{st.st_mtime_ns}|{_INDEX_VERSION}".encode()).hexdigest()[:24]
+    index_path = cache_dir() / "gguf-index" / f"{key}.json"
+    try:
+        tensors = json.loads(index_path.read_text())["tensors"]
+        return {name: (int(t), tuple(int(x) for x in shape), int(off), int(n)) for name, (t, shape, off, n) in tensors.items()}
+    except (OSError, ValueError, KeyError, TypeError):
+        pass  # no index yet (or a damaged one): read the file's header
+    from gguf import GGUFReader
+
     try:
         reader = GGUFReader(path)
     except Exception as e:  # gguf raises assorted errors on a damaged file
         raise CorruptFileError(f"{path}: unreadable GGUF ({type(e).__name__}: {e})") from None
-    tensors = {t.name: t for t in reader.tensors}
+    index = {t.name: (int(t.tensor_type), tuple(int(x) for x in t.shape), int(t.data_offset), int(t.n_bytes))
+             for t in reader.tensors}
+    try:
+        index_path.parent.mkdir(parents=True, exist_ok=True)
+        with tempfile.NamedTemporaryFile("w", dir=index_path.parent, delete=False, suffix=".tmp") as f:
+            json.dump({"file": str(path.resolve()), "tensors": index}, f)
+        os.replace(f.name, index_path)
+    except OSError:
+        pass  # a read-only cache: the next load reads the header again
+    return index
+
+
+def read_native(path: Path, config: ModelConfig) -> dict[str, gk.NativeTensor]:
+    from gguf import MODEL_ARCH_NAMES, get_tensor_name_map
+
+    arch_name = _GGUF_ARCH.get(config.architecture)
+    if arch_name is None:
+        raise CorruptFileError(f"{path.name}: no native weight layout for architecture {config.architecture!r}")
+    tensors = tensor_index(path)
+    mapped = np.memmap(path, dtype=np.uint8, mode="r")
     arch = next(k for k, v in MODEL_ARCH_NAMES.items() if v == arch_name)
     name_map = get_tensor_name_map(arch, config.n_layers)
     out: dict[str, gk.NativeTensor] = {}
@@ -68,11 +108,14 @@ def read_native(path: Path, config: ModelConfig) -> dict[str, gk.NativeTensor]:
             if hf_name == "lm_head.weight":  # untied in config.json, but the file shares the embedding
                 continue
             raise CorruptFileError(f"{path.name}: no tensor {gguf_name}.weight (for {hf_name})")
-        cols, rows = int(t.shape[0]), int(np.prod(t.shape[1:]))
+        ggml_type, shape, offset, n_bytes = t
+        cols, rows = int(shape[0]), int(np.prod(shape[1:]))
+        if offset + n_bytes > mapped.shape[0] or n_bytes % rows:
+            raise CorruptFileError(f"{path}: tensor {gguf_name}.weight runs past the end of the file (truncated?)")
         with warnings.catch_warnings():  # the file is mapped read-only; nothing writes to weights
             warnings.simplefilter("ignore", UserWarning)
-            data = torch.from_numpy(np.ascontiguousarray(t.data).reshape(rows, -1).view(np.uint8))
-        native = gk.NativeTensor(data, int(t.tensor_type), cols)
+            data = torch.from_numpy(np.asarray(mapped[offset : offset + n_bytes]).reshape(rows, -1))
+        native = gk.NativeTensor(data, ggml_type, cols)
         if arch_name == "llama" and hf_name.endswith(("q_proj.weight", "k_proj.weight")):
             n_head = config.n_heads if "q_proj" in hf_name else config.n_kv_heads
             native = native.rows_at(_unpermute_rows(rows, n_head))
