@@ -111,7 +111,7 @@ def read_native(path: Path, config: ModelConfig) -> dict[str, gk.NativeTensor]:
         ggml_type, shape, offset, n_bytes = t
         cols, rows = int(shape[0]), int(np.prod(shape[1:]))
         if offset + n_bytes > mapped.shape[0] or n_bytes % rows:
-            raise CorruptFileError(f"{path}: tensor {gguf_name}.weight runs past the end of the file (truncated?)")
+            raise CorruptFileError(f"{path}: tensor {gguf_name}.weight is not whole rows within the file (truncated?)")
         with warnings.catch_warnings():  # the file is mapped read-only; nothing writes to weights
             warnings.simplefilter("ignore", UserWarning)
             data = torch.from_numpy(np.asarray(mapped[offset : offset + n_bytes]).reshape(rows, -1))
