@@ -73,7 +73,7 @@ def check_targets(summary: dict, setting: str) -> list[dict]:
     for method, v in overall.items():
         if not method.startswith("viasd"):
             continue
-        kind = method.partition(":")[2].partition("+")[0] or ("model" if SETTINGS[setting]["drafter"] else "self")
+        kind = parse_methods(method)[0][1].get("draft") or ("model" if SETTINGS[setting]["drafter"] else "self")
         sd = overall.get(SAME_DRAFTER_SD[kind])
         check = {
             "setting": setting, "method": method, "same_drafter_sd": SAME_DRAFTER_SD[kind],

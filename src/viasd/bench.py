@@ -58,8 +58,8 @@ def parse_methods(spec: str) -> list[tuple[str, dict]]:
                 raise UsageError(f"method {name!r}: a drafter suffix (:pld, :self, :model) applies to cascade and viasd-* only")
             settings["draft"] = kind
             STRATEGIES[settings["strategy"]].draft_kind(kind, True)  # a kind the strategy cannot draft with: refused here
+        spec_ = STRATEGIES[settings["strategy"]]
         for modifier in modifiers:
-            spec_ = STRATEGIES[settings["strategy"]]
             if modifier == "correct":
                 if settings.get("mode") != "tiered":
                     raise UsageError(f"method {name!r}: +correct applies to viasd-tiered only")

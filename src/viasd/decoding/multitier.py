@@ -18,7 +18,7 @@ Two loops:
   draft (prompt lookup found nothing, or one token of budget is left) makes no slim pass: the full
   model decides its token; nor does any round when thresholds above 1 switch tiers 1 and 2 off.
   With `correct` (greedy), that pass also corrects the first token settled without it where the full
-  model's choice differs (`_correct`), and tokens go out only once checked: the output equals `ar`'s.
+  model's choice differs (`_recheck`), and tokens go out only once checked: the output equals `ar`'s.
 """
 
 from __future__ import annotations
@@ -114,7 +114,7 @@ def viasd_tiered_decode(decoder: Decoder, drafter: Drafter, route: LayerMask, re
     `correct` (greedy only): every full pass computes the full model's logits before each token
     settled without it since the last one (pending tokens and the round's tiers 1-2); the first token
     where its greedy choice differs is replaced by that choice and everything after it is dropped
-    (`_correct`). Such tokens are streamed only once a full pass has checked them, and the budget's
+    (`_recheck`). Such tokens are streamed only once a full pass has checked them, and the budget's
     last ones get a full pass of their own, so every emitted token is the full model's greedy choice
     after its prefix: the output equals `ar`'s (at batch-invariant passes), and tiers 1-2 only defer
     the full model's work into larger passes."""
@@ -134,8 +134,7 @@ def viasd_tiered_decode(decoder: Decoder, drafter: Drafter, route: LayerMask, re
         if v.done:  # correction: the budget is spent, and tokens the full model has not checked remain
             unchecked = v.tokens[v.cache.n_full + 1 :]
             rows = v.full([], n_rows=len(unchecked) + 1)[:-1]  # [u, V]: the logits before each of them
-            stats.observe_recheck(len(unchecked), int((rows.argmax(-1) != torch.tensor(unchecked)).sum()))
-            new, origin, corrected = _correct(v, rows, unchecked, [], [])
+            new, origin, corrected = _recheck(v, rows, unchecked, [], [], correct)
             if not corrected:  # all checked: they go out, and the decode ends (at its budget or end token)
                 v.release()
                 break
@@ -168,11 +167,9 @@ def viasd_tiered_decode(decoder: Decoder, drafter: Drafter, route: LayerMask, re
             rows = v.full(new + draft.tokens[i:], n_rows=n_rows)  # [u + k'-i+1, V]
             if policy is not None:  # the costs it chooses by follow the measured passes, as in `sd`
                 policy.observe_pass(n_rows, time.perf_counter() - t0)
-            if params.greedy and unchecked:
-                stats.observe_recheck(len(unchecked), int((rows[: len(unchecked)].argmax(-1) != torch.tensor(unchecked)).sum()))
             corrected = False
-            if correct and unchecked:
-                new, origin, corrected = _correct(v, rows[: len(unchecked)], unchecked, new, origin)
+            if params.greedy and unchecked:
+                new, origin, corrected = _recheck(v, rows[: len(unchecked)], unchecked, new, origin, correct)
             if not corrected:  # the full model decides the remaining drafts
                 rows = rows[len(unchecked) :]  # [k'-i+1, V]
                 n, x = accept(draft.tokens[i:], None if draft.probs is None else draft.probs[i:], rows, params, req.generator)
@@ -190,16 +187,18 @@ def viasd_tiered_decode(decoder: Decoder, drafter: Drafter, route: LayerMask, re
     return v.out
 
 
-def _correct(v: Verifier, rows: torch.Tensor, unchecked: list[int], new: list[int],
-             origin: list[Tier]) -> tuple[list[int], list[Tier], bool]:
-    """Correction mode, after a full pass: rows [u, V] are the full model's logits before each of
-    `unchecked` (the committed tokens it had not processed, then the round's `new` ones). At the
-    first token where its greedy choice differs, that choice replaces it and everything after it is
-    dropped: committed ones are taken back (`Verifier.retract`, never streamed), the round's are cut.
-    Returns the round's tokens and tiers to commit (unchanged when the full model agrees throughout;
-    otherwise ending with the corrected token, tier 3) and whether it corrected one."""
+def _recheck(v: Verifier, rows: torch.Tensor, unchecked: list[int], new: list[int], origin: list[Tier],
+             correct: bool) -> tuple[list[int], list[Tier], bool]:
+    """Greedy, after a full pass: rows [u, V] are the full model's logits before each of `unchecked`
+    (the committed tokens it had not processed, then the round's `new` ones); count where its choice
+    differs (`observe_recheck`). With `correct`, at the first such token that choice replaces it and
+    everything after it is dropped: committed ones are taken back (`Verifier.retract`, never
+    streamed), the round's are cut. Returns the round's tokens and tiers to commit (unchanged when
+    nothing is corrected; otherwise ending with the corrected token, tier 3) and whether it corrected one."""
     choice = rows.argmax(-1).tolist()
-    j = next((p for p, (c, t) in enumerate(zip(choice, unchecked)) if c != t), None)
+    differs = [c != t for c, t in zip(choice, unchecked)]
+    v.stats.observe_recheck(len(unchecked), sum(differs))
+    j = differs.index(True) if correct and any(differs) else None
     if j is None:
         return new, origin, False
     v.stats.corrected += 1

@@ -45,7 +45,7 @@ class LoopArgs:
     adaptive: bool = False  # two-tier loops and tiered VIA-SD: draft lengths from measured pass costs (decoding/draft_length.py)
     resume: bool = True  # viasd: full passes resume where the slim route's whole lower layers end
     slim_head: ReducedHead | None = None  # viasd: the slim verifier's reduced LM head (None: the full one)
-    correct: bool = False  # tiered viasd, greedy: full passes correct the tokens settled without them (multitier._correct)
+    correct: bool = False  # tiered viasd, greedy: full passes correct the tokens settled without them (multitier._recheck)
 
 
 Loop = Callable[[Decoder, Drafter | None, DecodeRequest, LoopArgs], list[int]]

@@ -80,13 +80,16 @@ def tensor_index(path: Path) -> dict[str, tuple[int, tuple[int, ...], int, int]]
         raise CorruptFileError(f"{path}: unreadable GGUF ({type(e).__name__}: {e})") from None
     index = {t.name: (int(t.tensor_type), tuple(int(x) for x in t.shape), int(t.data_offset), int(t.n_bytes))
              for t in reader.tensors}
+    tmp = None
     try:
         index_path.parent.mkdir(parents=True, exist_ok=True)
         with tempfile.NamedTemporaryFile("w", dir=index_path.parent, delete=False, suffix=".tmp") as f:
+            tmp = f.name
             json.dump({"file": str(path.resolve()), "tensors": index}, f)
-        os.replace(f.name, index_path)
-    except OSError:
-        pass  # a read-only cache: the next load reads the header again
+        os.replace(tmp, index_path)
+    except OSError:  # a read-only or full cache: the next load reads the header again
+        if tmp is not None:
+            Path(tmp).unlink(missing_ok=True)
     return index
 
 
