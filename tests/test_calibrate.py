@@ -25,7 +25,9 @@ def test_calibrate_chooses_fastest_feasible(tiny, tmp_path):
     path = write_thresholds(tmp_path / "r.thresholds.json", best, cands, {"model": "tiny"})
     data = json.loads(path.read_text(), parse_constant=lambda c: pytest.fail(f"non-strict JSON token {c}"))
     # strict JSON: an infinite threshold is written as "inf" and read back as inf
-    assert load_thresholds(path) == best.thresholds.to_dict() and len(data["explored"]) == len(cands) == 16
+    assert load_thresholds(path) == best.thresholds.to_dict() and len(data["explored"]) == len(cands) == 32
+    # a drafter with a distribution: tier 1 by its confidence alone is tried too, beside every other pair
+    assert {c.thresholds.draft_confident for c in cands} == {0.9, OFF}
     png = plot_curve(tmp_path / "curve.png", best, cands, 0.9, "tiny")
     assert png.read_bytes()[:4] == b"\x89PNG"
     # the written file drives tiered decoding
@@ -45,3 +47,29 @@ def test_greedy_agreement_counts_full_model_choices(tiny):
 def test_calibrate_cli_rejects_bad_constraint(capsys):
     assert main(["calibrate", "--min-agreement", "1.5"]) == 2
     assert "--min-agreement must be in (0, 1]" in capsys.readouterr().err
+
+
+def test_calibrate_without_draft_probabilities_leaves_draft_confident_off(tiny):
+    base = GenerateConfig.from_settings(strategy="viasd", mode="tiered", k=3, max_new_tokens=8, draft="pld", slim_layers=(0, 1, 3))
+    _, cands = calibrate(tiny, base, [[1, 2, 3, 1, 2, 3, 1]], grid="small", progress=False)
+    assert len(cands) == 16 and {c.thresholds.draft_confident for c in cands} == {OFF}
+
+
+def test_calibrate_correction_mode_chooses_fastest(tiny):
+    base = GenerateConfig.from_settings(strategy="viasd", mode="tiered", k=3, max_new_tokens=12, draft="self",
+                                        slim_layers=(0, 1, 3), correct=True)
+    best, cands = calibrate(tiny, base, [[1, 2, 3, 4, 1, 2], [7, 8, 9, 7, 8]], grid="small", min_agreement=0.99, progress=False)
+    assert all(c.agreement == 1.0 for c in cands)  # correction: every output is the full model's greedy one
+    assert best.tokens_per_s == max(c.tokens_per_s for c in cands)
+
+
+def test_correction_mode_reads_its_own_thresholds_beside_the_route(tiny, tmp_path):
+    from viasd.routing.route import ModelFingerprint, Route
+
+    route = Route.from_layers(ModelFingerprint.of(tiny), (0, 1, 3)).save(tmp_path / "r.slim.json")
+    (tmp_path / "r.slim.thresholds.json").write_text(json.dumps({"accept": 0.5, "slim": 0.6}))
+    ids, settings = [1, 2, 3, 4], dict(strategy="viasd", mode="tiered", slim_route=str(route), draft="self", max_new_tokens=4)
+    assert generate(ids, tiny, **settings, correct=True).config["tier_thresholds"]["accept"] == 0.5  # the only file
+    (tmp_path / "r.slim.correct.thresholds.json").write_text(json.dumps({"accept": 0.7, "slim": 0.8}))
+    assert generate(ids, tiny, **settings, correct=True).config["tier_thresholds"]["accept"] == 0.7
+    assert generate(ids, tiny, **settings).config["tier_thresholds"]["accept"] == 0.5  # without --correct: the other file

@@ -20,7 +20,7 @@ from viasd.decoding.drafters import Drafter, ModelDrafter, NgramDrafter, SelfDra
 from viasd.decoding.multitier import resume_layer
 from viasd.decoding.registry import DEFAULT_STRATEGY, STRATEGIES, DraftKind, LoopArgs, Mode, Strategy, strategy
 from viasd.decoding.stats import DecodeResult, DecodeStats
-from viasd.decoding.tiers import TierThresholds, load_thresholds
+from viasd.decoding.tiers import TierThresholds, load_thresholds, thresholds_beside
 from viasd.decoding.verifier import DecodeRequest
 from viasd.errors import UsageError
 from viasd.models.loading import LoadedModel, check_same_vocabulary, load_model
@@ -87,12 +87,17 @@ class ViasdOptions:
         if self.full_block < 1:
             raise UsageError(f"full_block must be >= 1, got {self.full_block}")
 
-    def tier_thresholds(self, beside: Path | None = None) -> TierThresholds:
-        """Defaults <- a thresholds file (given, or found beside the slim route) <- explicit overrides."""
+    def tier_thresholds(self, route_file: Path | None = None) -> TierThresholds:
+        """Defaults <- a thresholds file (given, or found beside the slim route: with `correct` its
+        correction-mode thresholds first, see `tiers.thresholds_beside`) <- explicit overrides."""
         values = TierThresholds().to_dict()
-        path = Path(self.thresholds) if self.thresholds else beside
-        if path is not None and (self.thresholds or path.exists()):
-            values.update(load_thresholds(path))
+        if self.thresholds:
+            values.update(load_thresholds(self.thresholds))
+        elif route_file is not None:
+            beside = ([thresholds_beside(route_file, correct=True)] if self.correct else []) + [thresholds_beside(route_file)]
+            found = next((p for p in beside if p.exists()), None)
+            if found is not None:
+                values.update(load_thresholds(found))
         for name in values:
             if getattr(self, name) is not None:
                 values[name] = getattr(self, name)
@@ -237,7 +242,7 @@ def _loop_args(spec: Strategy, config: GenerateConfig, verifier: LoadedModel) ->
         head = route_head(verifier, resolved) if v.reduced_head else None
         extra["slim_head_vocab"] = len(head) if head is not None else None
         if Mode(v.mode) is Mode.TIERED:
-            thresholds = v.tier_thresholds(slim_file.with_suffix(".thresholds.json") if slim_file else None)
+            thresholds = v.tier_thresholds(slim_file)
             extra["tier_thresholds"] = thresholds.to_dict()
     cascade = (DeferralRule(config.cascade.rule), config.cascade.alpha)
     adaptive = config.drafting.adapt_k

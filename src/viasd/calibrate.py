@@ -6,6 +6,13 @@ agreement of the committed tokens with the full model's greedy choice at the sam
 teacher-forced full pass per decode), and keep the fastest candidate whose agreement meets the
 constraint. The all-to-full candidate (plain SD, agreement 1.0) is always in the grid, so a
 feasible answer always exists.
+
+With a drafter that has a distribution (a drafter model or a drafting route), the grid also tries
+tier 1 by the drafter's confidence alone (`draft_confident`: a round whose drafts all reach it
+skips the slim pass). With `correct`, every candidate decodes in correction mode, whose output is
+the full model's greedy one whatever the thresholds: the fastest candidate wins (its agreement is
+still measured, as a check), and the file goes to ROUTE.correct.thresholds.json, which `--correct`
+reads before ROUTE.thresholds.json.
 """
 
 from __future__ import annotations
@@ -19,7 +26,8 @@ from pathlib import Path
 import torch
 
 from viasd.api import GenerateConfig, generate
-from viasd.decoding.tiers import TierThresholds
+from viasd.decoding.registry import DraftKind, strategy
+from viasd.decoding.tiers import TierThresholds, thresholds_beside
 from viasd.errors import UsageError
 from viasd.models.loading import LoadedModel
 from viasd.validation import atomic_write_bytes, atomic_write_text, check_float, check_int, check_writable_file, dumps_strict
@@ -27,9 +35,10 @@ from viasd.validation import atomic_write_bytes, atomic_write_text, check_float,
 OFF = 2.0  # a threshold above 1 switches its tier off
 
 GRIDS = {
-    "small": {"accept": [0.7, 0.9, 0.97, OFF], "slim": [0.5, 0.7, 0.9, OFF], "accept_draft": [0.5]},
+    "small": {"accept": [0.7, 0.9, 0.97, OFF], "slim": [0.5, 0.7, 0.9, OFF], "accept_draft": [0.5],
+              "draft_confident": [0.9, OFF]},
     "full": {"accept": [0.5, 0.7, 0.8, 0.9, 0.95, 0.99, OFF], "slim": [0.3, 0.5, 0.6, 0.7, 0.8, 0.9, 0.95, OFF],
-             "accept_draft": [0.0, 0.5, 0.8]},
+             "accept_draft": [0.0, 0.5, 0.8], "draft_confident": [0.8, 0.9, 0.95, OFF]},
 }
 
 
@@ -63,10 +72,11 @@ def check_settings(prompts: int, min_agreement: float) -> None:
         raise UsageError(f"--min-agreement must be in (0, 1], got {min_agreement}") from None
 
 
-def thresholds_path(out: str | None, route: str | None, model: str) -> Path:
-    """Where the thresholds go (default: beside --route, else MODEL.slim.thresholds.json), checked
-    writable up front, with the plot beside it: a calibration takes minutes and must not be lost."""
-    path = Path(out) if out else Path(route).with_suffix(".thresholds.json") if route else Path(f"{Path(model).name}.slim.thresholds.json")
+def thresholds_path(out: str | None, route: str | None, model: str, correct: bool = False) -> Path:
+    """Where the thresholds go (default: beside --route, else beside MODEL.slim.json; see
+    `tiers.thresholds_beside`), checked writable up front, with the plot beside it: a calibration
+    takes minutes and must not be lost."""
+    path = Path(out) if out else thresholds_beside(Path(route) if route else Path(f"{Path(model).name}.slim.json"), correct)
     check_writable_file(path, "thresholds file")
     check_writable_file(path.with_suffix(".png"), "plot")
     return path
@@ -92,18 +102,24 @@ def greedy_agreement(model: LoadedModel, prompt: list[int], out: list[int]) -> i
     return int((torch.cat(rows).argmax(-1) == torch.tensor(out)).sum())
 
 
-def candidates(grid: str) -> list[TierThresholds]:
+def candidates(grid: str, draft_probs: bool = True) -> list[TierThresholds]:
+    """The grid's thresholds; `draft_probs`: the drafter has a distribution (else `draft_confident`,
+    which reads it, stays off)."""
     g = GRIDS[grid]
-    out = [TierThresholds(accept=a, slim=s, accept_draft=d) for a, s, d in itertools.product(g["accept"], g["slim"], g["accept_draft"])]
+    confident = g["draft_confident"] if draft_probs else [OFF]
+    out = [TierThresholds(accept=a, slim=s, accept_draft=d, draft_confident=c)
+           for c, a, s, d in itertools.product(confident, g["accept"], g["slim"], g["accept_draft"])]
     return [t for i, t in enumerate(out) if t not in out[:i]]
 
 
 def calibrate(model: LoadedModel, base: GenerateConfig, prompts: list[list[int]], drafter=None, grid: str = "small",
               min_agreement: float = 0.98, progress: bool = True) -> tuple[Candidate, list[Candidate]]:
-    """Evaluate every candidate on every prompt (interleaved, so machine drift hits all alike)."""
+    """Evaluate every candidate on every prompt (interleaved, so machine drift hits all alike).
+    `base.viasd.correct`: correction mode, where the fastest candidate wins (see the module docstring)."""
     from tqdm import tqdm
 
-    cands = [Candidate(t) for t in candidates(grid)]
+    draft_probs = strategy("viasd").draft_kind(base.drafting.draft, drafter is not None) is not DraftKind.PLD
+    cands = [Candidate(t) for t in candidates(grid, draft_probs)]
     generate(prompts[0], model, drafter=drafter, config=base, progress=False)  # warm-up
     bar = tqdm(total=len(cands) * len(prompts), desc="calibrating thresholds", disable=not progress, file=sys.stderr)
     for ids in prompts:
@@ -117,6 +133,8 @@ def calibrate(model: LoadedModel, base: GenerateConfig, prompts: list[list[int]]
             c.agreeing += greedy_agreement(model, ids, r.token_ids)
             bar.update(1)
     bar.close()
+    if base.viasd.correct:  # the output is the full model's whatever the thresholds: speed decides
+        min_agreement = 0.0
     feasible = [c for c in cands if c.agreement >= min_agreement]
     best = max(feasible, key=lambda c: c.tokens_per_s) if feasible else max(cands, key=lambda c: c.agreement)
     return best, cands
@@ -128,14 +146,16 @@ def write_thresholds(path: Path, best: Candidate, cands: list[Candidate], meta: 
     return atomic_write_text(path, dumps_strict(data, indent=1) + "\n")  # slim_entropy inf -> "inf"
 
 
-def plot_curve(path: Path, best: Candidate, cands: list[Candidate], min_agreement: float, title: str) -> Path:
+def plot_curve(path: Path, best: Candidate, cands: list[Candidate], min_agreement: float | None, title: str) -> Path:
+    """Speed against agreement of every candidate, the chosen one marked (and the constraint, if any)."""
     from matplotlib.figure import Figure  # no pyplot: no global backend or figure state
 
     fig = Figure(figsize=(6, 4))
     ax = fig.subplots()
     ax.scatter([c.agreement for c in cands], [c.tokens_per_s for c in cands], s=18, label="candidate thresholds")
     ax.scatter([best.agreement], [best.tokens_per_s], s=80, marker="*", color="red", label="chosen")
-    ax.axvline(min_agreement, color="gray", linestyle="--", label=f"constraint {min_agreement:.0%}")
+    if min_agreement is not None:
+        ax.axvline(min_agreement, color="gray", linestyle="--", label=f"constraint {min_agreement:.0%}")
     ax.set(xlabel="agreement with the full model's greedy tokens", ylabel="tokens/s", title=title)
     ax.legend(fontsize=8)
     fig.tight_layout()

@@ -216,22 +216,25 @@ def _calibrate(args: argparse.Namespace) -> int:
 
     progress = not args.quiet
     base = GenerateConfig.from_settings(strategy="viasd", mode="tiered", k=args.k, max_new_tokens=args.max_new_tokens,
-                          draft=args.draft, slim_route=args.route, draft_route=args.draft_route)
+                          draft=args.draft, slim_route=args.route, draft_route=args.draft_route, correct=args.correct)
     base.validate()
     preflight_files(base.flat())
     check_settings(args.prompts, args.min_agreement)
-    out = thresholds_path(args.out, args.route, args.model)  # writable, checked before the minutes of work
+    out = thresholds_path(args.out, args.route, args.model, args.correct)  # writable, checked before the minutes of work
     model = load_model(args.model, progress=progress)
     drafter = load_model(args.drafter, progress=progress) if args.drafter else None
     route_file = resolve_route(model, "slim", None, args.route).path
     prompts = dev_prompts(model, args.prompts)
     best, cands = calibrate(model, base, prompts, drafter, args.grid, args.min_agreement, progress)
     meta = {"model": args.model, "drafter": args.drafter or base.drafting.draft, "route": str(route_file) if route_file else "default",
-            "min_agreement": args.min_agreement, "prompts": len(prompts), "max_new_tokens": args.max_new_tokens, "k": args.k}
+            "min_agreement": None if args.correct else args.min_agreement, "correct": args.correct, "prompts": len(prompts),
+            "max_new_tokens": args.max_new_tokens, "k": args.k}
     write_thresholds(out, best, cands, meta)
-    png = plot_curve(out.with_suffix(".png"), best, cands, args.min_agreement, f"{args.model}: tiered thresholds")
+    png = plot_curve(out.with_suffix(".png"), best, cands, None if args.correct else args.min_agreement,
+                     f"{args.model}: tiered thresholds{' (correction mode)' if args.correct else ''}")
     t = best.thresholds
-    print(f"{out}: accept {t.accept}, accept_draft {t.accept_draft}, slim {t.slim} -> {best.tokens_per_s:.1f} tok/s, "
+    print(f"{out}: accept {t.accept}, accept_draft {t.accept_draft}, slim {t.slim}, draft_confident {t.draft_confident} "
+          f"-> {best.tokens_per_s:.1f} tok/s, "
           f"agreement {best.agreement:.3f} (curve: {png})")
     return 0
 
@@ -248,6 +251,9 @@ def _add_calibrate(p: argparse.ArgumentParser) -> None:
     p.add_argument("--route", "-r", metavar="ROUTE.json", help="slim route (default: the shipped route); thresholds are written beside it")
     p.add_argument("--min-agreement", type=float, default=0.98,
                    help="quality constraint: share of committed tokens equal to the full model's greedy choice (default: %(default)s)")
+    p.add_argument("--correct", action="store_true",
+                   help="calibrate correction mode (`generate --correct`): its output is the full model's whatever the "
+                        "thresholds, so the fastest candidate wins; written to ROUTE.correct.thresholds.json")
     p.add_argument("--prompts", type=int, default=4, help="held-in calibration prompts (default: %(default)s)")
     p.add_argument("--max-new-tokens", "-n", type=int, default=48, help="(default: %(default)s)")
     p.add_argument("--k", "-k", type=int, default=4)

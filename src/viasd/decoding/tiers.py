@@ -56,6 +56,13 @@ def confident_round(draft: list[int], q: torch.Tensor | None, t: TierThresholds)
 
 
 
+def thresholds_beside(route_file: Path, correct: bool = False) -> Path:
+    """Where a slim route's calibrated thresholds lie: ROUTE.thresholds.json, chosen for speed under a
+    quality constraint, or (`correct`) ROUTE.correct.thresholds.json, chosen for speed alone, since
+    correction mode's output is the full model's whatever the thresholds."""
+    return route_file.with_suffix(".correct.thresholds.json" if correct else ".thresholds.json")
+
+
 def load_thresholds(path: Path | str) -> dict[str, float]:
     """The thresholds a JSON file sets (a bare object or `{"thresholds": {...}}`), checked by shape,
     type and range."""
