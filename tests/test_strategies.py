@@ -3,6 +3,8 @@ sampling path follows the verifier's distribution."""
 
 from __future__ import annotations
 
+from types import SimpleNamespace
+
 import pytest
 import torch
 
@@ -169,11 +171,13 @@ def test_adaptive_draft_lengths_keep_every_drafter_lossless(tiny, tiny_drafter, 
     assert len(costs) == 3 and costs == sorted(costs) and costs[0] > 0
 
 
-@pytest.mark.parametrize("kind", ["model", "pld"])
+@pytest.mark.parametrize("kind", ["model", "model-head", "pld"])
 def test_sampled_tokens_follow_the_verifier_distribution(small_vocab_pair, kind):
     """N = 3000 sampled decodes of 4 tokens: the first from the prefill, the next three from one
     verification of k = 2 drafts (accepts, recoveries and bonuses); each position's empirical
-    distribution is within TV 0.05 of the exact marginal (sampling noise alone: ~0.015 with 8 tokens)."""
+    distribution is within TV 0.05 of the exact marginal (sampling noise alone: ~0.015 with 8 tokens).
+    model-head: the drafter scores 4 of the 8 tokens only (a reduced head), so its proposal
+    distribution is 0 on the others, which the verifier must still produce in their share."""
     verifier, drafter_model = small_vocab_pair
     params = SamplingParams(temperature=1.0, top_p=0.95)
     prompt = [1, 2, 3, 1, 2] if kind == "pld" else [4, 0]
@@ -183,7 +187,8 @@ def test_sampled_tokens_follow_the_verifier_distribution(small_vocab_pair, kind)
     n = 3000
     drafted = accepted = 0
     for _ in range(n):
-        drafter = ModelDrafter(drafter_model.decoder, params, g, None) if kind == "model" else NgramDrafter()
+        head = drafter_model.decoder.reduced_head([0, 2, 3, 5]) if kind == "model-head" else None
+        drafter = ModelDrafter(drafter_model.decoder, params, g, None, head) if kind.startswith("model") else NgramDrafter()
         req = DecodeRequest(prompt, 4, params, NO_EOS, generator=g)
         out, stats = speculative_decode(verifier.decoder, drafter, req, k=2), req.stats
         for i, t in enumerate(out):
@@ -222,6 +227,32 @@ def test_lossless_strategies_equal_ar_on_smollm2(smollm2, prompt):
         assert stats.rounds >= 2, name
         if "always" in name:
             assert stats.accepted == stats.drafted
+
+
+def test_drafter_with_a_reduced_head_drafts_inside_it_and_stays_lossless(tiny, tiny_drafter):
+    inside = list(range(0, tiny.config.vocab_size, 2))
+    head = tiny_drafter.decoder.reduced_head(inside)
+    drafter = ModelDrafter(tiny_drafter.decoder, GREEDY, None, None, head)
+    prompt = [1, 2, 3, 4, 5]
+    expected = run_ar(tiny, prompt, 24, NO_EOS)
+    req = DecodeRequest(prompt, 24, GREEDY, NO_EOS)
+    drafter.begin(64, SimpleNamespace(stats=req.stats))  # (a drafter model reads only the statistics)
+    assert set(drafter.propose(prompt, 6).tokens) <= set(inside)
+    out, stats = run_sd(tiny, ModelDrafter(tiny_drafter.decoder, GREEDY, None, None, head), prompt, 24, k=3, eos=NO_EOS)
+    assert out == expected and stats.drafted > 0
+
+
+@pytest.mark.model
+def test_drafter_model_drafts_over_the_verifiers_shipped_slim_vocabulary(smollm2):
+    from viasd.routing.route import ModelFingerprint, shipped_route
+
+    vocab = shipped_route(ModelFingerprint.of(smollm2), "slim").vocab
+    ids = smollm2.encode(PROMPTS[2])
+    ar = generate(ids, smollm2, strategy="ar", max_new_tokens=24).token_ids
+    sd = generate(ids, smollm2, strategy="sd", drafter=smollm2, max_new_tokens=24)
+    assert sd.config["drafter_head_vocab"] == len(vocab) and sd.token_ids == ar
+    full = generate(ids, smollm2, strategy="sd", drafter=smollm2, max_new_tokens=24, reduced_head=False)
+    assert full.config["drafter_head_vocab"] is None and full.token_ids == ar
 
 
 @pytest.mark.model

@@ -25,7 +25,7 @@ from viasd.decoding.verifier import DecodeRequest
 from viasd.errors import UsageError
 from viasd.models.loading import LoadedModel, check_same_vocabulary, load_model
 from viasd.models.zoo import DEFAULT_MODEL
-from viasd.routing.resolve import resolve_route, route_head
+from viasd.routing.resolve import drafter_head, resolve_route, route_head
 from viasd.validation import check_generate_config, check_text, check_token_ids, preflight_files
 
 MODES = tuple(m.value for m in Mode)
@@ -67,7 +67,9 @@ class ViasdOptions:
     slim_route: str | None = None  # slim verifier: a route JSON file
     full_block: int = 8  # lossless: slim-verified tokens per full-model check
     resume: bool = True  # full passes start where the slim route's whole lower layers end (same output)
-    reduced_head: bool = True  # slim and drafting routes: the reduced LM head their route file stores, if any
+    # slim and drafting routes: the reduced LM head their route file stores, if any; a drafter model:
+    # the vocabulary of the verifier's shipped slim route (`routing.resolve.drafter_head`)
+    reduced_head: bool = True
     thresholds: str | None = None  # tiered: a JSON file of TierThresholds fields
     # tiered, greedy: each full pass corrects the first token settled without the full model where its
     # greedy choice differs (dropping what follows); such tokens are streamed once checked. Output = ar's
@@ -224,7 +226,8 @@ def _make_drafter(kind: DraftKind, verifier: LoadedModel, drafter: str | LoadedM
     if kind is DraftKind.MODEL:
         draft_model = _as_model(drafter, progress)
         check_same_vocabulary(verifier, draft_model)
-        return ModelDrafter(draft_model.decoder, params, generator, opts.draft_threshold)
+        return ModelDrafter(draft_model.decoder, params, generator, opts.draft_threshold,
+                            drafter_head(verifier, draft_model) if reduced_head else None)
     if kind is DraftKind.PLD:
         return NgramDrafter(opts.max_ngram, opts.min_ngram)
     route = resolve_route(verifier, "draft", opts.draft_layers, opts.draft_route)
@@ -329,6 +332,8 @@ def generate(
     chosen = _make_drafter(kind, verifier, drafter, config.drafting, params, generator, progress, config.viasd.reduced_head) if kind else None
     record = {"model": verifier.name, "drafter": getattr(drafter, "name", drafter), **config.settings(),
               "draft": kind.value if kind else None, **extra}
+    if isinstance(chosen, ModelDrafter):
+        record["drafter_head_vocab"] = len(chosen.head) if chosen.head is not None else None
     try:
         out = spec.loop(verifier.decoder, chosen, req, args)
     except StopGeneration:  # from on_text: keep the tokens committed so far

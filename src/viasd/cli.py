@@ -355,7 +355,8 @@ def _add_generate(p: argparse.ArgumentParser) -> None:
                         "its passes stored; the output is the same either way (default: on)")
     v.add_argument("--reduced-head", action=argparse.BooleanOptionalAction, default=True,
                    help="slim and drafting routes score only the vocabulary their route file stores, if it stores one "
-                        "(a draft outside it goes to the full model) (default: on)")
+                        "(a draft outside it goes to the full model), and a drafter model the vocabulary of the "
+                        "verifier's shipped slim route (default: on)")
     v.add_argument("--thresholds", metavar="FILE.json", help="tiered: thresholds file (as written by `viasd calibrate`)")
     v.add_argument("--correct", action="store_true",
                    help="tiered, greedy: each full pass corrects the first token settled without the full model where "

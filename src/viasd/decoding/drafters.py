@@ -98,7 +98,14 @@ class _AutoregressiveDrafter:
 
 
 class ModelDrafter(_AutoregressiveDrafter):
-    """A separate, smaller model with the verifier's vocabulary, and its own KV cache."""
+    """A separate, smaller model with the verifier's vocabulary, and its own KV cache; `head`: a
+    reduced LM head of the drafter (it then drafts only tokens inside that vocabulary: what it
+    proposes is still a draft the verifier judges, so outputs stay lossless)."""
+
+    def __init__(self, decoder: Decoder, params: SamplingParams, generator: torch.Generator | None, threshold: float | None,
+                 head: ReducedHead | None = None):
+        super().__init__(decoder, params, generator, threshold)
+        self.head = head
 
     def begin(self, max_len: int, verifier: Verifier) -> None:
         super().begin(max_len, verifier)

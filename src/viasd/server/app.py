@@ -251,7 +251,7 @@ def create_app(model, drafter=None, settings: ServeSettings | None = None, worke
     def record(job: Job) -> dict:
         c = job.result.config
         keep = ("strategy", "draft", "drafter", "mode", "k", "adapt_k", "adaptive_k", "slim_fraction", "tier_thresholds",
-                "resume", "resume_layer", "reduced_head", "slim_head_vocab", "correct", "temperature", "top_p", "seed")
+                "resume", "resume_layer", "reduced_head", "slim_head_vocab", "drafter_head_vocab", "correct", "temperature", "top_p", "seed")
         return finite({"config": {k: c[k] for k in keep if k in c}, "stats": job.result.stats.to_dict()})
 
     async def watch_disconnect(request: Request, job: Job) -> None:
