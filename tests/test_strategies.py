@@ -87,7 +87,7 @@ def test_statistics_add_up(tiny):
     # (4 accepted + bonus) -> rounds of 1, 5, 5, 5, 5
     assert d["rounds"] == 5 and d["mean_accepted_length"] == pytest.approx(21 / 5)
     assert d["calls"]["full"] == 1 + 4  # prefill + one verification per drafting round
-    assert d["calls"]["draft"] == 4 * 4
+    assert d["calls"]["draft"] == 1 + 4 * 4  # the drafter's prompt pass, then 4 a drafting round
     assert d["acceptance_per_position"] == [1.0, 1.0, 1.0, 1.0]
 
 
@@ -236,7 +236,7 @@ def test_drafter_with_a_reduced_head_drafts_inside_it_and_stays_lossless(tiny, t
     prompt = [1, 2, 3, 4, 5]
     expected = run_ar(tiny, prompt, 24, NO_EOS)
     req = DecodeRequest(prompt, 24, GREEDY, NO_EOS)
-    drafter.begin(64, SimpleNamespace(stats=req.stats))  # (a drafter model reads only the statistics)
+    drafter.begin(64, SimpleNamespace(stats=req.stats, tokens=prompt))  # (what a drafter model reads of a verifier)
     assert set(drafter.propose(prompt, 6).tokens) <= set(inside)
     out, stats = run_sd(tiny, ModelDrafter(tiny_drafter.decoder, GREEDY, None, None, head), prompt, 24, k=3, eos=NO_EOS)
     assert out == expected and stats.drafted > 0
