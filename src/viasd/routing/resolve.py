@@ -75,10 +75,10 @@ def drafter_head(verifier: LoadedModel, drafter: LoadedModel) -> "ReducedHead | 
     """A drafter model's reduced LM head (issue 11 item 3, for drafting passes): the vocabulary of
     the verifier's shipped slim route, the calibration corpus' most frequent tokens, which a drafter
     with the same tokenizer shares (None: no shipped route with a vocabulary, or a drafter without
-    reduced heads). A drafter spends about as much of its pass on the head as the verifier does:
-    qwen2.5-coder-0.5b's one-row pass is 16% cheaper with a 32k head (docs/ARCHITECTURE.md)."""
-    path = shipped_route_path(ModelFingerprint.of(verifier), "slim")
-    vocab = shipped_route(ModelFingerprint.of(verifier), "slim").vocab if path is not None else None
+    reduced heads). A small drafter spends a larger share of its pass on the head than its verifier
+    does (qwen2.5-coder-0.5b: 136M of its 494M parameters)."""
+    route = shipped_route(ModelFingerprint.of(verifier), "slim")
+    vocab = route.vocab if route is not None else None
     if vocab is None or not hasattr(drafter.decoder, "reduced_head") or vocab[-1] >= drafter.decoder.lm_head.out_features:
         return None
     return drafter.decoder.reduced_head(vocab)
