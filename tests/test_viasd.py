@@ -432,6 +432,9 @@ def test_tiered_correction_equals_ar_and_streams_only_checked_tokens(tiny, tiny_
         assert out == expected and streamed == out
         s = req.stats
         assert s.new_tokens == 30 and sum(s.tiers.values()) == 30 and s.discarded >= s.corrected
+        # drafts a correction took back no longer count as accepted: the first token (the prefill's)
+        # and each corrected one are no drafts
+        assert s.accepted <= s.new_tokens - 1 - s.corrected
         corrected += s.corrected
     assert changed > 0 and corrected > 0  # the thresholds do change tokens, and correction mends them
 
@@ -446,6 +449,7 @@ def test_tiered_correction_checks_the_budget_s_last_tokens(tiny):
         for prompt in prompts(2):
             req = DecodeRequest(prompt, n, GREEDY)
             assert viasd_tiered_decode(tiny.decoder, NgramDrafter(), slim, req, 4, thr, correct=True) == run_ar(tiny, prompt, n)
+            assert req.stats.accepted <= n - 1 - req.stats.corrected  # (taken-back drafts uncounted)
     with pytest.raises(ValueError, match="greedy"):
         viasd_tiered_decode(tiny.decoder, NgramDrafter(), slim, DecodeRequest(prompts(1)[0], 4, SamplingParams(0.7)), 4, thr,
                             correct=True)

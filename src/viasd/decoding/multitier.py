@@ -130,15 +130,16 @@ def viasd_tiered_decode(decoder: Decoder, drafter: Drafter, route: LayerMask, re
     v = Verifier.start(decoder, drafter, req, len(req.prompt) + req.max_new_tokens + k + 2, tiers=True,
                        resume_layer=resume_layer(route, resume and slim_tiers))
     v.hold = correct
+    drafted = [False] * len(v.out)  # [len(v.out)] whether each new token is a kept draft (correction takes some back)
     while not v.done or (correct and v.cache.n_full < len(v.tokens) - 1):
         if v.done:  # correction: the budget is spent, and tokens the full model has not checked remain
             unchecked = v.tokens[v.cache.n_full + 1 :]
             rows = v.full([], n_rows=len(unchecked) + 1)[:-1]  # [u, V]: the logits before each of them
-            new, origin, corrected = _recheck(v, rows, unchecked, [], [], correct)
+            new, origin, corrected = _recheck(v, rows, unchecked, [], [], correct, drafted)
             if not corrected:  # all checked: they go out, and the decode ends (at its budget or end token)
                 v.release()
                 break
-            v.commit(new, origin)  # decoding goes on from the corrected token
+            drafted += [False] * v.commit(new, origin)  # decoding goes on from the corrected token
             continue
         # 1. draft, and score the drafts and the bonus position with one slim pass
         k_eff = min(k, v.budget - 1)
@@ -147,6 +148,7 @@ def viasd_tiered_decode(decoder: Decoder, drafter: Drafter, route: LayerMask, re
             stats.observe_round(len(draft), len(draft))
             kept = v.commit(list(draft.tokens), [Tier.ACCEPT] * len(draft), checked=False)
             stats.unchecked += kept
+            drafted += [True] * kept
             continue
         if draft.tokens and slim_tiers:
             slim = params.confidence(v.slim(route, draft.tokens, head=head))  # [k'+1, V]
@@ -169,31 +171,33 @@ def viasd_tiered_decode(decoder: Decoder, drafter: Drafter, route: LayerMask, re
                 policy.observe_pass(n_rows, time.perf_counter() - t0)
             corrected = False
             if params.greedy and unchecked:
-                new, origin, corrected = _recheck(v, rows[: len(unchecked)], unchecked, new, origin, correct)
+                new, origin, corrected = _recheck(v, rows[: len(unchecked)], unchecked, new, origin, correct, drafted)
             if not corrected:  # the full model decides the remaining drafts
                 rows = rows[len(unchecked) :]  # [k'-i+1, V]
                 n, x = accept(draft.tokens[i:], None if draft.probs is None else draft.probs[i:], rows, params, req.generator)
                 stats.observe_full_check(len(draft) - i, n)
                 new += draft.tokens[i : i + n] + [x]
                 origin += [Tier.FULL] * (n + 1)
-        stats.observe_round(len(draft), _common_prefix(new, draft.tokens))  # settled by the slim or the full verifier
+        kept_drafts = _common_prefix(new, draft.tokens)
+        stats.observe_round(len(draft), kept_drafts)  # settled by the slim or the full verifier
         if policy is not None:
-            kept_drafts = _common_prefix(new, draft.tokens)
             policy.observe(len(draft), kept_drafts)
             if peek is not None and kept_drafts == len(draft) and len(new) > len(draft):
                 policy.observe(1, int(new[len(draft)] == peek))  # the proposed token after the verified drafts
         kept = v.commit(new, origin, checked=i is not None)
         stats.unchecked += sum(t != Tier.FULL for t in origin[:kept])
+        drafted += [j < kept_drafts for j in range(kept)]
     return v.out
 
 
 def _recheck(v: Verifier, rows: torch.Tensor, unchecked: list[int], new: list[int], origin: list[Tier],
-             correct: bool) -> tuple[list[int], list[Tier], bool]:
+             correct: bool, drafted: list[bool]) -> tuple[list[int], list[Tier], bool]:
     """Greedy, after a full pass: rows [u, V] are the full model's logits before each of `unchecked`
     (the committed tokens it had not processed, then the round's `new` ones); count where its choice
     differs (`observe_recheck`). With `correct`, at the first such token that choice replaces it and
     everything after it is dropped: committed ones are taken back (`Verifier.retract`, never
-    streamed), the round's are cut. Returns the round's tokens and tiers to commit (unchanged when
+    streamed; the drafts among them, `drafted`'s flags of the new tokens, no longer count as
+    accepted), the round's are cut. Returns the round's tokens and tiers to commit (unchanged when
     nothing is corrected; otherwise ending with the corrected token, tier 3) and whether it corrected one."""
     choice = rows.argmax(-1).tolist()
     differs = [c != t for c, t in zip(choice, unchecked)]
@@ -206,6 +210,8 @@ def _recheck(v: Verifier, rows: torch.Tensor, unchecked: list[int], new: list[in
     if j < n_pending:
         removed = v.retract(n_pending - j)
         v.stats.unchecked -= sum(t != Tier.FULL for t in removed)
+        v.stats.accepted -= sum(drafted[len(drafted) - len(removed) :])
+        del drafted[len(drafted) - len(removed) :]
         new, origin = [], []
     else:
         new, origin = new[: j - n_pending], origin[: j - n_pending]
