@@ -18,8 +18,6 @@ from __future__ import annotations
 import ctypes
 import hashlib
 import json
-import os
-import tempfile
 import warnings
 from pathlib import Path
 
@@ -29,6 +27,7 @@ import torch
 from viasd.errors import CorruptFileError
 from viasd.models import ggml_kernels as gk
 from viasd.models.runtime import ModelConfig
+from viasd.validation import atomic_write_text
 
 # the GGUF architecture name of each transformers model_type the runtime reads natively
 _GGUF_ARCH = {"llama": "llama", "mistral": "llama", "qwen2": "qwen2", "gemma2": "gemma2", "gemma3": "gemma3", "gemma3_text": "gemma3"}
@@ -80,16 +79,10 @@ def tensor_index(path: Path) -> dict[str, tuple[int, tuple[int, ...], int, int]]
         raise CorruptFileError(f"{path}: unreadable GGUF ({type(e).__name__}: {e})") from None
     index = {t.name: (int(t.tensor_type), tuple(int(x) for x in t.shape), int(t.data_offset), int(t.n_bytes))
              for t in reader.tensors}
-    tmp = None
     try:
-        index_path.parent.mkdir(parents=True, exist_ok=True)
-        with tempfile.NamedTemporaryFile("w", dir=index_path.parent, delete=False, suffix=".tmp") as f:
-            tmp = f.name
-            json.dump({"file": str(path.resolve()), "tensors": index}, f)
-        os.replace(tmp, index_path)
+        atomic_write_text(index_path, json.dumps({"file": str(path.resolve()), "tensors": index}))
     except OSError:  # a read-only or full cache: the next load reads the header again
-        if tmp is not None:
-            Path(tmp).unlink(missing_ok=True)
+        pass
     return index
 
 
