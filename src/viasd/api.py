@@ -23,6 +23,7 @@ from viasd.decoding.stats import DecodeResult, DecodeStats
 from viasd.decoding.tiers import TierThresholds, load_thresholds, thresholds_beside
 from viasd.decoding.verifier import DecodeRequest
 from viasd.errors import UsageError
+from viasd.models import compute
 from viasd.models.loading import LoadedModel, check_same_vocabulary, load_model
 from viasd.models.zoo import DEFAULT_MODEL
 from viasd.routing.resolve import drafter_head, resolve_route, route_head
@@ -273,6 +274,7 @@ def check_messages(messages: Sequence[dict]) -> list[dict[str, str]]:
     return [dict(m) for m in messages]
 
 
+@compute.owned  # every decode on the process' one compute thread (models/compute.py says why)
 def generate(
     prompt: str | Sequence[int] | list[dict[str, str]],
     model: str | LoadedModel = DEFAULT_MODEL,

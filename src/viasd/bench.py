@@ -16,6 +16,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
+from viasd.models import compute
 from viasd.api import GenerateConfig, generate
 from viasd.decoding.registry import BASELINE, STRATEGIES, DraftKind, Mode
 from viasd.datasets import SPEC_BENCH_CATEGORIES, human_eval, spec_bench
@@ -226,6 +227,7 @@ def drop_torn_tail(out: Path) -> None:
         f.truncate(0)
 
 
+@compute.owned
 def run_bench(model, drafter, methods: list[tuple[str, dict]], prompts: list[Prompt], out: Path,
               base: GenerateConfig, progress: bool = True) -> int:
     """Run every (prompt, method) not yet in `out`; return how many records were written."""

@@ -26,6 +26,7 @@ from pathlib import Path
 
 import torch
 
+from viasd.models import compute
 from viasd.api import GenerateConfig, generate
 from viasd.decoding.registry import DraftKind, strategy
 from viasd.decoding.tiers import TierThresholds, thresholds_beside
@@ -117,6 +118,7 @@ def candidates(grid: str, draft_probs: bool = True) -> list[TierThresholds]:
     return [t for i, t in enumerate(out) if t not in out[:i]]
 
 
+@compute.owned
 def calibrate(model: LoadedModel, base: GenerateConfig, prompts: list[list[int]], drafter=None, grid: str = "small",
               min_agreement: float = 0.98, progress: bool = True) -> tuple[Candidate, list[Candidate]]:
     """Evaluate every candidate on every prompt (interleaved, so machine drift hits all alike).

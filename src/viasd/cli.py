@@ -441,7 +441,11 @@ def main(argv: list[str] | None = None) -> int:
             stream.reconfigure(errors="backslashreplace")
     args = build_parser().parse_args(argv)
     try:
-        return args.run(args)
+        if args.command == "serve":  # its HTTP loop stays here; its decodes go to the compute thread
+            return args.run(args)
+        from viasd.models import compute
+
+        return compute.run(args.run, args)  # model work on the process' one compute thread
     except ViasdError as e:
         print(f"viasd: error: {e}", file=sys.stderr)
         return e.exit_code

@@ -29,7 +29,7 @@ from pathlib import Path
 import torch
 
 from viasd.errors import ViasdError
-from viasd.models import rowexact
+from viasd.models import compute, rowexact
 
 # enum ggml_type values the loader may meet (the GGUF's tensor types use the same numbers)
 F32, F16, BF16, I32 = 0, 1, 30, 26
@@ -210,11 +210,13 @@ _lock = threading.Lock()
 
 
 def lib() -> _Lib:
-    """The bound library (loaded once; its thread pool has torch's thread count)."""
+    """The bound library (loaded once; graphs are planned for every core (or VIASD_THREADS) and run
+    on as many threads as `compute.budget()` gives them)."""
     global _lib
     with _lock:
         if _lib is None:
-            _lib = _Lib(torch.get_num_threads())
+            b = compute.budget()
+            _lib = _Lib(max(b.cores, b.fixed or 1))
         return _lib
 
 
@@ -348,6 +350,7 @@ class _Graph:
             t.contents.nb[2] //= 4
             t.contents.nb[3] //= 4
         self.plan = g.graph_plan(self.graph, g.n_threads, g.threadpool)
+        self.planned_threads = g.n_threads
         # ggml's reference flash attention: each (query row, head) over the keys in order, whatever the
         # other rows (its split-KV path for one row and its tiled path for many sum in other orders)
         self.plan.use_ref = self.exact_attention
@@ -364,6 +367,8 @@ class _Graph:
 
     def run(self) -> None:
         with RUN_LOCK:
+            # the threads the machine leaves free now; a plan for more threads has room for fewer
+            self.plan.n_threads = min(compute.budget().apply(), self.planned_threads)
             status = lib().graph_compute(self.graph, ctypes.byref(self.plan))
         if status != 0:
             raise RuntimeError(f"ggml graph compute failed (status {status})")

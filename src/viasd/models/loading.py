@@ -38,6 +38,7 @@ from viasd.errors import (
     UsageError,
     VocabularyMismatchError,
 )
+from viasd.models import compute
 from viasd.models.native import NATIVE_ARCHITECTURES, read_native
 from viasd.models.runtime import SUPPORTED_ARCHITECTURES, Decoder, ModelConfig
 from viasd.models.zoo import ZOO, ZooEntry
@@ -492,6 +493,7 @@ def load_state_dict(path: Path, skip: "set[str] | frozenset[str]" = frozenset())
     return state
 
 
+@compute.owned  # the load's torch work on the thread that will decode (models/compute.py)
 def load_model(
     source: str,
     dtype: torch.dtype | None = None,

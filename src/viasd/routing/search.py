@@ -25,6 +25,7 @@ from pathlib import Path
 
 import torch
 
+from viasd.models import compute
 from viasd.errors import UsageError
 from viasd.models.loading import LoadedModel, cache_dir
 from viasd.models.runtime import LayerMask
@@ -230,6 +231,7 @@ def _optuna_verbosity(level: int) -> Iterator[None]:
         optuna.logging.set_verbosity(previous)
 
 
+@compute.owned
 def search_route(
     model: LoadedModel,
     budget: float,

@@ -1,5 +1,5 @@
-"""The decode worker: one model in memory, one thread running `viasd.generate` for one request at a
-time, a bounded FIFO of admitted requests in front of it.
+"""The decode worker: one model in memory, the process' compute thread (`viasd.models.compute`)
+running `viasd.generate` for one request at a time, a bounded FIFO of admitted requests in front of it.
 
 The HTTP side (app.py) runs on the asyncio loop; a request becomes a `Job` whose events (text pieces,
 then done / cancelled / error) the worker posts back to the loop. Stop strings and cancellation go
@@ -14,12 +14,12 @@ import sys
 import threading
 import time
 import traceback
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 
 from viasd.api import StopGeneration, generate
 from viasd.decoding.stats import DecodeResult
 from viasd.errors import ViasdError
+from viasd.models import compute
 
 
 class StopText:
@@ -90,7 +90,6 @@ class Worker:
 
     def __init__(self, model, drafter=None, max_queue: int = 64, on_depth=None):
         self.model, self.drafter, self.max_queue = model, drafter, max_queue
-        self.executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="viasd-decode")
         self.on_depth = on_depth or (lambda waiting, running: None)
         self.lock = threading.Lock()
         self.waiting = 0
@@ -112,7 +111,7 @@ class Worker:
             self.waiting += 1
             self.live.add(job)
             self._depth()
-        self.executor.submit(self._run, job)
+        compute.submit(self._run, job)
 
     def cancel_all(self) -> None:
         with self.lock:
@@ -192,4 +191,3 @@ class Worker:
 
     def shutdown(self) -> None:
         self.cancel_all()
-        self.executor.shutdown(wait=False, cancel_futures=False)

@@ -1,0 +1,194 @@
+"""The one thread that runs viasd's model work in a process, and how many cores it uses.
+
+**Why one thread.** ggml-py's C library and torch share one OpenMP runtime (libgomp: torch ships it,
+ggml links it). libgomp gives every thread that opens a parallel region its own team of worker
+threads, kept while that thread lives, and as soon as the process holds more such workers than it
+has cores, every team stops spin-waiting between regions (`gomp_throttled_spin_count_var`: ~100
+spins instead of ~300000) and sleeps in the kernel instead. A forward pass is one or more regions,
+the sampler a few more; every one then begins by waking a sleeping worker. Measured on a 2-core
+machine (smollm2-135m, `ar`, 64 tokens): the thread that loaded the model decoded at 115-124 tok/s;
+the same call in a second thread at 70-89 tok/s, and the first thread fell to 82-94 once the second
+had run (session 11; on the AVX-512 machine 370 against 50-56). So the model work of a process runs
+on a single thread, `viasd-compute`: `run(fn)` executes `fn` there (directly when already on it) and
+`submit(fn)` queues it. `load_model`, `generate`, the route search, calibration, the benchmark and
+the server's decode worker all go through it, so a user's own threads, the server and Ray Serve
+replicas get the CLI's speed. (Code that calls a `Decoder` directly from other threads still works;
+it is only slower.)
+
+**How many cores.** Two threads that meet at a barrier after every op lose a time slice whenever
+another process shares one of their cores (one busy neighbour: smollm2 `ar` 354 -> 63 tok/s at two
+threads). `ThreadBudget` follows what the machine gives: every `INTERVAL` seconds it reads how much
+CPU time the rest of the machine used (`/proc/stat` minus this process' own), and the graphs and
+torch then run on as many threads as there are cores left, at least one. `VIASD_THREADS=N` fixes the
+count instead.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import os
+import threading
+import time
+from concurrent.futures import Future, ThreadPoolExecutor
+from typing import Callable, TypeVar
+
+T = TypeVar("T")
+
+THREAD_NAME = "viasd-compute"
+
+_executor: ThreadPoolExecutor | None = None
+_ident: int | None = None  # the compute thread's id, once it has started
+_lock = threading.Lock()
+
+
+def _started() -> None:
+    global _ident
+    _ident = threading.get_ident()
+    budget().apply(force=True)
+
+
+def _pool() -> ThreadPoolExecutor:
+    global _executor
+    with _lock:
+        if _executor is None:
+            _executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix=THREAD_NAME, initializer=_started)
+        return _executor
+
+
+def on_compute_thread() -> bool:
+    return _ident is not None and threading.get_ident() == _ident
+
+
+def submit(fn: Callable[..., T], *args, **kwargs) -> Future:
+    """Queue `fn(*args, **kwargs)` on the compute thread (in order, one at a time)."""
+    return _pool().submit(fn, *args, **kwargs)
+
+
+def run(fn: Callable[..., T], *args, **kwargs) -> T:
+    """`fn(*args, **kwargs)` on the compute thread, waiting for it; its exception is raised here.
+    Ctrl-C while waiting interrupts `fn` too (KeyboardInterrupt is raised inside it), as it would
+    on the calling thread."""
+    if on_compute_thread():
+        return fn(*args, **kwargs)
+    future = submit(fn, *args, **kwargs)
+    try:
+        return future.result()
+    except KeyboardInterrupt:
+        if not future.done() and _ident is not None:
+            ctypes.pythonapi.PyThreadState_SetAsyncExc(ctypes.c_ulong(_ident), ctypes.py_object(KeyboardInterrupt))
+            try:
+                future.result(timeout=30)
+            except BaseException:
+                pass
+        raise
+
+
+def owned(fn: Callable[..., T]) -> Callable[..., T]:
+    """Decorator: the function always runs on the compute thread."""
+    import functools
+
+    @functools.wraps(fn)
+    def wrapper(*args, **kwargs):
+        return run(fn, *args, **kwargs)
+
+    return wrapper
+
+
+# ------------------------------------------------------------------------------------ thread count
+
+
+def _cores() -> int:
+    try:
+        return max(1, len(os.sched_getaffinity(0)))
+    except (AttributeError, OSError):
+        return max(1, os.cpu_count() or 1)
+
+
+def _machine_busy_s() -> float | None:
+    """CPU seconds the whole machine has spent busy (every state but idle and iowait) since boot."""
+    try:
+        with open("/proc/stat", "rb") as f:
+            fields = f.readline().split()
+    except OSError:
+        return None
+    if len(fields) < 5 or fields[0] != b"cpu":
+        return None
+    ticks = [int(x) for x in fields[1:9]]
+    idle = ticks[3] + (ticks[4] if len(ticks) > 4 else 0)
+    return (sum(ticks) - idle) / os.sysconf("SC_CLK_TCK")
+
+
+def _own_s() -> float:
+    t = os.times()
+    return t.user + t.system
+
+
+class ThreadBudget:
+    """How many threads the compute thread's graphs and torch use: the cores other processes left
+    free over the last `INTERVAL` seconds (rounded, at least 1), or `fixed`."""
+
+    INTERVAL = 0.5
+
+    def __init__(self, cores: int | None = None, fixed: int | None = None):
+        self.cores = cores or _cores()
+        self.fixed = fixed
+        self.threads = fixed or self.cores
+        self.others = 0.0  # cores the rest of the machine used in the last window
+        self._applied: int | None = None
+        self._mark = (time.monotonic(), _machine_busy_s(), _own_s())
+
+    def update(self, now: float | None = None) -> int:
+        """The thread count, re-measured when a window has passed (cheap otherwise: one clock read)."""
+        now = time.monotonic() if now is None else now
+        t0, busy0, own0 = self._mark
+        if self.fixed is not None or now - t0 < self.INTERVAL or busy0 is None:
+            return self.threads
+        busy, own = _machine_busy_s(), _own_s()
+        self._mark = (now, busy, own)
+        if busy is None:
+            return self.threads
+        self.others = max(0.0, (busy - busy0) - (own - own0)) / (now - t0)
+        self.threads = choose_threads(self.cores, self.others)
+        return self.threads
+
+    def apply(self, force: bool = False) -> int:
+        """Update, and set torch's thread count on this thread when it changed."""
+        n = self.update()
+        if force or n != self._applied:
+            import torch
+
+            torch.set_num_threads(n)
+            self._applied = n
+        return n
+
+
+def choose_threads(cores: int, others: float) -> int:
+    """As many threads as cores the other processes leave free: `cores - others`, rounded, in [1, cores]."""
+    return max(1, min(cores, int(cores - others + 0.5)))
+
+
+def _fixed_from_env() -> int | None:
+    value = os.environ.get("VIASD_THREADS", "").strip()
+    if not value:
+        return None
+    try:
+        n = int(value)
+    except ValueError:
+        n = 0
+    if n < 1:
+        import sys
+
+        print(f"viasd: VIASD_THREADS must be a positive integer, got {value!r}; following the machine instead", file=sys.stderr)
+        return None
+    return n
+
+
+_budget: ThreadBudget | None = None
+
+
+def budget() -> ThreadBudget:
+    global _budget
+    with _lock:
+        if _budget is None:
+            _budget = ThreadBudget(fixed=_fixed_from_env())
+        return _budget
