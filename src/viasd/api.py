@@ -274,6 +274,21 @@ def check_messages(messages: Sequence[dict]) -> list[dict[str, str]]:
     return [dict(m) for m in messages]
 
 
+def drafter_kind(config: GenerateConfig, has_drafter: bool) -> DraftKind | None:
+    """The drafter a request's strategy uses, checked against whether a drafter model was given."""
+    spec = config.spec
+    if spec.drafter is None and has_drafter:
+        raise UsageError(f"strategy {spec.name!r} uses no drafter")
+    kind = spec.draft_kind(config.drafting.draft, has_drafter)
+    if kind is DraftKind.MODEL and not has_drafter:
+        raise UsageError(f"strategy {spec.name!r} needs a drafter model (--drafter), "
+                         "e.g. qwen2.5-coder-0.5b for qwen2.5-coder-1.5b")
+    if kind not in (None, DraftKind.MODEL) and has_drafter:
+        raise UsageError(f"a drafter model is only used with model drafting (--draft model), not {kind.value!r} "
+                         f"drafting (strategy {spec.name!r})")
+    return kind
+
+
 @compute.owned  # every decode on the process' one compute thread (models/compute.py says why)
 def generate(
     prompt: str | Sequence[int] | list[dict[str, str]],
@@ -299,15 +314,7 @@ def generate(
     config = config or GenerateConfig.from_settings(**settings)
     config.validate()
     spec = config.spec
-    if spec.drafter is None and drafter is not None:
-        raise UsageError(f"strategy {spec.name!r} uses no drafter")
-    kind = spec.draft_kind(config.drafting.draft, drafter is not None)
-    if kind is DraftKind.MODEL and drafter is None:
-        raise UsageError(f"strategy {spec.name!r} needs a drafter model (--drafter), "
-                         "e.g. qwen2.5-coder-0.5b for qwen2.5-coder-1.5b")
-    if kind not in (None, DraftKind.MODEL) and drafter is not None:
-        raise UsageError(f"a drafter model is only used with model drafting (--draft model), not {kind.value!r} "
-                         f"drafting (strategy {spec.name!r})")
+    kind = drafter_kind(config, drafter is not None)
     if isinstance(prompt, str):
         check_text("the prompt", prompt)
     elif isinstance(prompt, (list, tuple)) and any(isinstance(m, dict) for m in prompt):

@@ -3,7 +3,8 @@
 Status codes: 400 malformed JSON / invalid UTF-8 / unsupported parameter / prompt + max_tokens beyond
 the context / settings the engine rejects; 401 missing or wrong bearer token; 404 unknown model or
 route; 405 wrong method; 413 body over the size limit; 422 wrong types or out-of-range values;
-503 queue full or shutting down. Every error body is OpenAI's
+499 the client left (or sent half a body, or stopped reading a stream); 503 queue full or shutting
+down (a stream the drain cut ends with that error object and `[DONE]`). Every error body is OpenAI's
 `{"error": {"message", "type", "param", "code"}}`; no traceback ever reaches a response.
 """
 
@@ -21,8 +22,9 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from pydantic import ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.requests import ClientDisconnect
 
-from viasd.api import GenerateConfig
+from viasd.api import GenerateConfig, generate
 from viasd.errors import UsageError, ViasdError
 from viasd.server.engine import Draining, Job, QueueFull, Worker
 from viasd.server.metrics import Metrics
@@ -55,6 +57,15 @@ def error_body(message: str, type_: str = "invalid_request_error", param: str | 
 
 def error_response(e: APIError) -> JSONResponse:
     return JSONResponse(error_body(e.message, e.type, e.param, e.code), status_code=e.status, headers=e.headers)
+
+
+def ended_by_server(job: Job) -> APIError:
+    """Why the server ended a request before its finish: a drain that timed out, or a reader that stalled."""
+    if job.cancel_reason == "stalled":
+        return APIError(499, f"the stream was not read for {job.stall_timeout:g} s (or over {job.max_unread} events "
+                             "waited unread): generation stopped", "invalid_request_error", code="stream_stalled")
+    return APIError(503, "the server is shutting down: generation stopped before its end", "server_error",
+                    code="shutting_down")
 
 
 def engine_error(e: Exception) -> APIError:
@@ -135,6 +146,14 @@ class AuthAndSize:
         await self.app(scope, receive, send)
 
 
+def check_serving(model, drafter, defaults: dict) -> None:
+    """One token decoded with the server's own settings before the app exists (and so before
+    `/health` says ok): whatever the engine would refuse in every request (a route of another model,
+    thresholds it rejects, a missing or unusable drafter) stops the server at start with one line
+    (UsageError: `viasd serve` exits 2) instead of a 400 to each client."""
+    generate([0], model, drafter=drafter, progress=False, **{**defaults, "max_new_tokens": 1, "chat": False})
+
+
 def create_app(model, drafter=None, settings: ServeSettings | None = None, worker: Worker | None = None) -> FastAPI:
     """The app for one loaded model (and optional drafter). `worker` may be given (tests wrap it)."""
     settings = settings or ServeSettings()
@@ -146,6 +165,7 @@ def create_app(model, drafter=None, settings: ServeSettings | None = None, worke
     defaults.pop("chat", None)
     base = GenerateConfig.from_settings(**defaults)
     base.validate()
+    check_serving(model, drafter, defaults)
     created = int(time.time())
 
     app = FastAPI(title="viasd", docs_url=None, redoc_url=None, openapi_url=None)
@@ -187,10 +207,14 @@ def create_app(model, drafter=None, settings: ServeSettings | None = None, worke
 
     async def read_json(request: Request) -> dict:
         body = bytearray()
-        async for chunk in request.stream():
-            body += chunk
-            if len(body) > settings.max_body_bytes:
-                raise APIError(413, f"request body over the {settings.max_body_bytes}-byte limit", code="request_too_large")
+        try:
+            async for chunk in request.stream():
+                body += chunk
+                if len(body) > settings.max_body_bytes:
+                    raise APIError(413, f"request body over the {settings.max_body_bytes}-byte limit", code="request_too_large")
+        except ClientDisconnect:  # the client closed before sending its whole body: nobody to answer
+            raise APIError(499, "the client closed the connection before sending the whole request body",
+                           code="client_closed") from None
         try:
             text = bytes(body).decode("utf-8")
         except UnicodeDecodeError as e:
@@ -258,7 +282,7 @@ def create_app(model, drafter=None, settings: ServeSettings | None = None, worke
         while True:
             message = await request.receive()
             if message["type"] == "http.disconnect":
-                job.cancel.set()
+                job.stop("client")
                 return
 
     async def run(request: Request, endpoint: str, req, prompt, max_tokens: int | None, chat: bool):
@@ -291,7 +315,7 @@ def create_app(model, drafter=None, settings: ServeSettings | None = None, worke
         if not req.stream:
             try:
                 while True:
-                    kind, *rest = await job.events.get()
+                    kind, *rest = await job.next_event()
                     if kind == "text":
                         continue
                     if kind == "error":
@@ -299,11 +323,14 @@ def create_app(model, drafter=None, settings: ServeSettings | None = None, worke
                         finish(e.status)
                         raise e
                     if kind == "cancelled":
+                        if job.cancel_reason == "shutdown":
+                            finish(503)
+                            raise ended_by_server(job)
                         finish(499)
                         return Response(status_code=499)
                     break
             except asyncio.CancelledError:  # the handler itself was cancelled: stop the decode, account for it
-                job.cancel.set()
+                job.stop("client")
                 asyncio.get_running_loop().create_task(_drain_cancelled(job, finish))
                 raise
             finish(200)
@@ -316,11 +343,14 @@ def create_app(model, drafter=None, settings: ServeSettings | None = None, worke
                     "model": served, "choices": [choice], "usage": usage(job), "viasd": record(job)}
 
         # streaming: wait for the first event so that errors before any text get a status code
-        first = await job.events.get()
+        first = await job.next_event()
         if first[0] == "error":
             e = engine_error(first[1])
             finish(e.status)
             raise e
+        if first[0] == "cancelled" and job.cancel_reason == "shutdown":
+            finish(503)
+            raise ended_by_server(job)
         if first[0] == "cancelled":
             finish(499)
             return Response(status_code=499)
@@ -367,13 +397,21 @@ def create_app(model, drafter=None, settings: ServeSettings | None = None, worke
                         yield sse("[DONE]")
                         return
                     elif kind == "cancelled":
-                        finish(499)
                         done = True
+                        if job.cancel_reason not in ("shutdown", "stalled"):
+                            finish(499)
+                            return
+                        e = ended_by_server(job)  # the reader may still be there: say why the stream ends
+                        finish(e.status)
+                        if e.status != 499:
+                            metrics.requests.labels(endpoint, str(e.status)).inc()  # headers already said 200
+                        yield sse(error_body(e.message, e.type, e.param, e.code))
+                        yield sse("[DONE]")
                         return
-                    event = await job.events.get()
+                    event = await job.next_event()
             finally:
                 if not done:  # the client went away (or the server stops): end the decode within a round
-                    job.cancel.set()
+                    job.stop("client")
                     if not job.finished:
                         asyncio.get_running_loop().create_task(_drain_cancelled(job, finish))
 
@@ -383,7 +421,7 @@ def create_app(model, drafter=None, settings: ServeSettings | None = None, worke
     async def _drain_cancelled(job: Job, finish) -> None:
         """Account for a stream the client left: wait for the worker's last event."""
         while True:
-            kind, *_ = await job.events.get()
+            kind, *_ = await job.next_event()
             if kind in ("done", "cancelled", "error"):
                 finish(499)
                 return

@@ -53,6 +53,13 @@ def first_stop(text: str, stops: list[str]) -> int | None:
     return min(found) if found else None
 
 
+# A stream whose reader stops reading: the worker stops its decode when this many text events wait
+# unread, or when events have waited this long (seconds) without the reader taking one. Either way
+# only that stream ends; its memory stays bounded and the other requests go on.
+MAX_UNREAD_EVENTS = 1024
+STALL_TIMEOUT_S = 30.0
+
+
 @dataclass(eq=False)  # hashed by identity (the worker keeps a set of live jobs)
 class Job:
     prompt: object  # str | list[dict] | list[int], as `generate` takes it
@@ -65,16 +72,41 @@ class Job:
     started: float | None = None
     first_text: float | None = None
     finished: bool = False
+    max_unread: int = field(default_factory=lambda: MAX_UNREAD_EVENTS)
+    stall_timeout: float = field(default_factory=lambda: STALL_TIMEOUT_S)
     # filled by the worker
     result: DecodeResult | None = None
     text: str = ""
     finish_reason: str | None = None
+    cancel_reason: str | None = None  # "client" (it left), "stalled" (it stopped reading), "shutdown"
+    posted: int = 0  # text events posted / taken by the reader (the unread ones are the difference)
+    taken: int = 0
+    last_taken: float = field(default_factory=time.monotonic)
+
+    def stop(self, reason: str) -> None:
+        """End the decode after its current round, for `reason` (the first reason given wins)."""
+        if self.cancel_reason is None:
+            self.cancel_reason = reason
+        self.cancel.set()
 
     def post(self, *event) -> None:
+        if event[0] == "text":
+            self.posted += 1
+            unread = self.posted - self.taken
+            if unread > self.max_unread or (unread > 1 and time.monotonic() - self.last_taken > self.stall_timeout):
+                self.stop("stalled")
         try:
             self.loop.call_soon_threadsafe(self.events.put_nowait, event)
         except RuntimeError:  # the loop is closed: nobody is listening any more
             pass
+
+    async def next_event(self) -> tuple:
+        """The next event, for the reader (marks the reader alive)."""
+        event = await self.events.get()
+        if event[0] == "text":
+            self.taken += 1
+        self.last_taken = time.monotonic()
+        return event
 
 
 class QueueFull(Exception):
@@ -113,10 +145,10 @@ class Worker:
             self._depth()
         compute.submit(self._run, job)
 
-    def cancel_all(self) -> None:
+    def cancel_all(self, reason: str = "shutdown") -> None:
         with self.lock:
             for job in self.live:
-                job.cancel.set()
+                job.stop(reason)
 
     def _depth(self) -> None:
         self.on_depth(self.waiting, self.running)

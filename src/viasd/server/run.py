@@ -63,11 +63,14 @@ def settings_from_args(args: argparse.Namespace) -> dict:
 
 def check_args(args: argparse.Namespace) -> dict:
     """Every flag checked before a model is fetched; UsageError (exit 2) otherwise."""
-    from viasd.api import GenerateConfig
-    from viasd.validation import check_float, check_int
+    from viasd.api import GenerateConfig, drafter_kind
+    from viasd.validation import check_float, check_int, preflight_files
 
     defaults = settings_from_args(args)
-    GenerateConfig.from_settings(**defaults).validate()
+    config = GenerateConfig.from_settings(**defaults)
+    config.validate()
+    preflight_files(config.flat())  # route and thresholds files readable and well-formed
+    drafter_kind(config, args.drafter is not None)  # a drafter model where the strategy needs one, and only then
     if not 0 <= args.port <= 65535:
         raise UsageError(f"--port must be in 0..65535, got {args.port}")
     check_int("--max-queue", args.max_queue, 0)
@@ -76,8 +79,16 @@ def check_args(args: argparse.Namespace) -> dict:
     check_int("--replicas", args.replicas, 0)
     if args.ray_address and not args.replicas:
         raise UsageError("--ray-address needs --replicas N")
-    if args.api_key is not None and not args.api_key.strip():
-        raise UsageError("--api-key (or VIASD_API_KEY) is empty")
+    if args.api_key is not None:
+        key = args.api_key.strip()
+        if not key:
+            raise UsageError("--api-key (or VIASD_API_KEY) is empty")
+        if any(c.isspace() or not c.isprintable() for c in key):
+            raise UsageError("--api-key (or VIASD_API_KEY) contains whitespace or control characters: "
+                             "no Authorization header could carry it")
+        if key != args.api_key:  # a newline from a file: no header carries it, so nobody could ever authenticate
+            print("viasd serve: note: removed whitespace around the API key", file=sys.stderr)
+            args.api_key = key
     return defaults
 
 
