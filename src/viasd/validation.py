@@ -23,6 +23,9 @@ SEED_MAX = 2**64 - 1  # torch.Generator.manual_seed takes an unsigned 64-bit see
 DEVICE_TYPES = ("cpu", "cuda", "mps")
 # --weights: the model file's own format ("native"), or every weight dequantized to a float type
 WEIGHT_FORMATS = ("native", "float32", "bfloat16", "float16")
+# the most any user-named input file (route, thresholds, bench task file) may hold: /dev/zero, a
+# huge or endless file is refused with one line instead of being read whole into memory
+MAX_INPUT_BYTES = 64 << 20
 
 
 # ------------------------------------------------------------------------------------------ numbers
@@ -248,18 +251,38 @@ def as_float(value) -> float | None:
     return None
 
 
-def read_json(path: str | Path, what: str, error: type[UsageError] = MalformedFileError):
-    """Parse a JSON file; every way it can fail (missing, a directory, unreadable, not UTF-8, not
-    JSON) is one `error` (a UsageError) naming the file."""
+def read_capped(path: str | Path, what: str, error: type[UsageError] = MalformedFileError,
+                cap: int | None = None) -> bytes:
+    """The bytes of a user-named input file, at most `cap` of them: reads cap + 1 bytes and refuses
+    a file holding more (so /dev/zero or an endless pipe costs one bounded read, never all memory).
+    Missing, a directory or unreadable: one `error` naming the file."""
     path = Path(path)
+    cap = MAX_INPUT_BYTES if cap is None else cap
     try:
-        text = path.read_bytes()
+        with open(path, "rb") as f:
+            data = f.read(cap + 1)
     except FileNotFoundError:
         raise error(f"{path}: no such {what} file") from None
     except IsADirectoryError:
         raise error(f"{path}: is a directory, not a {what} file") from None
     except OSError as e:
         raise error(f"{path}: cannot read {what} file ({e.strerror or e})") from None
+    except MemoryError:
+        raise error(f"{path}: {what} file is too large to read (the limit is {_size(cap)})") from None
+    if len(data) > cap:
+        raise error(f"{path}: {what} file is larger than {_size(cap)}, the most viasd reads (is it the right file?)")
+    return data
+
+
+def _size(n: int) -> str:
+    return f"{n >> 20} MiB" if n >= 1 << 20 and n % (1 << 20) == 0 else f"{n} bytes"
+
+
+def read_json(path: str | Path, what: str, error: type[UsageError] = MalformedFileError):
+    """Parse a JSON file; every way it can fail (missing, a directory, unreadable, not UTF-8, not
+    JSON) is one `error` (a UsageError) naming the file."""
+    path = Path(path)
+    text = read_capped(path, what, error)
     try:
         return json.loads(decode_utf8(text, f"{what} file {path}"))
     except ValueError as e:
