@@ -8,11 +8,14 @@ a time, so Ctrl-C loses nothing written.
 
 from __future__ import annotations
 
+import fcntl
 import json
 import os
 import platform
+import stat
 import sys
 import time
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -20,9 +23,12 @@ from viasd.models import compute
 from viasd.api import GenerateConfig, generate
 from viasd.decoding.registry import BASELINE, STRATEGIES, DraftKind, Mode
 from viasd.datasets import SPEC_BENCH_CATEGORIES, human_eval, spec_bench
-from viasd.errors import UsageError
+from viasd.errors import NotWritableError, OutputBusyError, UsageError
 from viasd.quality import humaneval_completion, score
-from viasd.validation import check_int, check_text, decode_utf8, dumps_strict
+from viasd.validation import check_int, check_text, decode_utf8, dumps_strict, read_capped, MAX_INPUT_BYTES
+
+# a results file is read whole on resume (and by `viasd report`): more than this is not one
+RESULTS_MAX_BYTES = 1 << 30
 
 # method -> GenerateConfig settings: each strategy by its name, VIA-SD once per mode; a suffix
 # ":pld" / ":self" / ":model" picks the drafter kind of strategies that let --draft choose
@@ -46,7 +52,9 @@ class Prompt:
 
 
 def parse_methods(spec: str) -> list[tuple[str, dict]]:
-    out = []
+    """(name, GenerateConfig settings) of each method, in order; a repeated method (the same
+    settings, whatever its spelling) is kept once, where it first appears."""
+    out, seen = [], set()
     for name in [m.strip() for m in spec.split(",") if m.strip()]:
         head, *modifiers = name.split("+")
         base, _, kind = head.partition(":")
@@ -71,6 +79,10 @@ def parse_methods(spec: str) -> list[tuple[str, dict]]:
                                  "costs, or always k), for sd, pld, self-sd, cascade and viasd-tiered, and +correct "
                                  "for viasd-tiered")
             settings["adapt_k"] = modifier == "adapt"
+        key = tuple(sorted((k, str(v)) for k, v in settings.items()))
+        if key in seen:  # `ar,ar` or `sd+adapt,sd+adapt+adapt`: the same configuration, run (and written) once
+            continue
+        seen.add(key)
         out.append((name, settings))
     if not out:
         raise UsageError("no methods given")
@@ -86,7 +98,8 @@ def load_tasks(spec: str, limit: int | None, turns: int = 1) -> list[Prompt]:
         check_int("--limit", limit, 1)  # a negative slice bound would silently mean "all but N"
     check_text("--tasks", spec)
     prompts: list[Prompt] = []
-    for task in [t.strip() for t in spec.split(",") if t.strip()]:
+    tasks = list(dict.fromkeys(t.strip() for t in spec.split(",") if t.strip()))  # a repeated task runs once
+    for task in tasks:
         if task.startswith("spec_bench"):
             _, _, category = task.partition(":")
             cats = [category] if category else list(SPEC_BENCH_CATEGORIES)
@@ -107,7 +120,13 @@ def load_tasks(spec: str, limit: int | None, turns: int = 1) -> list[Prompt]:
             raise UsageError(f"unknown task {task!r}: choose from {', '.join(TASKS)}")
     if not prompts:
         raise UsageError(f"no prompts in tasks {spec!r}")
-    return prompts
+    # overlapping tasks (spec_bench and spec_bench:translation) ask some prompts twice: once each, first kept
+    seen, unique = set(), []
+    for p in prompts:
+        if (p.task, p.id) not in seen:
+            seen.add((p.task, p.id))
+            unique.append(p)
+    return unique
 
 
 def _file_task(task: str) -> tuple[Path, str | None]:
@@ -124,13 +143,10 @@ def _file_task(task: str) -> tuple[Path, str | None]:
 def _file_prompts(path: Path, task: str, limit: int | None, metric: str | None = None) -> list[Prompt]:
     from viasd.quality import METRICS
 
-    if not path.is_file():
+    if not path.exists():
         raise UsageError(f"{task}: no such file")
-    out = []
-    try:
-        data = path.read_bytes()
-    except OSError as e:
-        raise UsageError(f"{task}: cannot read ({e.strerror})") from None
+    out, lines = [], {}
+    data = read_capped(path, "task", UsageError)
     for n, line in enumerate(decode_utf8(data, str(path)).splitlines(), 1):
         if not line.strip():
             continue
@@ -146,7 +162,11 @@ def _file_prompts(path: Path, task: str, limit: int | None, metric: str | None =
         row_metric = row.get("metric", metric)
         if row_metric is not None and row_metric not in METRICS:
             raise UsageError(f"{path}:{n}: unknown metric {row_metric!r}: choose from {', '.join(METRICS)}")
-        out.append(Prompt(task, str(row.get("id", n)), row["prompt"], None, row.get("reference"), metric=row_metric))
+        pid = str(row.get("id", n))
+        if pid in lines:  # resuming keys records by id: the second prompt would be skipped as done
+            raise UsageError(f"{path}:{n}: duplicate id {pid!r} (line {lines[pid]} has it too): every prompt of a task file needs its own id")
+        lines[pid] = n
+        out.append(Prompt(task, pid, row["prompt"], None, row.get("reference"), metric=row_metric))
     return out[:limit]
 
 
@@ -177,13 +197,18 @@ _SPEED_FLAGS = {"avx", "avx2", "fma", "f16c", "avx512f", "avx512bw", "avx512vl",
 def read_records(out: Path) -> tuple[list[dict], int]:
     """(records, lines skipped) of a results file: a line that is not a JSON object with string
     'task', 'prompt_id' and 'method' (a torn fragment of a killed run, a foreign line) is skipped."""
-    records, skipped = [], 0
     try:
-        data = out.read_bytes()
+        regular = stat.S_ISREG(out.stat().st_mode)
     except FileNotFoundError:
         return [], 0
-    except OSError as e:
-        raise UsageError(f"{out}: cannot read ({e.strerror})") from None
+    except OSError:
+        regular = False  # read_capped names the fault
+    # a pipe or device (/dev/zero) is read up to the input cap only
+    return _parse_records(read_capped(out, "bench results", UsageError, RESULTS_MAX_BYTES if regular else MAX_INPUT_BYTES))
+
+
+def _parse_records(data: bytes) -> tuple[list[dict], int]:
+    records, skipped = [], 0
     for line in data.decode("utf-8", errors="replace").splitlines():
         if not line.strip():
             continue
@@ -197,6 +222,69 @@ def read_records(out: Path) -> tuple[list[dict], int]:
         else:
             skipped += 1
     return records, skipped
+
+
+def check_results_file(out: Path) -> Path:
+    """Refuse, before any work, an existing `--out` that is not a bench results file: appending
+    records to notes.txt (or to /dev/zero) would damage it. A file holding at least one record
+    (perhaps with foreign lines, which are skipped, or the torn tail of a killed run) is fine."""
+    out = Path(out)
+    try:
+        st = out.stat()
+    except FileNotFoundError:
+        return out
+    except OSError as e:
+        raise NotWritableError(f"results file {out}: cannot read it ({e.strerror or e})") from None
+    if not stat.S_ISREG(st.st_mode):
+        raise NotWritableError(f"results file {out} exists and is not a regular file: choose another --out")
+    data = read_capped(out, "bench results", UsageError, RESULTS_MAX_BYTES)
+    end = data.rfind(b"\n") + 1
+    if data[end:].startswith(b'{"task"'):
+        data = data[:end]  # a killed run's torn last record
+    if data.strip() and not _parse_records(data)[0]:
+        raise NotWritableError(f"results file {out} exists and holds no viasd bench records: refusing to append to it "
+                               "(choose another --out, or remove the file)")
+    return out
+
+
+def lock_path(out: Path) -> Path:
+    """The lock file a bench run holds while it writes `out` (beside it: OUT.lock)."""
+    out = Path(out)
+    return out.with_name(out.name + ".lock")
+
+
+_held: dict[str, list] = {}  # resolved results path -> [lock fd, depth]: the CLI and run_bench take the same lock
+
+
+@contextmanager
+def results_lock(out: Path):
+    """Hold the results file for this run: a second bench on the same file (which would redo and
+    append every record again) is refused at once with OutputBusyError. Reentrant in one process."""
+    key = str(Path(out).resolve())
+    if key in _held:
+        _held[key][1] += 1
+        try:
+            yield
+        finally:
+            _held[key][1] -= 1
+        return
+    path = lock_path(out)
+    try:
+        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
+    except OSError as e:
+        raise NotWritableError(f"results file {out}: cannot create its lock file {path} ({e.strerror or e})") from None
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        os.close(fd)
+        raise OutputBusyError(f"results file {out}: another viasd bench run is writing it (lock {path}); "
+                              "wait for it to finish, or choose another --out") from None
+    _held[key] = [fd, 1]
+    try:
+        yield
+    finally:
+        del _held[key]
+        os.close(fd)  # releases the lock (the lock file stays: removing it would race a third run)
 
 
 def done_keys(out: Path) -> set[tuple[str, str, str]]:
@@ -230,7 +318,15 @@ def drop_torn_tail(out: Path) -> None:
 @compute.owned
 def run_bench(model, drafter, methods: list[tuple[str, dict]], prompts: list[Prompt], out: Path,
               base: GenerateConfig, progress: bool = True) -> int:
-    """Run every (prompt, method) not yet in `out`; return how many records were written."""
+    """Run every (prompt, method) not yet in `out`; return how many records were written. `out`
+    must be a results file or absent, and is locked against a second run for the whole run."""
+    check_results_file(out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    with results_lock(out):
+        return _run_bench(model, drafter, methods, prompts, out, base, progress)
+
+
+def _run_bench(model, drafter, methods, prompts, out, base, progress) -> int:
     from tqdm import tqdm
 
     done = done_keys(out)

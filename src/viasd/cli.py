@@ -264,7 +264,7 @@ def _add_calibrate(p: argparse.ArgumentParser) -> None:
 
 def _bench(args: argparse.Namespace) -> int:
     from viasd.api import GenerateConfig
-    from viasd.bench import load_tasks, parse_methods, run_bench
+    from viasd.bench import check_results_file, load_tasks, parse_methods, results_lock, run_bench
     from viasd.models.loading import load_model
 
     from viasd.validation import check_text, check_writable_file
@@ -273,12 +273,12 @@ def _bench(args: argparse.Namespace) -> int:
     prompts = load_tasks(args.tasks, args.limit, args.turns)
     base = GenerateConfig(max_new_tokens=args.max_new_tokens, k=args.k, seed=args.seed)
     base.validate()
-    check_writable_file(check_text("--out", args.out), "results file")
-    progress = not args.quiet
-    model = load_model(args.model, progress=progress)
-    drafter = load_model(args.drafter, progress=progress) if args.drafter else None
-    out = Path(args.out)
-    n = run_bench(model, drafter, methods, prompts, out, base, progress)
+    out = check_results_file(check_writable_file(check_text("--out", args.out), "results file"))
+    with results_lock(out):  # before the models load: a second run on the same file is refused at once
+        progress = not args.quiet
+        model = load_model(args.model, progress=progress)
+        drafter = load_model(args.drafter, progress=progress) if args.drafter else None
+        n = run_bench(model, drafter, methods, prompts, out, base, progress)
     print(f"{out}: {n} new record(s); {len(prompts) * len(methods)} in the run")
     return 0
 

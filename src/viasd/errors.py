@@ -27,6 +27,10 @@ class NotWritableError(UsageError):
     """An output path (or the cache directory) that cannot be written; checked before the work."""
 
 
+class OutputBusyError(UsageError):
+    """An output another viasd process is writing right now (a second `bench` on the same file)."""
+
+
 class MalformedFileError(UsageError):
     """A JSON input (route, thresholds, bench results) that parses but has the wrong shape or types."""
 
