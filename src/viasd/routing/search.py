@@ -120,21 +120,66 @@ def check_settings(budget, trials, n_random, seed, calib_seqs, calib_len, cost) 
 
 def open_storage(url: str | None):
     """The Optuna storage for `url` (None: in memory). A SQLite file is checked writable up front, and
-    one that is not a readable Optuna database is moved aside (kept, never deleted) and started afresh."""
-    import optuna
-
+    one that is not a readable Optuna database is moved aside (kept, never deleted) and started afresh.
+    Creation and that check run under an flock on DB.lock: a second search starting the same new
+    database waits for the first to create it, then opens it (it never moves aside a database being made)."""
     if url is None:
         return None
     path = Path(url[len("sqlite:///"):]) if url.startswith("sqlite:///") else None
-    if path is not None:
-        check_writable_file(path, "Optuna database")
+    if path is None:
+        return _open_rdb(url, None)
+    check_writable_file(path, "Optuna database")
+    with storage_lock(path):  # two searches starting the same new database: one creates it, the other then opens it
+        return _open_rdb(url, path)
+
+
+# how long a search waits for another one to finish creating (or checking) the same SQLite database
+STORAGE_LOCK_WAIT_S = 120.0
+
+
+def storage_lock_path(path: Path) -> Path:
+    return path.with_name(path.name + ".lock")
+
+
+@contextmanager
+def storage_lock(path: Path, wait_s: float | None = None) -> Iterator[None]:
+    """An exclusive flock on DB.lock (beside the database) around its creation and validation."""
+    import fcntl
+
+    lock = storage_lock_path(path)
+    try:
+        fd = os.open(lock, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
+    except OSError as e:
+        raise UsageError(f"Optuna database {path}: cannot create its lock file {lock} ({e.strerror or e})") from None
+    try:
+        deadline = time.monotonic() + (STORAGE_LOCK_WAIT_S if wait_s is None else wait_s)
+        while True:
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                break
+            except BlockingIOError:
+                if time.monotonic() > deadline:
+                    raise UsageError(f"Optuna database {path}: another search has held {lock} for over "
+                                     f"{STORAGE_LOCK_WAIT_S:.0f} s; try again when it is done") from None
+                time.sleep(0.05)
+        yield
+    finally:
+        os.close(fd)  # releases the lock; the lock file stays (removing it would race a third search)
+
+
+def _open_rdb(url: str, path: Path | None):
+    import optuna
+
     try:
         storage = optuna.storages.RDBStorage(url)
         storage.get_all_studies()
         return storage
     except Exception as e:  # sqlalchemy / optuna errors on a damaged or foreign database
+        why = f"{type(e).__name__}: {(str(e).splitlines() or [''])[0][:120]}"
         if path is None or not path.exists():
-            raise UsageError(f"cannot open Optuna storage {url} ({type(e).__name__}: {str(e).splitlines()[0][:120]})") from None
+            raise UsageError(f"cannot open Optuna storage {url} ({why})") from None
+        if "locked" in str(e).lower() or "busy" in str(e).lower():  # another search writing it now: not damaged
+            raise UsageError(f"Optuna database {path} is busy (another search is writing it: {why}); try again later") from None
     aside = path.with_name(f"{path.name}.corrupt-{time.strftime('%Y%m%d-%H%M%S')}")
     os.replace(path, aside)
     print(f"viasd: {path} is not a readable Optuna database; moved it to {aside} and starting the study again", file=sys.stderr)
