@@ -30,9 +30,10 @@ from viasd.models import compute
 from viasd.api import GenerateConfig, generate
 from viasd.decoding.registry import DraftKind, strategy
 from viasd.decoding.tiers import TierThresholds, thresholds_beside
-from viasd.errors import UsageError
+from viasd.errors import NotWritableError, UsageError
 from viasd.models.loading import LoadedModel
-from viasd.validation import atomic_write_bytes, atomic_write_text, check_float, check_int, check_writable_file, dumps_strict
+from viasd.validation import (atomic_write_bytes, atomic_write_text, check_float, check_int, check_writable_file, dumps_strict,
+                              read_json)
 
 OFF = 2.0  # a threshold above 1 switches its tier off
 ALL_TO_FULL = TierThresholds(accept=OFF, slim=OFF, accept_draft=0.5, draft_confident=OFF)  # plain SD, in every grid
@@ -85,7 +86,29 @@ def thresholds_path(out: str | None, route: str | None, model: str, correct: boo
     path = Path(out) if out else thresholds_beside(Path(route) if route else Path(f"{Path(model).name}.slim.json"), correct)
     check_writable_file(path, "thresholds file")
     check_writable_file(path.with_suffix(".png"), "plot")
+    _check_replaceable(path, path.with_suffix(".png"))
     return path
+
+
+def _check_replaceable(path: Path, png: Path) -> None:
+    """An existing output is overwritten only when it is one calibrate wrote (a thresholds JSON, its
+    PNG plot): `--out notes.txt` must not destroy notes.txt (nor notes.png)."""
+    if path.exists():
+        try:
+            data = read_json(path, "thresholds")
+        except UsageError:
+            data = None
+        if not (isinstance(data, dict) and isinstance(data.get("thresholds"), dict) and isinstance(data.get("explored"), list)):
+            raise NotWritableError(f"thresholds file {path} exists and is not a thresholds file written by viasd calibrate: "
+                                   "refusing to overwrite it (choose another --out, or remove it)")
+    if png.exists():
+        try:
+            with open(png, "rb") as f:
+                is_png = f.read(8) == b"\x89PNG\r\n\x1a\n"
+        except OSError:
+            is_png = False
+        if not is_png:
+            raise NotWritableError(f"plot {png} exists and is not a PNG image: refusing to overwrite it (choose another --out)")
 
 
 def greedy_agreement(model: LoadedModel, prompt: list[int], out: list[int]) -> int:
