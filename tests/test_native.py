@@ -448,3 +448,26 @@ def test_tensor_index_is_read_once_then_from_the_cache(tmp_path, tiny_dir, monke
     with pytest.raises(CorruptFileError):
         native_module.read_native(path, config)
     assert len(reads) == 2
+
+
+def test_a_long_pending_run_is_checked_on_the_logits_ar_computes(tiny_native):
+    """A full pass over more rows than ROW_ATTENTION_MAX (tiered mode's pending run) gives each row the
+    logits decoding computes for it one row at a time, bit for bit: it goes in row-exact chunks."""
+    from viasd.decoding.acceptance import SamplingParams
+    from viasd.decoding.stats import DecodeStats
+    from viasd.decoding.verifier import DecodeRequest, Verifier
+    from viasd.models.runtime import ROW_ATTENTION_MAX
+
+    prompt, n = [1, 5, 6, 7], ROW_ATTENTION_MAX + 40
+    seq = prompt + run_ar(tiny_native, prompt, n)
+    dec, L = tiny_native.decoder, len(prompt)
+    cache = dec.new_cache(256)
+    dec.forward(torch.tensor(prompt), 0, cache, last_only=True)
+    one_by_one = [dec.forward(torch.tensor(seq[p : p + 1]), p, cache)[0] for p in range(L, len(seq))]  # as `ar` runs
+    v = Verifier.start(dec, None, DecodeRequest(prompt, n + 1, SamplingParams(), frozenset(), DecodeStats()), 256)
+    assert v.tokens == seq[: L + 1]
+    logits = v.full(seq[L + 1 :])  # every later token checked in one call, as a long pending run is
+    assert v.stats.calls["full"] >= 3  # the prefill, then the run in more than one pass
+    assert len(logits) == len(one_by_one)
+    for i, (row, ref) in enumerate(zip(logits, one_by_one)):
+        assert torch.equal(row, ref), f"position {L + i}"

@@ -18,6 +18,7 @@ from viasd.decoding.multitier import viasd_lossless_decode, viasd_tiered_decode
 from viasd.decoding.strategies import speculative_decode
 from viasd.decoding.tiers import Tier, TierThresholds, assign_tiers, confidence_signals
 from viasd.decoding.verifier import DecodeRequest
+from viasd.models.loading import load_model
 from viasd.models.runtime import LayerMask
 from viasd.routing.resolve import default_slim_layers
 
@@ -529,3 +530,20 @@ def test_adaptive_tiered_scores_free_drafts_it_did_not_verify(tiny, monkeypatch)
             assert req.stats.drafted >= 20 and req.stats.accepted == req.stats.drafted
     finally:
         tiny.decoder.__dict__.pop("_pass_times", None)
+
+
+@pytest.mark.model
+def test_correction_mode_equals_ar_on_native_weights_after_a_long_unchecked_run():
+    """Issue 26's case: every draft tier 1 (accept 0, slim 0) leaves runs of 70+ unchecked tokens for
+    one full pass; on the row-exact kernel that pass' logits must be `ar`'s (it differed from token 76)."""
+    from viasd.models import rowexact
+
+    if not rowexact.available(by_default=False):
+        pytest.skip("no row-exact kernel on this CPU")
+    model = load_model("smollm2-135m", pack="row-exact", progress=False)
+    prompt = "List the planets of the solar system, one per line."
+    ar = generate(prompt, model, strategy="ar", max_new_tokens=128, progress=False)
+    out = generate(prompt, model, strategy="viasd", mode="tiered", correct=True, accept=0.0, slim=0.0, max_new_tokens=128,
+                   progress=False)
+    assert len(ar.token_ids) > 80
+    assert out.token_ids == ar.token_ids

@@ -312,8 +312,8 @@ class KVCache:
     def _commit(self, route: LayerMask | None, start: int, end: int) -> None:
         if self.resume_layer is not None:
             if self.saves_hidden(route):  # [start, end) now hold exact lower layers and stored states
-                if start <= self.n_exact:
-                    self.n_exact = end
+                if start <= self.n_exact:  # (positions past `end` keep theirs: a long pass goes in chunks)
+                    self.n_exact = max(self.n_exact, end)
             elif any(route.attn[: self.resume_layer]):  # it wrote lower layers' K/V from a routed stream
                 self.n_exact = min(self.n_exact, start)
         if route is None:
