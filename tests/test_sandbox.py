@@ -133,3 +133,119 @@ def test_weak_mode_still_refuses_early_exits(problem, monkeypatch):
     assert sandbox_mode() == "weak"
     assert humaneval_pass(problem, problem["canonical_solution"]) == (True, "passed")
     assert humaneval_pass(problem, "    import os; os._exit(0)\n")[0] is False
+
+
+# ---------------------------------------------------------- issue 26: attacks on the harness itself
+
+ALWAYS_EQUAL = [
+    "    class E:\n        def __eq__(self, other):\n            return True\n        def __ne__(self, other):\n"
+    "            return False\n        __hash__ = object.__hash__\n    return E()\n",
+    "    class E(int):\n        def __eq__(self, other):\n            return True\n        __hash__ = int.__hash__\n    return E(0)\n",
+]
+
+
+@pytest.mark.parametrize("completion", ALWAYS_EQUAL, ids=["object", "int-subclass"])
+def test_an_always_equal_result_does_not_pass(problem, completion):
+    ok, why = humaneval_pass(problem, completion)
+    assert not ok, why
+    assert humaneval_pass(problem, problem["canonical_solution"]) == (True, "passed")
+
+
+# Everything a program can reach of its own interpreter: the frames above it, every object the
+# collector knows, the descriptors it inherited, its parent's descriptors; each string or bytes of
+# a token's shape (32 hex digits) is written to every descriptor, then the program leaves "successfully".
+STEAL_THE_TOKEN = """    import gc, os, re, sys
+    found, shape = [], re.compile(rb'[0-9a-f]{32}')
+    def look(v):
+        if isinstance(v, str):
+            v = v.encode(errors='replace')
+        if isinstance(v, bytes):
+            found.extend(t for t in shape.findall(v[:65536]) if t not in found)
+    for o in gc.get_objects():
+        if isinstance(o, dict):
+            for v in list(o.values()):
+                look(v)
+    for fd in range(3, 64):
+        try:
+            look(os.pread(fd, 65536, 0))
+        except OSError:
+            pass
+    for pid in (os.getpid(), os.getppid()):
+        d = '/proc/%d/fd' % pid
+        for name in (os.listdir(d) if os.access(d, os.R_OK) else []):
+            try:
+                g = os.open(os.path.join(d, name), os.O_RDONLY | os.O_NONBLOCK)
+                try:
+                    look(os.read(g, 65536))
+                finally:
+                    os.close(g)
+            except OSError:
+                pass
+    f = sys._getframe()
+    frames = []
+    while f is not None:
+        frames.append(f)
+        f = f.f_back
+    for f in frames:  # the frames last: what is found there is written last, and wins
+        for v in list(f.f_globals.values()) + list(f.f_locals.values()):
+            if isinstance(v, (bytes, str)) and shape.fullmatch(v.encode() if isinstance(v, str) else v):
+                t = v.encode() if isinstance(v, str) else v
+                if t in found:
+                    found.remove(t)
+                found.append(t)
+    for token in found:
+        for fd in range(3, 64):
+            try:
+                os.ftruncate(fd, 0)
+                os.pwrite(fd, token, 0)
+            except OSError:
+                try:
+                    os.write(fd, token)
+                except OSError:
+                    pass
+    os._exit(0)
+"""
+
+
+def test_reading_the_token_from_frames_or_descriptors_does_not_pass(problem):
+    ok, why = humaneval_pass(problem, STEAL_THE_TOKEN)
+    assert not ok, why
+    assert run_untrusted(STEAL_THE_TOKEN.replace("\n    ", "\n").lstrip())[0] is False
+
+
+def test_the_test_code_is_out_of_the_programs_reach(problem):
+    """The program cannot read the test (to look the expected answers up): not in a file beside it,
+    nor in its process."""
+    program = ("import gc, os\n"
+               "hits = [n for n in os.listdir('.') if n not in ('program.py', 'worker.py', 'harness.py')]\n"
+               "assert not any('check' in open(n, errors='replace').read() for n in hits if os.path.isfile(n)), hits\n"
+               "assert not any(isinstance(o, str) and 'def check(candidate)' in o for o in gc.get_objects())\n")
+    assert run_untrusted(program, test="def check(candidate):\n    assert candidate() == 1\n", entry_point="f") != (True, "passed")
+    ok, why = run_untrusted(program + "def f():\n    return 1\n", test="def check(candidate):\n    assert candidate() == 1\n",
+                            entry_point="f")
+    assert ok, why
+
+
+def test_memory_is_capped_in_total_where_a_cgroup_can_be_made():
+    from viasd.quality import memory_cap_mode
+
+    mode = memory_cap_mode()
+    assert mode in ("cgroup", "rlimit")
+    if mode != "cgroup":
+        pytest.skip("no writable cgroup v2 with the memory controller here: RLIMIT_AS per process + RLIMIT_NPROC (see README)")
+    # four children of 400 MB each: every one under the 1 GB per-process limit, 1.6 GB together
+    program = ("import os\npids = []\nfor _ in range(4):\n    pid = os.fork()\n    if pid == 0:\n"
+               "        x = bytearray(400 << 20)\n        for i in range(0, len(x), 4096):\n            x[i] = 1\n"
+               "        import time; time.sleep(3)\n        os._exit(0)\n    pids.append(pid)\n"
+               "assert all(os.waitstatus_to_exitcode(os.waitpid(p, 0)[1]) == 0 for p in pids)\n")
+    ok, why = run_untrusted(program, timeout_s=20, memory_mb=1024)
+    assert not ok, why
+
+
+@pytest.mark.parametrize("completion", [ALWAYS_EQUAL[0], STEAL_THE_TOKEN], ids=["always-equal", "steal-the-token"])
+def test_the_attacks_fail_in_weak_mode_too(problem, completion, monkeypatch):
+    monkeypatch.setenv("VIASD_SANDBOX", "weak")
+    assert sandbox_mode() == "weak"
+    ok, why = humaneval_pass(problem, completion)
+    assert not ok, why
+    assert humaneval_pass(problem, problem["canonical_solution"]) == (True, "passed")
