@@ -536,8 +536,11 @@ def _with_fds(fds: dict[int, int], then, cgroup: str | None = None):
         import fcntl
 
         if cgroup is not None:
-            with open(os.path.join(cgroup, "cgroup.procs"), "w") as f:
-                f.write("0")  # this process, and everything it starts
+            try:
+                with open(os.path.join(cgroup, "cgroup.procs"), "w") as f:
+                    f.write("0")  # this process, and everything it starts
+            except OSError:
+                pass  # not allowed to move here after all: the per-process limits still hold
         high = {target: fcntl.fcntl(fd, fcntl.F_DUPFD_CLOEXEC, 100) for target, fd in fds.items()}
         for target, fd in high.items():
             os.dup2(fd, target)  # dup2's copy is inheritable
