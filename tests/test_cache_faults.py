@@ -188,3 +188,73 @@ def test_damaged_optuna_database_is_moved_aside(tmp_path, capsys):
     (aside,) = tmp_path.glob("r.optuna.sqlite.corrupt-*")
     assert aside.read_bytes().startswith(b"this is not a database")  # kept, not deleted
     assert "moved it to" in capsys.readouterr().err
+
+# ------------------------------------------------------------------------------------------------
+# Issue 26: no damage to anything a load trusts (a zoo GGUF, a conversion, the GGUF tensor index, a
+# compiled kernel) may give output; each is found, repaired or named in one line.
+
+import hashlib
+import zipfile
+from pathlib import Path
+from types import SimpleNamespace
+
+import numpy as np
+
+from viasd.models import native, rowexact
+from viasd.models.zoo import ZOO, ZooEntry
+
+
+@pytest.fixture
+def fake_cc(tmp_path_factory, tmp_path, monkeypatch):
+    """A compiler that compiles the kernel once per test session and copies that build after."""
+    built = tmp_path_factory.getbasetemp() / "rowexact-built.so"
+    cc = tmp_path / "cc"
+    real = shutil.which("cc") or shutil.which("gcc")
+    if real is None:
+        pytest.skip("no C compiler")
+    cc.write_text(f"""#!/bin/sh
+out=""; prev=""
+for a in "$@"; do [ "$prev" = "-o" ] && out="$a"; prev="$a"; done
+[ -n "$VIASD_TEST_CC_FAILS" ] && {{ echo "cc: simulated failure" >&2; exit 1; }}
+if [ -f "{built}" ]; then cp "{built}" "$out"; exit 0; fi
+"{real}" "$@" && cp "$out" "{built}"
+""")
+    cc.chmod(0o755)
+    monkeypatch.setenv("CC", str(cc))
+    monkeypatch.setenv("VIASD_CACHE", str(tmp_path / "cache"))
+    return cc
+
+
+@pytest.mark.parametrize("damage", ["truncate", "junk", "no-record", "record-garbage", "other-build"])
+def test_damaged_compiled_kernel_is_rebuilt(fake_cc, damage, capsys):
+    """Class 4: a compiled kernel is recorded with its sha256 and the key of the source and flags it
+    came from; one that does not match (truncated, junk, unrecorded) is rebuilt before it is loaded
+    (it would crash by SIGBUS / SIGILL or switch kernels). CPU-independent: nothing is loaded."""
+    so = rowexact._compile()
+    good = so.read_bytes()
+    record = so.with_suffix(".json")
+    if damage == "truncate":
+        with open(so, "r+b") as f:
+            f.truncate(len(good) // 2)
+    elif damage == "junk":
+        so.write_bytes(os.urandom(len(good)))
+    elif damage == "no-record":
+        record.unlink()
+    elif damage == "record-garbage":
+        record.write_bytes(b"\xff\x00")
+    elif damage == "other-build":
+        record.write_text(json.dumps({"sha256": hashlib.sha256(good).hexdigest(), "built_from": "0" * 64}))
+    capsys.readouterr()
+    assert rowexact._compile() == so
+    assert "is damaged" in capsys.readouterr().err
+    assert so.read_bytes() == good
+    assert json.loads(record.read_text())["sha256"] == hashlib.sha256(good).hexdigest()
+    assert rowexact.kernel_damage(so) is None
+
+
+def test_kernel_that_cannot_be_rebuilt_names_what_to_delete(fake_cc, monkeypatch):
+    so = rowexact._compile()
+    so.write_bytes(b"junk")
+    monkeypatch.setenv("VIASD_TEST_CC_FAILS", "1")  # the same compiler, failing this time
+    with pytest.raises(CorruptCacheError, match=rf"{so} is damaged .* could not be rebuilt .*: delete {so} and run again"):
+        rowexact._compile()

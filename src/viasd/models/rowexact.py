@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import ctypes
 import hashlib
+import json
 import os
 import shutil
 import subprocess
@@ -62,25 +63,84 @@ _lib_error: str | None = None
 _lock = threading.Lock()
 
 
-def _compile() -> Path:
-    from viasd.models.loading import cache_dir
+_FLAGS = ("-O3", "-fPIC", "-shared", "-ffp-contract=off")
 
+
+def _build_key(cc: str) -> str:
+    """sha256 of what the kernel is built from: the source, the compiler, its flags, the platform."""
+    return hashlib.sha256(_SOURCE.read_bytes() + cc.encode() + " ".join(_FLAGS).encode() + sys.platform.encode()).hexdigest()
+
+
+def _record_path(so: Path) -> Path:
+    return so.with_suffix(".json")
+
+
+def kernel_damage(so: Path, build_key: str | None = None) -> str | None:
+    """Why a compiled kernel in the cache cannot be trusted, or None: its record (written beside it
+    when it was built: the .so's sha256 and the build key of the source and flags it came from) is
+    missing or unreadable, was made for another build, or its sha256 differs (truncated, garbled or
+    replaced). `build_key`: the current build's (else the one the file name carries)."""
+    from viasd.models.loading import sha256_file
+
+    try:
+        rec = json.loads(_record_path(so).read_text(encoding="utf-8"))
+        sha, built_from = rec["sha256"], rec["built_from"]
+        if not (isinstance(sha, str) and isinstance(built_from, str)):
+            raise TypeError
+    except FileNotFoundError:
+        return "no checksum recorded for it"
+    except Exception:
+        return "its checksum record is unreadable"
+    if built_from != build_key if build_key else not so.stem.endswith("-" + built_from[:16]):
+        return "it was built from another source or other flags"
+    try:
+        if sha256_file(so) != sha:
+            return "its sha256 differs from the one recorded when it was built"
+    except OSError as e:
+        return f"unreadable ({e.strerror})"
+    return None
+
+
+def _compile() -> Path:
+    """The compiled kernel in `<cache>/kernels/`, built (and recorded with its checksums) if absent,
+    rebuilt if it does not match its record. A `kernels` path that is not a directory, or a damaged
+    kernel that cannot be rebuilt, is a one-line `CorruptCacheError` (never a silent switch to
+    ggml's kernels, which would change the output)."""
+    from viasd.errors import CorruptCacheError
+    from viasd.models.loading import cache_dir, sha256_file
+    from viasd.validation import atomic_write_text
+
+    kernels = cache_dir() / "kernels"
+    if kernels.exists() and not kernels.is_dir():
+        raise CorruptCacheError(f"{kernels} is a file, not a directory: delete it (viasd compiles its row-exact kernel there)")
     cc = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
     if not cc:
         raise OSError("no C compiler (cc) found")
-    source = _SOURCE.read_bytes()
-    key = hashlib.sha256(source + cc.encode() + sys.platform.encode()).hexdigest()[:16]
-    target = cache_dir() / "kernels" / f"rowexact-{key}.so"
+    key = _build_key(cc)
+    target = kernels / f"rowexact-{key[:16]}.so"
+    damaged = None
     if target.exists():
-        return target
-    target.parent.mkdir(parents=True, exist_ok=True)
-    with tempfile.TemporaryDirectory(dir=target.parent) as tmp:
-        out = Path(tmp) / target.name
-        cmd = [cc, "-O3", "-fPIC", "-shared", "-ffp-contract=off", "-o", str(out), str(_SOURCE), "-lm"]
-        done = subprocess.run(cmd, capture_output=True, text=True)
-        if done.returncode != 0:
-            raise OSError(f"{' '.join(cmd)} failed: {done.stderr.strip()[:500]}")
-        os.replace(out, target)  # atomic: another process may be compiling the same file
+        damaged = kernel_damage(target, key)
+        if damaged is None:
+            return target
+        print(f"viasd: the compiled kernel {target} is damaged ({damaged}); rebuilding it", file=sys.stderr, flush=True)
+    try:
+        target.parent.mkdir(parents=True, exist_ok=True)
+        with tempfile.TemporaryDirectory(dir=target.parent) as tmp:
+            out = Path(tmp) / target.name
+            cmd = [cc, *_FLAGS, "-o", str(out), str(_SOURCE), "-lm"]
+            done = subprocess.run(cmd, capture_output=True, text=True)
+            if done.returncode != 0:
+                raise OSError(f"{' '.join(cmd)} failed: {done.stderr.strip()[:500]}")
+            # the record first, then the kernel: a reader in between sees a mismatch and rebuilds
+            atomic_write_text(_record_path(target), json.dumps({"sha256": sha256_file(out), "built_from": key}))
+            os.replace(out, target)  # atomic: another process may be compiling the same file
+    except OSError as e:
+        if damaged is None:
+            raise  # no compiler or no cache: native weights keep ggml's kernels (documented)
+        first = (str(e).strip().splitlines() or [""])[0][:200]
+        raise CorruptCacheError(f"{target} is damaged ({damaged}) and could not be rebuilt ({first}): "
+                                f"delete {target} and run again") from None
     return target
 
 
