@@ -204,6 +204,7 @@ from types import SimpleNamespace
 
 import numpy as np
 
+from viasd.errors import CorruptGGUFError
 from viasd.models import native, rowexact
 from viasd.models.zoo import ZOO, ZooEntry
 
@@ -302,6 +303,74 @@ def test_float32_conversion_damage_between_samples_is_rebuilt(fake_gguf, monkeyp
     assert reference_ids(model) == want
 
 
+@pytest.mark.parametrize("garbage", ["0xff", "random"])
+def test_gguf_with_garbage_tensor_data_is_refused(fake_gguf, garbage, capsys):
+    """Class 2: a sound header over garbage tensor data: refused at load, naming file and tensor."""
+    path = Path(fake_gguf)
+    start = min(off for _, _, off, _ in native.tensor_index(path).values())
+    size = path.stat().st_size - start
+    data = b"\xff" * size if garbage == "0xff" else np.random.default_rng(0).integers(0, 256, size, dtype=np.uint8).tobytes()
+    with open(path, "r+b") as f:
+        f.seek(start)
+        f.write(data)
+    with pytest.raises(CorruptGGUFError, match=rf"{path}: tensor \S+\.weight has .*NaN or infinite.*damaged"):
+        load_model(str(fake_gguf), progress=False)
+    assert main(["generate", "w1 w2", "-m", str(fake_gguf), "--no-chat", "--max-new-tokens", "4"]) == 2
+    err = capsys.readouterr().err
+    assert "NaN or infinite" in err and "Traceback" not in err and "although its checksums match" not in err
+
+
+def test_gguf_dequantizing_to_nan_is_not_converted(fake_gguf, tiny_dir, monkeypatch):
+    """Class 2, the float side: a conversion whose tensors are not finite is refused, not cached."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    def read(gguf, progress):
+        model = AutoModelForCausalLM.from_pretrained(tiny_dir, dtype=torch.float32)
+        with torch.no_grad():
+            model.model.norm.weight.fill_(float("nan"))
+        return model, AutoTokenizer.from_pretrained(tiny_dir)
+
+    monkeypatch.setattr(loading, "_read_gguf", read)
+    with pytest.raises(CorruptGGUFError, match=r"tensor model\.norm\.weight holds NaN or infinite values"):
+        load_model(str(fake_gguf), progress=False)
+    assert not [p for p in (loading.cache_dir() / "models").iterdir() if not p.name.startswith(".")]
+
+
+def _index_file():
+    (f,) = (loading.cache_dir() / "gguf-index").glob("*.json")
+    return f
+
+
+@pytest.mark.parametrize("damage", ["swap-offsets", "bad-type", "bad-type-rechecksummed", "size-rechecksummed", "garbage"])
+def test_damaged_tensor_index_is_rebuilt(fake_gguf, damage, capsys):
+    """Class 3 / 6: an index entry edited (offsets of two same-sized tensors swapped, an unknown
+    tensor type, a byte size its type and shape do not take, garbage) is rebuilt from the file:
+    the same text, no traceback, no 'delete it and run again', no reconversion."""
+    want = reference_ids(load_model(str(fake_gguf), progress=False))
+    f = _index_file()
+    doc = json.loads(f.read_text())
+    t = doc["tensors"]
+    if damage == "swap-offsets":
+        a, b = t["blk.0.attn_q.weight"], t["blk.0.attn_output.weight"]
+        assert a[3] == b[3]
+        a[2], b[2] = b[2], a[2]
+    elif damage.startswith("bad-type"):
+        t["blk.0.attn_q.weight"][0] = 999
+    elif damage == "size-rechecksummed":
+        t["blk.0.attn_q.weight"][3] -= 34
+    if damage.endswith("rechecksummed"):
+        doc["checksum"] = native._index_checksum({k: doc[k] for k in ("file", "key", "tensors")})
+    f.write_text("\x00{\xff" if damage == "garbage" else json.dumps(doc))
+    capsys.readouterr()
+    model = load_model(str(fake_gguf), progress=False)
+    err = capsys.readouterr().err
+    assert "tensor index" in err and "rebuilding it" in err
+    assert "Traceback" not in err and "delete it and run again" not in err
+    assert reference_ids(model) == want
+    assert len(fake_gguf.conversions) == 1
+    assert native.index_damage(_index_file()) is None
+
+
 @pytest.fixture
 def fake_cc(tmp_path_factory, tmp_path, monkeypatch):
     """A compiler that compiles the kernel once per test session and copies that build after."""
@@ -356,3 +425,52 @@ def test_kernel_that_cannot_be_rebuilt_names_what_to_delete(fake_cc, monkeypatch
     monkeypatch.setenv("VIASD_TEST_CC_FAILS", "1")  # the same compiler, failing this time
     with pytest.raises(CorruptCacheError, match=rf"{so} is damaged .* could not be rebuilt .*: delete {so} and run again"):
         rowexact._compile()
+
+
+def test_kernels_path_that_is_a_file_is_an_error_not_a_switch(fake_gguf, monkeypatch, capsys):
+    """Class 4: `kernels/` a file: a one-line error on load (not a silent switch to ggml's kernels,
+    whose greedy text differs); `models --verify` removes it."""
+    kernels = loading.cache_dir() / "kernels"
+    kernels.parent.mkdir(parents=True, exist_ok=True)
+    kernels.write_text("not a directory")
+    monkeypatch.setattr(rowexact, "_lib", None)  # as in a fresh process
+    monkeypatch.setattr(rowexact, "_lib_error", None)
+    with pytest.raises(CorruptCacheError, match=rf"{kernels} is a file, not a directory: delete it"):
+        load_model(str(fake_gguf), progress=False)
+    capsys.readouterr()
+    assert main(["models", "--verify"]) == 1
+    out = capsys.readouterr().out
+    assert f"DAMAGED, removed (rebuilt on next use)  {kernels}" in out
+    assert not kernels.exists()
+
+
+def test_models_verify_checks_index_kernels_and_downloads(zoo_tiny, fake_cc, monkeypatch, capsys):
+    """Class 6: `models --verify` checks everything a load trusts: the zoo GGUF's sha256 (even with
+    its key kept), the tensor indexes' checksums and the compiled kernels' against their records;
+    it removes what is damaged and exits 1; the next load rebuilds all of it."""
+    want = reference_ids(load_model(zoo_tiny.alias, progress=False))
+    so = rowexact._compile()
+    capsys.readouterr()
+    assert main(["models", "--verify"]) == 0
+    out = capsys.readouterr().out
+    assert "0 damaged" in out and str(so) in out and str(_index_file()) in out
+    gguf = loading.zoo_gguf_path(zoo_tiny.entry)
+    st = gguf.stat()
+    flip(gguf, tensor_span(gguf, "blk.2.ffn_up.weight")[0] + 10, 1)
+    os.utime(gguf, ns=(st.st_atime_ns, st.st_mtime_ns))
+    index = _index_file()
+    doc = json.loads(index.read_text())
+    doc["tensors"]["blk.0.attn_q.weight"][2] += 1
+    index.write_text(json.dumps(doc))
+    cut = so.with_name("cut")  # a new file renamed over it: this process may have the kernel mapped
+    cut.write_bytes(so.read_bytes()[:1000])
+    os.replace(cut, so)
+    assert main(["models", "--verify"]) == 1
+    out = capsys.readouterr().out
+    assert "3 damaged" in out
+    for damaged in (gguf, index, so):
+        assert f"DAMAGED, removed (rebuilt on next use)  {damaged}" in out
+        assert not damaged.exists()
+    assert reference_ids(load_model(zoo_tiny.alias, progress=False)) == want
+    assert len(zoo_tiny.fetches) == 2
+    assert main(["models", "--verify"]) == 0

@@ -52,7 +52,13 @@ class ChecksumError(CorruptFileError):
 
 
 class CorruptCacheError(CorruptFileError):
-    """A cached, converted model that fails verification and could not be rebuilt automatically."""
+    """A cache entry (a converted model, a compiled kernel, the cache's own layout) that fails
+    verification and could not be rebuilt automatically; the message says what to delete."""
+
+
+class CorruptGGUFError(CorruptFileError):
+    """A GGUF file whose tensor data or layout cannot be right (non-finite scales, sizes that do not
+    match their type and shape); the message names the file and the tensor."""
 
 
 class NoChatTemplateError(UsageError):

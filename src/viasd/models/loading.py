@@ -30,6 +30,7 @@ from viasd.errors import (
     ChecksumError,
     CorruptCacheError,
     CorruptFileError,
+    CorruptGGUFError,
     FetchError,
     ModelNotFoundError,
     NoChatTemplateError,
@@ -163,6 +164,12 @@ def convert_gguf(gguf: Path, out_dir: Path, meta: dict, progress: bool = True) -
     tmp = Path(tempfile.mkdtemp(dir=out_dir.parent, prefix=f".convert-{os.getpid()}-"))
     try:
         state = {k: v.contiguous() for k, v in model.state_dict().items()}
+        for name, t in state.items():  # garbage tensor data under a sound header: refused here, once
+            if t.is_floating_point() and not bool(torch.isfinite(t).all()):
+                from viasd.models.native import _replace_hint
+
+                raise CorruptGGUFError(f"{gguf}: tensor {name} holds NaN or infinite values: the file's tensor data is "
+                                       f"damaged; replace it{_replace_hint(gguf)}")
         if model.config.tie_word_embeddings:
             state.pop("lm_head.weight", None)
         save_file(state, tmp / "model.safetensors", metadata={"format": "pt"})
@@ -566,7 +573,8 @@ def load_model(
     try:
         return _load_dir(source, path, digest, dtype, device, pack, native_from)
     except ViasdError as e:
-        if not cached or isinstance(e, UnsupportedArchitectureError):
+        # errors about another file than the conversion (the GGUF, a compiled kernel) name that file
+        if not cached or isinstance(e, (UnsupportedArchitectureError, CorruptGGUFError, CorruptCacheError)):
             raise
         error = e
     # a load error from a cached conversion: check it in full; damaged -> rebuilt once, else say what to do
@@ -657,6 +665,9 @@ def _load_dir(source: str, path: Path, digest: str | None, dtype, device, pack, 
         raise
     except Exception as e:  # safetensors raises its own error types on a damaged file
         raise CorruptFileError(f"{path}: unreadable weights ({type(e).__name__}: {_first_line(e)})") from None
+    for name, t in state.items():  # norms and biases (cheap); conversions check every tensor once
+        if t.dim() == 1 and t.is_floating_point() and not bool(torch.isfinite(t).all()):
+            raise CorruptFileError(f"{path}: weight {name} holds NaN or infinite values")
     try:
         if config.family == "t5":  # encoder-decoder: transformers' encoder, our routed decoder
             from viasd.models.t5 import EncoderDecoder
@@ -708,9 +719,11 @@ def cached_models() -> list[dict]:
 
 
 def verify_cache(remove: bool = True) -> list[tuple[str, str | None]]:
-    """`viasd models --verify`: (entry, why damaged or None) for every converted model (full sha256
-    of each file) and every zoo download (sha256 against the zoo); damaged entries are removed when
-    `remove` (rebuilt from their source on next use), and so are orphans of killed conversions."""
+    """`viasd models --verify`: (entry, why damaged or None) for everything a load trusts: every
+    converted model (full sha256 of each file), every zoo download (sha256 against the zoo), every
+    GGUF tensor index (its checksum, its sizes against types and shapes) and every compiled kernel
+    (sha256 against its build record); damaged entries are removed when `remove` (rebuilt from their
+    source on next use), and so are orphans of killed conversions."""
     results = []
     models = cache_dir() / "models"
     for d in sorted(models.glob("*")) if models.is_dir() else []:
@@ -732,8 +745,33 @@ def verify_cache(remove: bool = True) -> list[tuple[str, str | None]]:
                 f.unlink()
                 _zoo_stamp(f).unlink(missing_ok=True)
             results.append((str(f), why))
+    results += _verify_indexes_and_kernels(remove)
     for parent in (models, cache_dir() / "downloads"):
         for d in remove_orphans(parent) if remove else []:
             results.append((str(d), "left by a killed conversion or download"))
     return results
 
+
+def _verify_indexes_and_kernels(remove: bool) -> list[tuple[str, str | None]]:
+    from viasd.models.native import index_damage
+    from viasd.models.rowexact import _record_path, kernel_damage
+
+    results = []
+    index = cache_dir() / "gguf-index"
+    for f in sorted(index.glob("*.json")) if index.is_dir() else []:
+        why = index_damage(f)
+        if why and remove:
+            f.unlink(missing_ok=True)
+        results.append((str(f), why))
+    kernels = cache_dir() / "kernels"
+    if kernels.exists() and not kernels.is_dir():
+        if remove:
+            kernels.unlink()
+        return results + [(str(kernels), "a file, not the directory of compiled kernels")]
+    for so in sorted(kernels.glob("*.so")) if kernels.is_dir() else []:
+        why = kernel_damage(so)
+        if why and remove:
+            so.unlink(missing_ok=True)
+            _record_path(so).unlink(missing_ok=True)
+        results.append((str(so), why))
+    return results

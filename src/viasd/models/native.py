@@ -24,7 +24,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from viasd.errors import CorruptFileError
+from viasd.errors import CorruptFileError, CorruptGGUFError
 from viasd.models import ggml_kernels as gk
 from viasd.models.runtime import ModelConfig
 from viasd.validation import atomic_write_text
@@ -52,38 +52,177 @@ def _unpermute_rows(n_rows: int, n_head: int) -> torch.Tensor:
     return torch.arange(n_rows).reshape(n_head, dim, 2).transpose(1, 2).reshape(n_rows)
 
 
-_INDEX_VERSION = 1
+_INDEX_VERSION = 2
+
+
+def _index_checksum(body: dict) -> str:
+    """sha256 of an index's content and the key of the GGUF it was built for."""
+    return hashlib.sha256(json.dumps(body, sort_keys=True, separators=(",", ":")).encode()).hexdigest()
+
+
+def _gguf_types() -> dict[int, tuple[int, int]]:
+    """{ggml type: (elements per block, bytes per block)} of every type gguf knows."""
+    from gguf import GGML_QUANT_SIZES
+
+    return {int(t): (int(b), int(n)) for t, (b, n) in GGML_QUANT_SIZES.items()}
+
+
+def _index_problem(index: dict, file_size: int) -> str | None:
+    """Why a tensor index (from the cache or fresh from the file) cannot describe a sound GGUF of
+    `file_size` bytes: an unknown type, a byte size that is not what its type and shape take, data
+    outside the file or overlapping another tensor's. None when it is sound."""
+    types = _gguf_types()
+    spans = []
+    for name, (ggml_type, shape, offset, n_bytes) in index.items():
+        if ggml_type not in types:
+            return f"tensor {name} has an unknown ggml type {ggml_type}"
+        block, block_bytes = types[ggml_type]
+        if not shape or any(x <= 0 for x in shape) or shape[0] % block:
+            return f"tensor {name} has shape {list(shape)}, not whole blocks of its type {ggml_type}"
+        want = int(np.prod(shape, dtype=np.int64)) // block * block_bytes
+        if n_bytes != want:
+            return f"tensor {name} holds {n_bytes} bytes, its type {ggml_type} and shape {list(shape)} take {want}"
+        if offset < 0 or offset + n_bytes > file_size:
+            return f"tensor {name} lies outside the file (truncated?)"
+        spans.append((offset, offset + n_bytes, name))
+    spans.sort()
+    for (_, end, a), (start, _, b) in zip(spans, spans[1:]):
+        if start < end:
+            return f"tensors {a} and {b} overlap"
+    return None
+
+
+def _read_index(index_path: Path, body_key: dict) -> dict | None:
+    """The cached index at `index_path` if it is whole, built for this file (`body_key`) and its
+    checksum matches; None otherwise (it is then rebuilt). Never raises for any content."""
+    try:
+        doc = json.loads(index_path.read_text(encoding="utf-8"))
+        body = {k: doc[k] for k in ("file", "key", "tensors")}
+        if doc["checksum"] != _index_checksum(body) or {k: body[k] for k in body_key} != body_key:
+            raise ValueError("checksum mismatch")
+        out = {}
+        for name, (t, shape, off, n) in body["tensors"].items():
+            if not (isinstance(name, str) and all(type(x) is int for x in (t, off, n, *shape))):
+                raise ValueError("malformed entry")
+            out[name] = (t, tuple(shape), off, n)
+        return out
+    except FileNotFoundError:
+        return None
+    except Exception:  # any damage to its content: rebuilt from the file
+        _log_rebuild(index_path)
+        return None
+
+
+def _first_line(e: BaseException) -> str:
+    return (str(e).strip().splitlines() or [""])[0][:200]
+
+
+def _log_rebuild(index_path: Path) -> None:
+    import sys
+
+    print(f"viasd: the tensor index {index_path} is damaged; rebuilding it from the GGUF file", file=sys.stderr, flush=True)
+
+
+def index_damage(index_path: Path) -> str | None:
+    """Why a cached tensor index is damaged (unreadable, checksum mismatch, unsound), or None
+    (`viasd models --verify`)."""
+    try:
+        doc = json.loads(index_path.read_text(encoding="utf-8"))
+    except Exception as e:
+        return f"unreadable ({type(e).__name__})"
+    try:
+        if "checksum" not in doc:
+            return "no checksum (written by an older viasd)"
+        body = {k: doc[k] for k in ("file", "key", "tensors")}
+        if doc["checksum"] != _index_checksum(body):
+            return "its checksum does not match its content"
+        tensors = {name: (int(t), tuple(int(x) for x in shape), int(off), int(n))
+                   for name, (t, shape, off, n) in body["tensors"].items()}
+        why = _index_problem(tensors, int(body["key"][0]))
+    except Exception as e:
+        return f"malformed ({type(e).__name__})"
+    return why
 
 
 def tensor_index(path: Path) -> dict[str, tuple[int, tuple[int, ...], int, int]]:
     """{tensor name: (ggml type, shape in ggml's order, offset of its data in the file, bytes)} of a
     GGUF file. gguf's reader parses every metadata field to find them, the tokenizer's strings among
     them: 5 s for smollm2's file and ~15 s for qwen 1.5B's here, at every load. So the first read
-    writes this index to the cache (`<cache>/gguf-index/`, keyed by the file's resolved path, size and
-    modification time; written atomically) and later loads read it in milliseconds."""
-    from viasd.models.loading import cache_dir
+    writes this index to the cache (`<cache>/gguf-index/`, keyed by the file's resolved path and
+    `file_key` (size, mtime_ns, inode); written atomically) and later loads read it in milliseconds.
+    The index records a checksum of its content and of the key it was built for: one that does not
+    match (or is damaged in any way) is rebuilt from the file. Every index, read or fresh, is checked
+    for sizes that match each tensor's type and shape, data within the file and no overlaps."""
+    from viasd.models.loading import cache_dir, file_key
 
-    st = path.stat()
-    key = hashlib.sha256(f"{path.resolve()}|{st.st_size}|{st.st_mtime_ns}|{_INDEX_VERSION}".encode()).hexdigest()[:24]
-    index_path = cache_dir() / "gguf-index" / f"{key}.json"
-    try:
-        tensors = json.loads(index_path.read_text())["tensors"]
-        return {name: (int(t), tuple(int(x) for x in shape), int(off), int(n)) for name, (t, shape, off, n) in tensors.items()}
-    except (OSError, ValueError, KeyError, TypeError):
-        pass  # no index yet (or a damaged one): read the file's header
+    key = file_key(path)
+    resolved = str(path.resolve())
+    name = hashlib.sha256(f"{resolved}|{key}|{_INDEX_VERSION}".encode()).hexdigest()[:24]
+    index_path = cache_dir() / "gguf-index" / f"{name}.json"
+    cached = _read_index(index_path, {"file": resolved, "key": key})
+    if cached is not None and _index_problem(cached, key[0]) is None:
+        return cached
+    if cached is not None:
+        _log_rebuild(index_path)
     from gguf import GGUFReader
 
     try:
         reader = GGUFReader(path)
     except Exception as e:  # gguf raises assorted errors on a damaged file
-        raise CorruptFileError(f"{path}: unreadable GGUF ({type(e).__name__}: {e})") from None
+        raise CorruptGGUFError(f"{path}: unreadable GGUF ({type(e).__name__}: {_first_line(e)})") from None
     index = {t.name: (int(t.tensor_type), tuple(int(x) for x in t.shape), int(t.data_offset), int(t.n_bytes))
              for t in reader.tensors}
+    why = _index_problem(index, key[0])
+    if why:
+        raise CorruptGGUFError(f"{path}: {why}: the file is damaged; replace it{_replace_hint(path)}")
+    body = {"file": resolved, "key": key, "tensors": {k: [t, list(shape), off, n] for k, (t, shape, off, n) in index.items()}}
     try:
-        atomic_write_text(index_path, json.dumps({"file": str(path.resolve()), "tensors": index}))
+        atomic_write_text(index_path, json.dumps({**body, "checksum": _index_checksum(body)}))
     except OSError:  # a read-only or full cache: the next load reads the header again
         pass
     return index
+
+
+def _replace_hint(path: Path) -> str:
+    """For a zoo download: how to replace it."""
+    from viasd.models.loading import cache_dir
+
+    try:
+        if path.resolve().is_relative_to((cache_dir() / "downloads").resolve()):
+            return " (delete it and run again: it is fetched again)"
+    except OSError:
+        pass
+    return ""
+
+
+# byte offsets of the half-precision scale / min fields in each block of the quantized types
+_F16_FIELDS = {2: (0,), 3: (0, 2), 6: (0,), 7: (0, 2), 8: (0,), 9: (0, 2), 10: (80, 82), 11: (108,), 12: (0, 2),
+               13: (0, 2), 14: (208,), 16: (0,), 17: (0,), 18: (0,), 19: (0,), 20: (0,), 21: (0,), 22: (0,), 23: (0,)}
+
+
+def _nonfinite(ggml_type: int, data: np.ndarray) -> str | None:
+    """What is not finite in a tensor's raw bytes (`data`, [rows, row bytes] uint8), or None: every
+    value of a float tensor, every block's half-precision scales / mins of a quantized one (one
+    vectorised pass over a fraction of the bytes)."""
+    if ggml_type in (gk.F32, gk.F16):
+        values = data.reshape(-1).view(np.float32 if ggml_type == gk.F32 else np.float16)
+        return None if np.isfinite(values).all() else "values that are NaN or infinite"
+    if ggml_type == gk.BF16:  # exponent bits all set: inf or NaN
+        bits = data.reshape(-1).view(np.uint16)
+        return None if not ((bits & 0x7F80) == 0x7F80).any() else "values that are NaN or infinite"
+    fields = _F16_FIELDS.get(ggml_type)
+    if fields is None:
+        return None
+    block_bytes = _gguf_types()[ggml_type][1]
+    if block_bytes % 2 or data.ctypes.data % 2:
+        halves = lambda at: np.ascontiguousarray(data.reshape(-1, block_bytes)[:, at : at + 2]).view(np.uint16)[:, 0]
+    else:  # every block size with f16 fields is even: strided views, no copies
+        u16 = data.reshape(-1).view(np.uint16).reshape(-1, block_bytes // 2)
+        halves = lambda at: u16[:, at // 2]
+    for at in fields:
+        if (np.bitwise_and(halves(at), 0x7C00) == 0x7C00).any():  # exponent bits all set: inf or NaN
+            return "block scales that are NaN or infinite"
+    return None
 
 
 def read_native(path: Path, config: ModelConfig) -> dict[str, gk.NativeTensor]:
@@ -103,14 +242,19 @@ def read_native(path: Path, config: ModelConfig) -> dict[str, gk.NativeTensor]:
         if t is None:
             if hf_name == "lm_head.weight":  # untied in config.json, but the file shares the embedding
                 continue
-            raise CorruptFileError(f"{path.name}: no tensor {gguf_name}.weight (for {hf_name})")
+            raise CorruptGGUFError(f"{path}: no tensor {gguf_name}.weight (for {hf_name})")
         ggml_type, shape, offset, n_bytes = t
         cols, rows = int(shape[0]), int(np.prod(shape[1:]))
         if offset + n_bytes > mapped.shape[0] or n_bytes % rows:
-            raise CorruptFileError(f"{path}: tensor {gguf_name}.weight is not whole rows within the file (truncated?)")
+            raise CorruptGGUFError(f"{path}: tensor {gguf_name}.weight is not whole rows within the file (truncated?)")
+        raw = np.asarray(mapped[offset : offset + n_bytes]).reshape(rows, -1)
+        bad = _nonfinite(ggml_type, raw)
+        if bad:
+            raise CorruptGGUFError(f"{path}: tensor {gguf_name}.weight has {bad}: the file's tensor data is damaged; "
+                                   f"replace it{_replace_hint(path)}")
         with warnings.catch_warnings():  # the file is mapped read-only; nothing writes to weights
             warnings.simplefilter("ignore", UserWarning)
-            data = torch.from_numpy(np.asarray(mapped[offset : offset + n_bytes]).reshape(rows, -1))
+            data = torch.from_numpy(raw)
         native = gk.NativeTensor(data, ggml_type, cols)
         if arch_name == "llama" and hf_name.endswith(("q_proj.weight", "k_proj.weight")):
             n_head = config.n_heads if "q_proj" in hf_name else config.n_kv_heads
