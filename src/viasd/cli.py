@@ -391,7 +391,8 @@ def _add_generate(p: argparse.ArgumentParser) -> None:
 def _add_models(p: argparse.ArgumentParser) -> None:
     p.add_argument("--json", action="store_true", help="print JSON")
     p.add_argument("--verify", action="store_true",
-                   help="check every cached file against its full sha256; remove damaged entries (rebuilt on next use); exit 1 if any")
+                   help="check everything a load trusts (every cached file's full sha256, the GGUF tensor indexes' checksums, "
+                        "the compiled kernels'); remove damaged entries (rebuilt on next use); exit 1 if any")
 
 
 def _add_serve(p: argparse.ArgumentParser) -> None:
