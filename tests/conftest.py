@@ -178,6 +178,21 @@ def tiny(tiny_dir) -> LoadedModel:
 
 
 @pytest.fixture(scope="session")
+def tiny_q8(tiny) -> LoadedModel:
+    """The tiny Llama with its products, embedding and head in Q8_0: native weights, so that a pass is
+    one ggml graph and several requests' passes can be one (continuous batching)."""
+    from viasd.models.loading import load_state_dict
+    from viasd.models.native import quantize
+    from viasd.models.runtime import Decoder
+
+    state = load_state_dict(tiny.path)
+    decoder = Decoder.from_state_dict(tiny.config, state, native=quantize(state, tiny.config, 8), pack=True)  # 8: Q8_0
+    assert decoder._graph is not None
+    return LoadedModel(name="tiny", path=tiny.path, config=tiny.config, decoder=decoder, tokenizer=tiny.tokenizer,
+                       weights="native")
+
+
+@pytest.fixture(scope="session")
 def tiny_drafter(tmp_path_factory) -> LoadedModel:
     """A different random model with the same vocabulary: its drafts are mostly rejected."""
     return load_model(str(save_tiny(tmp_path_factory.mktemp("tiny-drafter"), seed=1, n_layers=2)), progress=False)

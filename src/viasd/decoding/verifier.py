@@ -23,7 +23,7 @@ import torch
 from viasd.decoding.acceptance import SamplingParams
 from viasd.decoding.stats import DecodeStats
 from viasd.decoding.tiers import Tier
-from viasd.models.runtime import ROW_ATTENTION_MAX, Decoder, KVCache, LayerMask, ReducedHead
+from viasd.models.runtime import Decoder, KVCache, LayerMask, ReducedHead
 
 if TYPE_CHECKING:
     from viasd.decoding.drafters import Drafter
@@ -57,15 +57,6 @@ def pass_bytes(decoder, route: LayerMask | None, from_layer: int = 0, head: bool
     head = True if head is None else head
     weight_bytes = getattr(decoder, "weight_bytes", None)
     return weight_bytes(route, from_layer, head) if weight_bytes is not None else 0
-
-
-def row_exact_chunks(start: int, end: int) -> list[tuple[int, int]]:
-    """[start, end) in passes of at most ROW_ATTENTION_MAX rows. A longer pass attends with the tiled
-    kernel, whose rows differ in the last bits from the same rows computed in short passes, so a long
-    pending run (tiered mode) would be checked on other logits than `ar` computes: correction mode
-    then differed from `ar` after a 76-token tier-1 run on native weights. Only the prompt's prefill,
-    the same for every strategy, is one long pass."""
-    return [(a, min(a + ROW_ATTENTION_MAX, end)) for a in range(start, end, ROW_ATTENTION_MAX)]
 
 
 class Verifier:
@@ -146,9 +137,9 @@ class Verifier:
             return self._pass(None, start, ahead, n_rows, CallKind.FULL)
         if cache.n_exact < end:
             lower = LayerMask.lower(self.decoder.config.n_layers, m)
-            for a, b in row_exact_chunks(cache.n_exact, end):
-                self.decoder.forward(torch.tensor((self.tokens + ahead)[a:b]), a, cache, route=lower, logits=False)
-                self.stats.observe_call(CallKind.LOWER, verifier_share=lower.fraction, bytes_read=pass_bytes(self.decoder, lower, head=False))
+            seq = self.tokens + ahead
+            self.decoder.forward(torch.tensor(seq[cache.n_exact :]), cache.n_exact, cache, route=lower, logits=False)
+            self.stats.observe_call(CallKind.LOWER, verifier_share=lower.fraction, bytes_read=pass_bytes(self.decoder, lower, head=False))
         return self._pass(None, start, ahead, n_rows, CallKind.FULL, resume=True)
 
     def slim(self, route: LayerMask, ahead: list[int], n_rows: int | None = None, head: ReducedHead | None = None) -> torch.Tensor:
@@ -166,13 +157,10 @@ class Verifier:
     def _pass(self, route: LayerMask | None, start: int, ahead: list[int], n_rows: int, kind: CallKind,
               resume: bool = False, head: ReducedHead | None = None) -> torch.Tensor:
         seq = self.tokens + ahead
+        logits = self.decoder.forward(torch.tensor(seq[start:]), start, self.cache, route=route, resume=resume, head=head)  # [len - start, V]
         first = self.cache.resume_layer if resume else 0
         share = (1.0 if route is None else route.fraction) - (first / self.decoder.config.n_layers)
-        parts = []
-        for a, b in row_exact_chunks(start, len(seq)):
-            parts.append(self.decoder.forward(torch.tensor(seq[a:b]), a, self.cache, route=route, resume=resume, head=head))
-            self.stats.observe_call(kind, verifier_share=share, bytes_read=pass_bytes(self.decoder, route, first, head))
-        logits = parts[0] if len(parts) == 1 else torch.cat(parts)  # [len - start, V]
+        self.stats.observe_call(kind, verifier_share=share, bytes_read=pass_bytes(self.decoder, route, first, head))
         return logits[len(seq) - start - n_rows :]
 
     def commit(self, new: list[int], tiers: list[int] | None = None, checked: bool = True) -> int:

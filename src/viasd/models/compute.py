@@ -55,8 +55,21 @@ def _pool() -> ThreadPoolExecutor:
         return _executor
 
 
+_members = threading.local()  # threads of a batch session (models/batching.py): their model work is the compute thread's
+
+
 def on_compute_thread() -> bool:
-    return _ident is not None and threading.get_ident() == _ident
+    """Whether model work called here runs here: on the compute thread, or in a batch member (whose
+    forward passes the compute thread runs)."""
+    return getattr(_members, "member", False) or (_ident is not None and threading.get_ident() == _ident)
+
+
+def enter_member() -> None:
+    _members.member = True
+
+
+def leave_member() -> None:
+    _members.member = False
 
 
 def submit(fn: Callable[..., T], *args, **kwargs) -> Future:

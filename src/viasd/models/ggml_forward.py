@@ -37,6 +37,7 @@ if TYPE_CHECKING:
 F16, I64 = 1, 27
 _ROPE_NEOX = 2  # rotate-half RoPE, as transformers applies it to every family here
 _KEEP_GRAPHS = 48
+_KEEP_GRAPH_ROWS = 128  # graphs of up to this many rows in all are kept (a batch of requests' rounds)
 _CACHE_ALIGN = 256  # native caches are allocated in multiples of this many positions (fewer graphs)
 _MASK_TABLE_MAX = 4096  # cache lengths up to this keep a whole causal mask (32 MB at most)
 
@@ -148,44 +149,45 @@ class NativeForward:
         return g.flash_attn_ext(graph.ctx, q, k, v, mask, scale, 0.0, cfg.attn_softcap or 0.0)
 
     # ------------------------------------------------------------------ the graph
-    def _build(self, n_rows: int, route: LayerMask | None, last_only: bool, max_len: int, first: int = 0,
-               save: int | None = None, with_logits: bool = True, head: QuantLinear | None = None) -> tuple:
-        """The graph of a pass (see `Decoder.forward`): `first`, the layer it starts at (from the
-        residual streams stored in the cache's `hidden` rows at its positions); `save`, the layer whose
-        incoming stream it stores there; without `with_logits` it ends at its last kept sub-layer;
-        `head`: a reduced LM head's product instead of the full one."""
+    def _build(self, parts: tuple[tuple[int, int, str], ...], route: LayerMask | None, first: int = 0,
+               save: int | None = None, head: QuantLinear | None = None) -> tuple:
+        """The graph of a pass over one or more requests' rows: `parts`, per request (rows, its cache's
+        length, logits: "all" rows', the "last" row's or "none"), in the order their rows are stacked.
+        Every product takes all rows at once; each request's rows write and attend its own cache
+        (see `Decoder.forward` for the rest). `first`, the layer it starts at (from the residual
+        streams stored in the cache's `hidden` rows at its positions; one request only); `save`, the
+        layer whose incoming stream it stores there; with no logits at all it ends at its last kept
+        sub-layer; `head`: a reduced LM head's product instead of the full one."""
         from viasd.models.runtime import ROW_ATTENTION_MAX
 
         g, cfg, dec = lib(), self.dec.config, self.dec
-        n_layers = cfg.n_layers
-        per_layer = 48  # ops of a layer
-        graph = gk._Graph(n_tensors=per_layer * n_layers + 64, n_nodes=per_layer * n_layers + 64,
-                          exact_attention=n_rows <= ROW_ATTENTION_MAX)
+        n_rows = sum(n for n, _, _ in parts)
+        per_layer = 48 + 14 * len(parts)  # tensors of a layer: its ops, and per request its views, writes and caches
+        graph = gk._Graph(n_tensors=per_layer * cfg.n_layers + 64 + 4 * len(parts), n_nodes=per_layer * cfg.n_layers + 64,
+                          exact_attention=max(n for n, _, _ in parts) <= ROW_ATTENTION_MAX)
         ctx = graph.ctx
         ids, pos = graph.tensor(I32, n_rows), graph.tensor(I32, n_rows)
-        rows = graph.tensor(I64, n_rows)  # cache rows written: the positions
-        mask = graph.tensor(F16, max_len, n_rows)  # 0 where a query row sees a key, -inf elsewhere
-        local_mask = graph.tensor(F16, max_len, n_rows) if cfg.sliding_window is not None else None
-        hidden = graph.tensor(F32, cfg.hidden, max_len) if first or save is not None else None  # the cache's stored streams
-        leaves = {"ids": ids, "pos": pos, "rows": rows, "mask": mask, "local_mask": local_mask, "k": [], "v": [],
-                  "hidden": hidden}
+        items = []
+        for n, max_len, _ in parts:  # per request: cache rows written (its positions), masks, K/V caches
+            items.append({"rows": graph.tensor(I64, n), "mask": graph.tensor(F16, max_len, n),  # 0 where a row sees a key
+                          "local_mask": graph.tensor(F16, max_len, n) if cfg.sliding_window is not None else None,
+                          "k": [graph.tensor(F32, cfg.head_dim, max_len, cfg.n_kv_heads) for _ in dec.layers],
+                          "v": [graph.tensor(F32, cfg.head_dim, max_len, cfg.n_kv_heads) for _ in dec.layers]})
+        hidden = graph.tensor(F32, cfg.hidden, parts[0][1]) if first or save is not None else None  # the cache's stored streams
+        leaves = {"ids": ids, "pos": pos, "items": items, "hidden": hidden}
         if first:
             x = g.get_rows(ctx, hidden, pos)  # [hidden, T] entering layer `first`
         else:
             x = g.get_rows(ctx, dec.embed.table._bind(graph), ids)  # [hidden, T]
             if cfg.embed_scale is not None:
                 x = g.scale(ctx, x, cfg.embed_scale)
-        nq, nkv, d = cfg.n_heads * cfg.head_dim, cfg.n_kv_heads * cfg.head_dim, cfg.head_dim
-        scale = cfg.attn_scale if cfg.attn_scale is not None else d ** -0.5
+        nq, nkv = cfg.n_heads * cfg.head_dim, cfg.n_kv_heads * cfg.head_dim
         writes = []
         for i, layer in enumerate(dec.layers):
-            k_cache, v_cache = graph.tensor(F32, d, max_len, cfg.n_kv_heads), graph.tensor(F32, d, max_len, cfg.n_kv_heads)
-            leaves["k"].append(k_cache)
-            leaves["v"].append(v_cache)
             if i < first:
                 continue
             if i == save:
-                w = g.set_rows(ctx, hidden, x, rows)
+                w = g.set_rows(ctx, hidden, x, items[0]["rows"])
                 g.build_forward_expand(graph.graph, w)
                 writes.append(w)
             if route is None or route.attn[i]:
@@ -196,13 +198,7 @@ class NativeForward:
                 q = self._heads(graph, q, cfg.n_heads, n_rows, layer.q_norm, pos, theta, freq_scale)  # [d, H, T]
                 k = self._heads(graph, k, cfg.n_kv_heads, n_rows, layer.k_norm, pos, theta, freq_scale)  # [d, Hkv, T]
                 v = self._heads(graph, v, cfg.n_kv_heads, n_rows, None, None, 0.0, 1.0)
-                # K and V rows into the cache at their positions (run before this layer's attention)
-                for cache_t, new in ((k_cache, k), (v_cache, v)):
-                    w = g.set_rows(ctx, cache_t, g.permute(ctx, new, 0, 2, 1, 3), rows)  # new: [d, T, Hkv]
-                    g.build_forward_expand(graph.graph, w)
-                    writes.append(w)
-                attn = self._attention(graph, g.permute(ctx, q, 0, 2, 1, 3), k_cache, v_cache,  # q: [d, T, H]
-                                       local_mask if layer.sliding else mask, scale)  # [d, H, T]
+                attn = self._attend(graph, i, layer, q, k, v, items, parts, writes)  # [d, H, T]
                 (a,) = self._segments(graph, layer.o, g.reshape_2d(ctx, attn, nq, n_rows), [cfg.hidden], n_rows)
                 if layer.post_attn_norm is not None:
                     a = self._norm(graph, a, layer.post_attn_norm)
@@ -215,16 +211,46 @@ class NativeForward:
                 if layer.post_mlp_norm is not None:
                     m = self._norm(graph, m, layer.post_mlp_norm)
                 x = g.add(ctx, x, m)
-        if not with_logits:
+        out_rows = _logit_rows(parts)
+        if not out_rows:
             graph.finish(expand=tuple(writes))
             return graph, leaves, None
-        if last_only and n_rows > 1:
-            x = g.view_2d(ctx, x, cfg.hidden, 1, x.contents.nb[1], (n_rows - 1) * x.contents.nb[1])
+        if len(out_rows) < n_rows:  # only some rows' logits: [hidden, rows kept]
+            if len(parts) == 1:  # the last row: a view
+                x = g.view_2d(ctx, x, cfg.hidden, 1, x.contents.nb[1], (n_rows - 1) * x.contents.nb[1])
+            else:
+                leaves["out_rows"] = torch.tensor(out_rows, dtype=torch.int32)  # fixed by the parts: bound once
+                sel = graph.tensor(I32, len(out_rows))
+                sel.contents.data = leaves["out_rows"].data_ptr()
+                x = g.get_rows(ctx, x, sel)
         x = self._norm(graph, x, dec.norm)
         head = head or dec.lm_head
-        (logits,) = self._segments(graph, head, x, [head.out_features], 1 if last_only else n_rows)
+        (logits,) = self._segments(graph, head, x, [head.out_features], len(out_rows))
         graph.finish(logits, expand=tuple(writes))
         return graph, leaves, logits
+
+    def _attend(self, graph: gk._Graph, i: int, layer, q: gk._T, k: gk._T, v: gk._T, items: list[dict],
+                parts: tuple, writes: list) -> gk._T:
+        """Layer i's attention for each request's rows over its own cache: its K and V rows written at
+        its positions (before the attention reads them), then attention; [d, H, T] for all rows."""
+        g, cfg, ctx = lib(), self.dec.config, graph.ctx
+        scale = cfg.attn_scale if cfg.attn_scale is not None else cfg.head_dim ** -0.5
+        outs, offset = [], 0
+        for item, (n, _, _) in zip(items, parts):
+            own = [t if len(parts) == 1 else
+                   g.view_3d(ctx, t, t.contents.ne[0], t.contents.ne[1], n, t.contents.nb[1], t.contents.nb[2],
+                             offset * t.contents.nb[2]) for t in (q, k, v)]  # this request's rows: [d, heads, n]
+            for cache_t, new in ((item["k"][i], own[1]), (item["v"][i], own[2])):
+                w = g.set_rows(ctx, cache_t, g.permute(ctx, new, 0, 2, 1, 3), item["rows"])  # new: [d, n, Hkv]
+                g.build_forward_expand(graph.graph, w)
+                writes.append(w)
+            outs.append(self._attention(graph, g.permute(ctx, own[0], 0, 2, 1, 3), item["k"][i], item["v"][i],  # q: [d, n, H]
+                                        item["local_mask"] if layer.sliding else item["mask"], scale))  # [d, H, n]
+            offset += n
+        attn = outs[0]
+        for o in outs[1:]:
+            attn = g.concat(ctx, attn, o, 2)
+        return attn
 
     # ------------------------------------------------------------------ a call
     def _masks(self, start: int, end: int, max_len: int) -> tuple[torch.Tensor, torch.Tensor | None]:
@@ -253,45 +279,69 @@ class NativeForward:
     def __call__(self, tokens: torch.Tensor, start: int, cache: KVCache, route: LayerMask | None, last_only: bool,
                  first: int = 0, save: int | None = None, with_logits: bool = True, head=None) -> torch.Tensor | None:
         """(`head`: a `runtime.ReducedHead`; the logits are then its N columns, [T, N].)"""
-        n_rows, end = tokens.shape[0], start + tokens.shape[0]
-        max_len = cache.k.shape[2]
+        mode = "none" if not with_logits else "last" if last_only and tokens.shape[0] > 1 else "all"
+        return self.run([(tokens, start, cache, mode)], route, first, save, head)[0]
+
+    def run(self, calls: list[tuple[torch.Tensor, int, KVCache, str]], route: LayerMask | None, first: int = 0,
+            save: int | None = None, head=None) -> list[torch.Tensor | None]:
+        """One pass over several requests' rows: `calls`, per request (tokens [n], start, its cache,
+        logits "all" | "last" | "none"). Returns each request's logits ([n, V], [1, V] or None)."""
+        parts = tuple((t.shape[0], c.k.shape[2], mode) for t, _, c, mode in calls)
         head_linear = None if head is None else head.linear
-        key = (n_rows, route, last_only and n_rows > 1, max_len, first, save, with_logits, id(head_linear))
+        key = (parts, route, first, save, id(head_linear))
         built = self._graphs.get(key)
         if built is None:
-            built = self._build(n_rows, route, key[2], max_len, first, save, with_logits, head_linear)
-            if n_rows <= gk.KEEP_GRAPH_ROWS:  # a prompt's prefill (one of many lengths, large buffers) is not kept
+            built = self._build(parts, route, first, save, head_linear)
+            if sum(n for n, _, _ in parts) <= _KEEP_GRAPH_ROWS:  # a long prompt's prefill (large buffers) is not kept
                 self._graphs[key] = built
                 if len(self._graphs) > _KEEP_GRAPHS:
                     self._graphs.popitem(last=False)
         else:
             self._graphs.move_to_end(key)
         graph, leaves, logits_t = built
-        ids = tokens.to(torch.int32).contiguous()
+        ids = torch.cat([t for t, _, _, _ in calls]).to(torch.int32).contiguous() if len(calls) > 1 else \
+            calls[0][0].to(torch.int32).contiguous()
         if ids.numel() and (int(ids.min()) < 0 or int(ids.max()) >= self.dec.embed.table.rows):
             raise IndexError(f"token id out of range [0, {self.dec.embed.table.rows})")
-        mask, local = self._masks(start, end, max_len)
-        out = torch.empty(1 if key[2] else n_rows, (head_linear or self.dec.lm_head).out_features) if with_logits else None
+        pos = None if len(calls) == 1 else torch.cat([self.pos32[s : s + t.shape[0]] for t, s, _, _ in calls])
+        counts = [0 if mode == "none" else 1 if mode == "last" else t.shape[0] for t, _, _, mode in calls]
+        width = (head_linear or self.dec.lm_head).out_features
+        out = torch.empty(sum(counts), width) if logits_t is not None else None
         with gk.RUN_LOCK:  # binding and running a shared graph must not interleave between threads
-            self._bind_and_run(graph, leaves, logits_t, ids, start, cache, mask, local, out)
-        return out
+            graph.bind(leaves["ids"], ids.data_ptr())
+            graph.bind(leaves["pos"], self.pos32.data_ptr() + 4 * calls[0][1] if pos is None else pos.data_ptr())
+            for item, (tokens, start, cache, _) in zip(leaves["items"], calls):
+                self._bind_item(graph, item, start, start + tokens.shape[0], cache)
+            if leaves["hidden"] is not None:
+                graph.bind(leaves["hidden"], calls[0][2].hidden.data_ptr())
+            if out is not None:
+                graph.bind(logits_t, out.data_ptr())
+            graph.run()
+        outs, at = [], 0
+        for n in counts:
+            outs.append(out[at : at + n] if n else None)
+            at += n
+        return outs
 
-    def _bind_and_run(self, graph, leaves, logits_t, ids, start, cache, mask, local, out) -> None:
-        graph.bind(leaves["ids"], ids.data_ptr())
-        graph.bind(leaves["pos"], self.pos32.data_ptr() + 4 * start)
-        graph.bind(leaves["rows"], self.pos64.data_ptr() + 8 * start)
-        graph.bind(leaves["mask"], mask.data_ptr())
+    def _bind_item(self, graph: gk._Graph, item: dict, start: int, end: int, cache: KVCache) -> None:
+        """Point one request's leaves at its positions, masks and cache."""
+        mask, local = self._masks(start, end, cache.k.shape[2])
+        graph.bind(item["rows"], self.pos64.data_ptr() + 8 * start)
+        graph.bind(item["mask"], mask.data_ptr())
         if local is not None:
-            graph.bind(leaves["local_mask"], local.data_ptr())
+            graph.bind(item["local_mask"], local.data_ptr())
         k_base, v_base, stride = cache.k.data_ptr(), cache.v.data_ptr(), cache.k.stride(0) * 4
-        h_base = cache.hidden.data_ptr() if leaves["hidden"] is not None else None
-        if leaves.get("bound_cache") != (k_base, v_base, h_base):  # the same cache as this graph's last call: bound
-            for i in range(len(leaves["k"])):
-                graph.bind(leaves["k"][i], k_base + i * stride)
-                graph.bind(leaves["v"][i], v_base + i * stride)
-            if h_base is not None:
-                graph.bind(leaves["hidden"], h_base)
-            leaves["bound_cache"] = (k_base, v_base, h_base)
-        if out is not None:
-            graph.bind(logits_t, out.data_ptr())
-        graph.run()
+        if item.get("bound_cache") != (k_base, v_base):  # the same cache as this graph's last call: bound
+            for i in range(len(item["k"])):
+                graph.bind(item["k"][i], k_base + i * stride)
+                graph.bind(item["v"][i], v_base + i * stride)
+            item["bound_cache"] = (k_base, v_base)
+
+
+def _logit_rows(parts: tuple[tuple[int, int, str], ...]) -> list[int]:
+    """The stacked rows whose logits a pass over `parts` returns, in order."""
+    rows, at = [], 0
+    for n, _, mode in parts:
+        rows += [] if mode == "none" else [at + n - 1] if mode == "last" else list(range(at, at + n))
+        at += n
+    return rows

@@ -36,7 +36,7 @@ import torch
 import torch.nn.functional as F
 
 from viasd.errors import UnsupportedArchitectureError
-from viasd.models import ggml_forward
+from viasd.models import batching, ggml_forward
 from viasd.models.ggml_kernels import NativeTensor, QuantEmbedding, QuantLinear
 
 SUPPORTED_ARCHITECTURES = ("llama", "qwen2", "mistral", "gemma2", "gemma3", "gemma3_text", "t5")
@@ -312,8 +312,8 @@ class KVCache:
     def _commit(self, route: LayerMask | None, start: int, end: int) -> None:
         if self.resume_layer is not None:
             if self.saves_hidden(route):  # [start, end) now hold exact lower layers and stored states
-                if start <= self.n_exact:  # (positions past `end` keep theirs: a long pass goes in chunks)
-                    self.n_exact = max(self.n_exact, end)
+                if start <= self.n_exact:
+                    self.n_exact = end
             elif any(route.attn[: self.resume_layer]):  # it wrote lower layers' K/V from a routed stream
                 self.n_exact = min(self.n_exact, start)
         if route is None:
@@ -646,20 +646,71 @@ class Decoder:
         stream entering that layer stores it. `head`: logits over a reduced vocabulary only (-inf
         elsewhere; see `ReducedHead`).
         """
+        if (session := batching.current()) is not None:  # a request of a batch: the compute thread runs it with others
+            return session.forward(self, tokens, start, cache, route=route, last_only=last_only, resume=resume,
+                                   logits=logits, head=head)
         n_tokens = tokens.shape[0]
         route, end = begin_pass(self.config, cache, route, start, n_tokens, resume)
-        cfg = self.config
         first = cache.resume_layer if resume else 0
         save = cache.resume_layer if cache.saves_hidden(route) and not resume else None
-        if self._graph is not None:
-            out = self._graph(tokens, start, cache, route, last_only, first, save, logits, head)
-            cache._commit(route, start, end)
-            if out is None:
-                return None
-            out = _softcap(out, cfg.final_softcap) if cfg.final_softcap is not None else out
-            return out if head is None else head.expand(out)
+        # No pass attends more than ROW_ATTENTION_MAX rows at once: longer ones (a prompt, tiered mode's
+        # pending run) go in chunks, each attending row by row, so that every row comes out as it does
+        # decoded alone or in any batch (a long pending run checked in one tiled pass made correction
+        # mode differ from `ar`). One logical pass: the cache records it once, at the end.
+        outs = []
+        for a in range(start, end, ROW_ATTENTION_MAX):
+            b = min(a + ROW_ATTENTION_MAX, end)
+            out = self._rows(tokens[a - start : b - start], a, cache, route, last_only, first, save,
+                             logits and (not last_only or b == end), head)
+            if out is not None:
+                outs.append(out)
+        cache._commit(route, start, end)
+        if not outs:
+            return None
+        out = outs[0] if len(outs) == 1 else torch.cat(outs)
+        if self.config.final_softcap is not None:
+            out = _softcap(out, self.config.final_softcap)
+        return out if head is None else head.expand(out)
 
-        if resume:
+    @torch.inference_mode()
+    def forward_many(self, calls: list[tuple[tuple, dict]]) -> list:
+        """Several requests' `forward(*args, **kwargs)` calls (native weights, one route and head, at
+        most ROW_ATTENTION_MAX rows each, none resumed or storing streams) as one pass: every product
+        over all their rows, each request's rows attending its own cache. Returns each call's result,
+        or the exception its checks raised (the others still run)."""
+        results: list = [None] * len(calls)
+        runnable, route, head = [], None, None
+        for i, (args, kw) in enumerate(calls):
+            tokens, start, cache = args
+            try:
+                route, end = begin_pass(self.config, cache, kw.get("route"), start, tokens.shape[0])
+            except Exception as e:
+                results[i] = e
+                continue
+            head = kw.get("head")
+            mode = "none" if not kw.get("logits", True) else "last" if kw.get("last_only") and tokens.shape[0] > 1 else "all"
+            runnable.append((i, tokens, start, cache, mode, end))
+        if not runnable:
+            return results
+        outs = self._graph.run([(t, s, c, m) for _, t, s, c, m, _ in runnable], route, 0, None, head)
+        for (i, _, start, cache, _, end), out in zip(runnable, outs):
+            cache._commit(route, start, end)
+            if out is not None and self.config.final_softcap is not None:
+                out = _softcap(out, self.config.final_softcap)
+            results[i] = out if out is None or head is None else head.expand(out)
+        return results
+
+    def _rows(self, tokens: torch.Tensor, start: int, cache: KVCache, route: LayerMask | None, last_only: bool,
+              first: int, save: int | None, logits: bool, head: ReducedHead | None) -> torch.Tensor | None:
+        """One chunk of `forward` (at most ROW_ATTENTION_MAX rows; the cache's bookkeeping is the caller's):
+        raw logits [T, V] ([1, V] with `last_only`, [T, N] over a reduced head), or None."""
+        n_tokens = tokens.shape[0]
+        end = start + n_tokens
+        cfg = self.config
+        if self._graph is not None:
+            return self._graph(tokens, start, cache, route, last_only, first, save, logits, head)
+
+        if first:  # a resumed pass
             x = cache.hidden[start:end].clone()  # [T, hidden] entering layer `first`
         else:
             x = self.embed(tokens)  # [T, hidden]
@@ -667,23 +718,9 @@ class Decoder:
                 x = x * cfg.embed_scale
         # per RoPE table (global, local): [T, 1, head_dim]
         ropes = [(self._cos[t, start:end, None, :], self._sin[t, start:end, None, :]) for t in range(self._cos.shape[0])]
-        # Attention is batch-invariant for blocks of up to ROW_ATTENTION_MAX rows: each query row attends
-        # alone to exactly the keys it sees, so a row's result does not depend on which other rows share
-        # its pass (a drafted block or a single token: the same kernel on the same data). Longer passes
-        # (a prompt's prefill, the same for every strategy) run one masked product.
-        batched = n_tokens > ROW_ATTENTION_MAX
-        mask = local_mask = None
-        lo = 0
-        if batched:
-            # query i (position start+i) sees keys at positions <= start+i: [T, end]
-            mask = torch.arange(end, device=self.device)[None, :] <= torch.arange(start, end, device=self.device)[:, None]
-            local_mask = mask
-            if cfg.sliding_window is not None:
-                # sliding layers see keys q - window < p <= q: read from lo, the first position any query sees
-                lo = max(0, start - cfg.sliding_window + 1)
-                q_pos = torch.arange(start, end, device=self.device)[:, None]
-                k_pos = torch.arange(lo, end, device=self.device)[None, :]
-                local_mask = (k_pos <= q_pos) & (k_pos > q_pos - cfg.sliding_window)
+        # Attention is batch-invariant: each query row attends alone to exactly the keys it sees, so a
+        # row's result does not depend on which other rows share its pass (a drafted block or a single
+        # token: the same kernel on the same data).
         window = cfg.sliding_window or 0
         scale = cfg.attn_scale if cfg.attn_scale is not None else cfg.head_dim ** -0.5
         gqa = cfg.n_heads != cfg.n_kv_heads
@@ -708,18 +745,13 @@ class Decoder:
                 cache.k[i, :, start:end] = k.transpose(0, 1)
                 cache.v[i, :, start:end] = v.transpose(0, 1)
                 qh = q.transpose(0, 1)[None]  # [1, n_heads, T, hd]
-                if batched:
-                    first, m = (lo, local_mask) if layer.sliding else (0, mask)
-                    attn = _attention(qh, cache.k[i, None, :, first:end], cache.v[i, None, :, first:end],  # [1, n_kv_heads, end - first, hd]
-                                      m, scale, cfg.attn_softcap, gqa)  # [1, n_heads, T, hd]
-                else:
-                    rows = []
-                    for j in range(n_tokens):  # position p = start + j sees keys first .. p
-                        p = start + j
-                        first = max(0, p - window + 1) if layer.sliding else 0
-                        rows.append(_attention(qh[:, :, j : j + 1], cache.k[i, None, :, first : p + 1], cache.v[i, None, :, first : p + 1],
-                                               None, scale, cfg.attn_softcap, gqa))  # [1, n_heads, 1, hd]
-                    attn = rows[0] if n_tokens == 1 else torch.cat(rows, dim=2)  # [1, n_heads, T, hd]
+                rows = []
+                for j in range(n_tokens):  # position p = start + j sees keys lo .. p
+                    p = start + j
+                    lo = max(0, p - window + 1) if layer.sliding else 0
+                    rows.append(_attention(qh[:, :, j : j + 1], cache.k[i, None, :, lo : p + 1], cache.v[i, None, :, lo : p + 1],
+                                           None, scale, cfg.attn_softcap, gqa))  # [1, n_heads, 1, hd]
+                attn = rows[0] if n_tokens == 1 else torch.cat(rows, dim=2)  # [1, n_heads, T, hd]
                 a = layer.o(attn[0].transpose(0, 1).reshape(n_tokens, nq))
                 if layer.post_attn_norm is not None:
                     a = _rms_norm(a, layer.post_attn_norm, cfg.rms_eps)
@@ -732,12 +764,8 @@ class Decoder:
                 if layer.post_mlp_norm is not None:
                     m_out = _rms_norm(m_out, layer.post_mlp_norm, cfg.rms_eps)
                 x = x + m_out
-        cache._commit(route, start, end)
         if not logits:
             return None
         if last_only:
             x = x[-1:]
-        out = (self.lm_head if head is None else head.linear)(_rms_norm(x, self.norm, cfg.rms_eps)).float()
-        if cfg.final_softcap is not None:
-            out = _softcap(out, cfg.final_softcap)
-        return out if head is None else head.expand(out)
+        return (self.lm_head if head is None else head.linear)(_rms_norm(x, self.norm, cfg.rms_eps)).float()

@@ -1,0 +1,156 @@
+"""Continuous batching: several requests' decoding loops at once, their forward passes stacked into
+shared passes on the compute thread.
+
+Each request runs its own, unchanged decoding loop (any strategy: `ar`, `pld`, `sd`, VIA-SD) in a
+thread of its own that is a *member* of a `BatchSession`. A member's `Decoder.forward` calls do not
+compute: they park in the session. The compute thread (`step`) waits until every member is parked
+(or `MAX_WAIT_S` has passed with some parked), then runs all parked calls at once: calls of one
+decoder along one route with one head become one pass (`Decoder.forward_many`: every product over
+all their rows, each request's rows attending its own cache), the rest run one by one. Members do
+only their loops' light work (acceptance, sampling, text) between passes, on one torch thread each,
+so that the OpenMP teams stay with the compute thread (`models/compute.py` says why).
+
+Rows are computed independently (row-exact products; attention of each row over its own keys), so a
+request's tokens are the same served alone or beside any others: batch invariance.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Callable
+from typing import TYPE_CHECKING
+
+from viasd.models import compute
+
+if TYPE_CHECKING:
+    from viasd.models.runtime import Decoder
+
+MAX_WAIT_S = 0.05  # a pass waits at most this long for members still busy elsewhere
+
+_local = threading.local()
+
+
+def current() -> BatchSession | None:
+    """The session of the calling thread, if it is a member."""
+    return getattr(_local, "session", None)
+
+
+class _Call:
+    __slots__ = ("decoder", "args", "kwargs", "result", "error", "done")
+
+    def __init__(self, decoder, args, kwargs):
+        self.decoder, self.args, self.kwargs = decoder, args, kwargs
+        self.result = self.error = None
+        self.done = False
+
+
+class BatchSession:
+    """Members' forward calls, gathered into passes by `step` on the compute thread."""
+
+    def __init__(self):
+        self._cv = threading.Condition()
+        self._parked: list[_Call] = []
+        self.members = 0
+        self.last_batch: tuple[int, int] = (0, 0)  # (requests, rows) of the last pass of many
+        self.on_pass: Callable[[int, int], None] | None = None  # (requests, rows) of each pass
+
+    # ------------------------------------------------------------------ members
+    def member(self, fn: Callable, *args, **kwargs):
+        """Run `fn` in the calling thread as a member: its forward calls go through the session."""
+        import torch
+
+        torch.set_num_threads(1)  # a member's own torch work is small: no OpenMP team of its own
+        with self._cv:
+            self.members += 1
+            self._cv.notify_all()
+        _local.session = self
+        compute.enter_member()
+        try:
+            return fn(*args, **kwargs)
+        finally:
+            compute.leave_member()
+            _local.session = None
+            with self._cv:
+                self.members -= 1
+                self._cv.notify_all()
+
+    def forward(self, decoder: Decoder, *args, **kwargs):
+        """A member's `decoder.forward(*args, **kwargs)`: parked until the compute thread runs it."""
+        call = _Call(decoder, args, kwargs)
+        with self._cv:
+            self._parked.append(call)
+            self._cv.notify_all()
+            while not call.done:
+                self._cv.wait()
+        if call.error is not None:
+            raise call.error
+        return call.result
+
+    # ------------------------------------------------------------------ the compute thread
+    def step(self, idle_timeout: float = 0.1) -> int:
+        """Wait for the members' calls and run them; returns how many ran (0 after `idle_timeout`
+        seconds with nothing parked)."""
+        with self._cv:
+            deadline = time.monotonic() + idle_timeout
+            while not self._parked:
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    return 0
+                self._cv.wait(left)
+            first = time.monotonic()
+            while len(self._parked) < self.members:  # members still busy: wait for them, briefly
+                left = first + MAX_WAIT_S - time.monotonic()
+                if left <= 0:
+                    break
+                self._cv.wait(left)
+            calls, self._parked = self._parked, []
+        try:
+            self._run(calls)
+        finally:
+            with self._cv:
+                for call in calls:
+                    call.done = True
+                self._cv.notify_all()
+        return len(calls)
+
+    def _run(self, calls: list[_Call]) -> None:
+        groups: dict[tuple, list[_Call]] = {}
+        for call in calls:
+            groups.setdefault(_group_key(call), []).append(call)
+        for key, group in groups.items():
+            if key[0] is None or len(group) == 1:
+                for call in group:
+                    _run_one(call)
+                continue
+            decoder = group[0].decoder
+            outs = decoder.forward_many([(c.args, c.kwargs) for c in group])
+            rows = sum(c.args[0].shape[0] for c in group)
+            self.last_batch = (len(group), rows)
+            if self.on_pass is not None:
+                self.on_pass(len(group), rows)
+            for call, out in zip(group, outs):
+                if isinstance(out, BaseException):
+                    call.error = out
+                else:
+                    call.result = out
+
+
+def _run_one(call: _Call) -> None:
+    try:
+        call.result = call.decoder.forward(*call.args, **call.kwargs)
+    except BaseException as e:  # handed to the member, raised there
+        call.error = e
+
+
+def _group_key(call: _Call) -> tuple:
+    """Calls that can share a pass have equal keys; a key starting with None runs alone."""
+    from viasd.models.runtime import ROW_ATTENTION_MAX
+
+    dec, args, kw = call.decoder, call.args, call.kwargs
+    route, head, resume = kw.get("route"), kw.get("head"), kw.get("resume", False)
+    tokens, cache = args[0], args[2]
+    if (getattr(dec, "_graph", None) is None or resume or tokens.shape[0] > ROW_ATTENTION_MAX
+            or cache.saves_hidden(None if route is None or route.is_full else route)):
+        return (None, id(call))
+    return (id(dec), route, id(head))
