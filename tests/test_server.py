@@ -458,7 +458,7 @@ class GatedWorker(Worker):
 
 
 def test_requests_are_served_in_arrival_order(tiny):
-    worker = GatedWorker(tiny, max_queue=8)
+    worker = GatedWorker(tiny, max_queue=8, max_batch=1)
     app = create_app(tiny, settings=ServeSettings(served_name="tiny", max_queue=8), worker=worker)
     prompts = ["w1 w2", "w3 w4", "w5 w6", "w7 w8", "w9 w10"]
     with LiveServer(app) as live, ThreadPoolExecutor(len(prompts)) as pool:
@@ -472,7 +472,7 @@ def test_requests_are_served_in_arrival_order(tiny):
 
 
 def test_queue_full_answers_503_and_waiting_requests_still_complete(tiny):
-    worker = GatedWorker(tiny, max_queue=1)
+    worker = GatedWorker(tiny, max_queue=1, max_batch=1)
     app = create_app(tiny, settings=ServeSettings(served_name="tiny", max_queue=1), worker=worker)
     with LiveServer(app) as live, ThreadPoolExecutor(2) as pool:
         c = live.client()
@@ -497,7 +497,7 @@ def test_queue_full_answers_503_and_waiting_requests_still_complete(tiny):
 
 @pytest.mark.parametrize("stream", [True, False])
 def test_a_request_whose_client_left_while_queued_is_never_decoded(tiny, stream):
-    worker = GatedWorker(tiny, max_queue=4)
+    worker = GatedWorker(tiny, max_queue=4, max_batch=1)
     app = create_app(tiny, settings=ServeSettings(served_name="tiny", max_queue=4), worker=worker)
     body = {"model": "tiny", "prompt": "w1 w2 w3", "max_tokens": 3}
     with LiveServer(app) as live, ThreadPoolExecutor(2) as pool:
@@ -743,3 +743,52 @@ def test_an_api_key_with_a_trailing_newline_still_authenticates(capsys):
     check_args(args)
     assert args.api_key == "s3cret"
     assert "removed whitespace around the API key" in capsys.readouterr().err
+
+
+# ---------------------------------------------------------------- continuous batching
+
+
+def test_concurrent_requests_share_passes_and_each_answer_equals_serving_alone(tiny_q8, tiny_drafter):
+    """Mixed strategies, prompt lengths and arrival times on one batched server: every greedy answer
+    equals the request decoded alone, and passes did carry rows of several requests."""
+    from viasd.models import batching
+
+    app = create_app(tiny_q8, tiny_drafter, settings=ServeSettings(served_name="tiny", max_batch=6,
+                                                                defaults={"slim_layers": (0, 1, 3)}))
+    asks = [("w1 w2 w3", {"strategy": "ar"}, 40), ("w5 w6 w5 w6 w5", {"strategy": "pld"}, 30),
+            (" ".join(f"w{i % 50}" for i in range(90)), {"strategy": "ar"}, 20),  # a prompt longer than a pass
+            ("w9 w8 w7", {"strategy": "sd", "k": 3}, 30), ("w2 w4", {"strategy": "viasd", "mode": "lossless"}, 25),
+            ("w3 w3 w1", {"strategy": "viasd", "mode": "tiered", "draft": "pld"}, 25), ("w7 w1", {"strategy": "ar"}, 35)]
+    alone = [generate(p, tiny_q8, drafter=tiny_drafter if s["strategy"] == "sd" else None, max_new_tokens=n, chat=False,
+                      progress=False, slim_layers=(0, 1, 3), **s).text for p, s, n in asks]
+    passes = []
+    with LiveServer(app) as live, ThreadPoolExecutor(len(asks)) as pool:
+        live.app.state.worker.session.on_pass = lambda r, rows: passes.append(r)
+        def ask(i):
+            time.sleep(0.02 * i)  # staggered arrivals: requests join running ones
+            p, s, n = asks[i]
+            r = httpx.post(live.url + "/v1/completions", timeout=300,
+                           json={"model": "tiny", "prompt": p, "max_tokens": n, "viasd": s})
+            assert r.status_code == 200, r.text
+            return r.json()["choices"][0]["text"]
+        together = list(pool.map(ask, range(len(asks))))
+    assert together == alone
+    assert passes and max(passes) >= 2
+    assert batching.current() is None
+
+
+def test_the_kv_budget_holds_requests_back_until_running_ones_free_it(tiny):
+    from viasd.server.engine import kv_bytes
+
+    one = kv_bytes(tiny, 2 + 8 + 80)
+    worker = GatedWorker(tiny, max_batch=4, kv_budget=int(one * 1.5))  # room for one request at a time
+    app = create_app(tiny, settings=ServeSettings(served_name="tiny", max_batch=4), worker=worker)
+    with LiveServer(app) as live, ThreadPoolExecutor(2) as pool:
+        ask = lambda: live.client().completions.create(model="tiny", prompt="w1", max_tokens=8)  # noqa: E731
+        first, second = pool.submit(ask), pool.submit(ask)
+        wait_for(lambda: worker.running == 1 and worker.waiting == 1, "one request to run, one to wait for memory")
+        assert metric(live.metrics(), "viasd_kv_cache_bytes") == one
+        worker.gate.set()
+        assert first.result().choices[0].text == second.result().choices[0].text
+        wait_for(lambda: worker.pending == 0, "both to finish")
+        assert metric(live.metrics(), "viasd_kv_cache_bytes") == 0

@@ -289,6 +289,15 @@ def drafter_kind(config: GenerateConfig, has_drafter: bool) -> DraftKind | None:
     return kind
 
 
+def drafts_with_model(config: GenerateConfig) -> bool:
+    """Whether a request with these settings drafts with a drafter model when one is at hand (a server
+    with a drafter passes it only to those)."""
+    try:
+        return config.spec.draft_kind(config.drafting.draft, True) is DraftKind.MODEL
+    except UsageError:  # `generate` says why
+        return True
+
+
 @compute.owned  # every decode on the process' one compute thread (models/compute.py says why)
 def generate(
     prompt: str | Sequence[int] | list[dict[str, str]],

@@ -24,7 +24,7 @@ from pydantic import ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.requests import ClientDisconnect
 
-from viasd.api import GenerateConfig, generate
+from viasd.api import GenerateConfig, drafts_with_model, generate
 from viasd.errors import UsageError, ViasdError
 from viasd.server.engine import Draining, Job, QueueFull, Worker
 from viasd.server.metrics import Metrics
@@ -39,7 +39,9 @@ class ServeSettings:
 
     defaults: dict = field(default_factory=dict)  # GenerateConfig fields (flags of `viasd serve`)
     served_name: str | None = None  # the model id clients use (default: the model's name)
-    max_queue: int = 64  # requests waiting behind the running one; more get 503
+    max_queue: int = 64  # requests waiting behind the running ones; more get 503
+    max_batch: int = 8  # requests decoded at once, their passes batched
+    kv_budget: int | None = None  # bytes of KV cache the running requests may reserve (None: a quarter of free memory)
     max_body_bytes: int = DEFAULT_MAX_BODY
     api_key: str | None = None
 
@@ -151,15 +153,18 @@ def check_serving(model, drafter, defaults: dict) -> None:
     `/health` says ok): whatever the engine would refuse in every request (a route of another model,
     thresholds it rejects, a missing or unusable drafter) stops the server at start with one line
     (UsageError: `viasd serve` exits 2) instead of a 400 to each client."""
-    generate([0], model, drafter=drafter, progress=False, **{**defaults, "max_new_tokens": 1, "chat": False})
+    settings = {**defaults, "max_new_tokens": 1, "chat": False}
+    uses = drafter is not None and drafts_with_model(GenerateConfig.from_settings(**settings))
+    generate([0], model, drafter=drafter if uses else None, progress=False, **settings)
 
 
 def create_app(model, drafter=None, settings: ServeSettings | None = None, worker: Worker | None = None) -> FastAPI:
     """The app for one loaded model (and optional drafter). `worker` may be given (tests wrap it)."""
     settings = settings or ServeSettings()
     metrics = Metrics()
-    worker = worker or Worker(model, drafter, settings.max_queue)
+    worker = worker or Worker(model, drafter, settings.max_queue, max_batch=settings.max_batch, kv_budget=settings.kv_budget)
     worker.on_depth = metrics.depth
+    metrics.watch(worker)
     served = settings.served_name or model.name
     defaults = dict(settings.defaults)
     defaults.pop("chat", None)

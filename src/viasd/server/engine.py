@@ -1,5 +1,6 @@
-"""The decode worker: one model in memory, the process' compute thread (`viasd.models.compute`)
-running `viasd.generate` for one request at a time, a bounded FIFO of admitted requests in front of it.
+"""The decode worker: one model in memory; up to `max_batch` requests decoding at once, each in a
+thread of its own running `viasd.generate`, their forward passes stacked into shared passes on the
+process' compute thread (`viasd.models.batching`); a bounded FIFO of admitted requests behind them.
 
 The HTTP side (app.py) runs on the asyncio loop; a request becomes a `Job` whose events (text pieces,
 then done / cancelled / error) the worker posts back to the loop. Stop strings and cancellation go
@@ -14,12 +15,14 @@ import sys
 import threading
 import time
 import traceback
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 
-from viasd.api import StopGeneration, generate
+from viasd.api import GenerateConfig, StopGeneration, drafts_with_model, generate
 from viasd.decoding.stats import DecodeResult
 from viasd.errors import ViasdError
 from viasd.models import compute
+from viasd.models.batching import BatchSession
 
 
 class StopText:
@@ -117,17 +120,41 @@ class Draining(Exception):
     pass
 
 
-class Worker:
-    """Admits requests up to `max_queue` waiting behind the running one, and runs them in order."""
+def default_kv_budget() -> int:
+    """A quarter of the memory the machine has available now (bytes), for the requests' KV caches."""
+    try:
+        with open("/proc/meminfo") as f:
+            info = {line.split(":")[0]: int(line.split()[1]) * 1024 for line in f if ":" in line}
+        return int(info.get("MemAvailable", info.get("MemTotal", 8 << 30)) * 0.25)
+    except (OSError, ValueError):
+        return 2 << 30
 
-    def __init__(self, model, drafter=None, max_queue: int = 64, on_depth=None):
-        self.model, self.drafter, self.max_queue = model, drafter, max_queue
+
+def kv_bytes(model, positions: int) -> int:
+    """The bytes of one request's float32 KV cache over `positions` positions (K and V, every layer)."""
+    c = model.config
+    return positions * 2 * c.n_layers * c.n_kv_heads * c.head_dim * 4
+
+
+class Worker:
+    """Runs up to `max_batch` requests at once, their forward passes batched on the compute thread
+    (`models.batching`), and admits up to `max_queue` more waiting in order behind them; a request
+    waits too while the KV caches of the running ones leave less than it needs of `kv_budget`."""
+
+    def __init__(self, model, drafter=None, max_queue: int = 64, on_depth=None, max_batch: int = 8,
+                 kv_budget: int | None = None):
+        self.model, self.drafter, self.max_queue, self.max_batch = model, drafter, max_queue, max_batch
+        self.kv_budget = default_kv_budget() if kv_budget is None else kv_budget
+        self.kv_used = 0
+        self.session = BatchSession()
+        self.threads = ThreadPoolExecutor(max_workers=max_batch, thread_name_prefix="viasd-request")
         self.on_depth = on_depth or (lambda waiting, running: None)
-        self.lock = threading.Lock()
+        self.lock = threading.Condition()
         self.waiting = 0
         self.running = 0
         self.live: set[Job] = set()
         self.draining = False
+        self._scheduling = False
 
     @property
     def pending(self) -> int:
@@ -138,12 +165,16 @@ class Worker:
         with self.lock:
             if self.draining:
                 raise Draining()
-            if self.waiting + self.running >= self.max_queue + 1:
+            if self.waiting + self.running >= self.max_queue + self.max_batch:
                 raise QueueFull()
             self.waiting += 1
             self.live.add(job)
             self._depth()
-        compute.submit(self._run, job)
+            start = not self._scheduling
+            self._scheduling = True
+        if start:
+            compute.submit(self._schedule)
+        self.threads.submit(self._run, job)
 
     def cancel_all(self, reason: str = "shutdown") -> None:
         with self.lock:
@@ -153,8 +184,28 @@ class Worker:
     def _depth(self) -> None:
         self.on_depth(self.waiting, self.running)
 
+    def _schedule(self) -> None:
+        """On the compute thread while requests are live: run their passes."""
+        while True:
+            if not self.session.step(idle_timeout=0.05):
+                with self.lock:
+                    if not self.live:
+                        self._scheduling = False
+                        return
+
+    def _kv_need(self, job: Job) -> int:
+        prompt = job.prompt
+        size = len(prompt) if isinstance(prompt, list) and all(isinstance(t, int) for t in prompt) else \
+            len(str(prompt))  # characters: at least the tokens
+        positions = min(self.model.config.max_positions, size + job.settings.get("max_new_tokens", 0) + 80)
+        return kv_bytes(self.model, positions) + (kv_bytes(self.drafter, positions) if self.drafter is not None else 0)
+
     def _run(self, job: Job) -> None:
+        need = min(self._kv_need(job), self.kv_budget)  # one request alone always fits
         with self.lock:
+            while self.kv_used + need > self.kv_budget and not job.cancel.is_set():
+                self.lock.wait(0.1)
+            self.kv_used += need
             self.waiting -= 1
             self.running += 1
             self._depth()
@@ -163,7 +214,7 @@ class Worker:
                 job.post("cancelled")
                 return
             job.started = time.perf_counter()
-            self._decode(job)
+            self.session.member(self._decode, job)
         except ViasdError as e:
             job.post("error", e)
         except Exception as e:  # a bug, not the client's fault: log it, answer 500 without a traceback
@@ -171,9 +222,11 @@ class Worker:
             job.post("error", e)
         finally:
             with self.lock:
+                self.kv_used -= need
                 self.running -= 1
                 self.live.discard(job)
                 self._depth()
+                self.lock.notify_all()
 
     def _decode(self, job: Job) -> None:
         stop = StopText(job.stops)
@@ -192,7 +245,8 @@ class Worker:
             if stop.hit is not None:
                 raise StopGeneration()
 
-        result = generate(job.prompt, self.model, drafter=self.drafter, on_text=on_text, progress=False, **job.settings)
+        drafter = self.drafter if self.drafter is not None and drafts_with_model(GenerateConfig.from_settings(**job.settings)) else None
+        result = generate(job.prompt, self.model, drafter=drafter, on_text=on_text, progress=False, **job.settings)
         job.result = result
         if cancelled:
             job.post("cancelled")
@@ -223,3 +277,4 @@ class Worker:
 
     def shutdown(self) -> None:
         self.cancel_all()
+        self.threads.shutdown(wait=False, cancel_futures=False)

@@ -5,6 +5,8 @@ from __future__ import annotations
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
 LATENCY_BUCKETS = (0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 20, 40, 80, 160, 320)
+BATCH_BUCKETS = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32)
+ROW_BUCKETS = (2, 4, 8, 16, 32, 64, 128, 256, 512)
 ACCEPTED_BUCKETS = (1, 1.25, 1.5, 2, 2.5, 3, 4, 5, 6, 8, 12, 16, 32, 64)
 
 
@@ -27,7 +29,26 @@ class Metrics:
         self.ttft = Histogram("viasd_time_to_first_token_seconds", "arrival to first text, queueing included",
                               ["endpoint"], buckets=LATENCY_BUCKETS, registry=r)
         self.queue_depth = Gauge("viasd_queue_depth", "requests waiting for the decode worker", registry=r)
-        self.running = Gauge("viasd_requests_running", "requests being decoded (0 or 1)", registry=r)
+        self.running = Gauge("viasd_requests_running", "requests being decoded at once (at most --max-batch)", registry=r)
+        self.queue_wait = Histogram("viasd_queue_wait_seconds", "arrival to the start of decoding", ["endpoint"],
+                                    buckets=LATENCY_BUCKETS, registry=r)
+        self.batch_requests = Histogram("viasd_batch_requests", "requests whose rows shared a forward pass",
+                                        buckets=BATCH_BUCKETS, registry=r)
+        self.batch_rows = Histogram("viasd_batch_rows", "rows of a forward pass shared by several requests",
+                                    buckets=ROW_BUCKETS, registry=r)
+        self.kv_used = Gauge("viasd_kv_cache_bytes", "KV-cache bytes reserved by the running requests", registry=r)
+        self.kv_budget = Gauge("viasd_kv_cache_budget_bytes", "KV-cache bytes the running requests may reserve (--kv-budget-mb)",
+                               registry=r)
+
+    def watch(self, worker) -> None:
+        """Follow `worker`'s KV reservations and its batched passes."""
+        self.kv_used.set_function(lambda: worker.kv_used)
+        self.kv_budget.set(worker.kv_budget)
+        worker.session.on_pass = self.observe_pass
+
+    def observe_pass(self, requests: int, rows: int) -> None:
+        self.batch_requests.observe(requests)
+        self.batch_rows.observe(rows)
 
     def depth(self, waiting: int, running: int) -> None:
         self.queue_depth.set(waiting)
@@ -37,6 +58,8 @@ class Metrics:
         """A finished or cancelled generation (job.result may be partial or None)."""
         if job.first_text is not None:
             self.ttft.labels(endpoint).observe(job.first_text - job.arrived)
+        if job.started is not None:
+            self.queue_wait.labels(endpoint).observe(job.started - job.arrived)
         result = job.result
         if result is None:
             return

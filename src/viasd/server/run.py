@@ -39,7 +39,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="require 'Authorization: Bearer KEY' on every route but /health (default: $VIASD_API_KEY, else none)")
     s.add_argument("--served-model-name", help="the model id clients send (default: the --model value)")
     s.add_argument("--max-queue", type=int, default=64,
-                   help="requests that may wait behind the running one; more are answered 503 (default: %(default)s)")
+                   help="requests that may wait behind the running ones; more are answered 503 (default: %(default)s)")
+    s.add_argument("--max-batch", type=int, default=8,
+                   help="requests decoded at once, their forward passes shared (continuous batching; default: %(default)s)")
+    s.add_argument("--kv-budget-mb", type=int, default=None,
+                   help="MiB of KV cache the running requests may reserve; a request waits while it does not fit "
+                        "(default: a quarter of the memory available at start)")
     s.add_argument("--max-body-kb", type=int, default=1024, help="request body limit in KiB; larger bodies get 413 (default: %(default)s)")
     s.add_argument("--drain-timeout", type=float, default=30.0,
                    help="on SIGTERM, seconds in-flight requests may take to finish before they are cancelled (default: %(default)s)")
@@ -70,10 +75,14 @@ def check_args(args: argparse.Namespace) -> dict:
     config = GenerateConfig.from_settings(**defaults)
     config.validate()
     preflight_files(config.flat())  # route and thresholds files readable and well-formed
-    drafter_kind(config, args.drafter is not None)  # a drafter model where the strategy needs one, and only then
+    if args.drafter is None:  # a drafter model where the default strategy needs one (with one, requests may choose)
+        drafter_kind(config, False)
     if not 0 <= args.port <= 65535:
         raise UsageError(f"--port must be in 0..65535, got {args.port}")
     check_int("--max-queue", args.max_queue, 0)
+    check_int("--max-batch", args.max_batch, 1, 256)
+    if args.kv_budget_mb is not None:
+        check_int("--kv-budget-mb", args.kv_budget_mb, 1)
     check_int("--max-body-kb", args.max_body_kb, 1)
     check_float("--drain-timeout", args.drain_timeout, 0, allow_inf=True)
     check_int("--replicas", args.replicas, 0)
@@ -97,7 +106,8 @@ def serve_command(args: argparse.Namespace) -> int:
 
     defaults = check_args(args)
     settings = ServeSettings(defaults=defaults, served_name=args.served_model_name or args.model, max_queue=args.max_queue,
-                             max_body_bytes=args.max_body_kb * 1024, api_key=args.api_key)
+                             max_body_bytes=args.max_body_kb * 1024, api_key=args.api_key, max_batch=args.max_batch,
+                             kv_budget=None if args.kv_budget_mb is None else args.kv_budget_mb << 20)
     if args.replicas:
         from viasd.server.ray_serve import serve_replicas
 
