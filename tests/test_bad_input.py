@@ -9,6 +9,7 @@ import hashlib
 import io
 import json
 import math
+import os
 import sys
 from pathlib import Path
 
@@ -367,3 +368,14 @@ def test_bench_resume_leaves_a_file_report_reads(tiny, tmp_path, capsys):
     md, _ = report(out, tmp_path / "rep", run=runs[1])
     assert "| file:x | pld |" in md.read_text()
     assert "skipped 2 line(s)" in capsys.readouterr().err
+
+
+def test_a_prompt_from_a_closed_stdin_is_one_line_exit_2():
+    import subprocess
+
+    src = str(Path(__file__).resolve().parents[1] / "src")
+    env = {**os.environ, "PYTHONPATH": src + os.pathsep + os.environ.get("PYTHONPATH", "")}
+    r = subprocess.run([sys.executable, "-m", "viasd", "generate", "-"], env=env, capture_output=True, text=True,
+                       preexec_fn=lambda: os.close(0), timeout=120)
+    assert r.returncode == 2
+    assert r.stderr.strip() == "viasd: error: '-' reads the prompt from standard input, which is closed"

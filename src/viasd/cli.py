@@ -14,6 +14,22 @@ from viasd.validation import WEIGHT_FORMATS
 DEMO_PROMPT = "Explain in three sentences why the sky is blue."
 
 
+def read_stdin(what: str) -> bytes:
+    """Standard input, at most MAX_INPUT_BYTES of it; closed or unreadable stdin is a usage error."""
+    from viasd.errors import InvalidPromptError
+    from viasd.validation import MAX_INPUT_BYTES
+
+    if sys.stdin is None or getattr(sys.stdin, "buffer", None) is None:
+        raise InvalidPromptError(f"'-' reads {what} from standard input, which is closed")
+    try:
+        data = sys.stdin.buffer.read(MAX_INPUT_BYTES + 1)
+    except (OSError, ValueError) as e:  # a closed descriptor, a directory, ...
+        raise InvalidPromptError(f"'-' reads {what} from standard input, which cannot be read ({e})") from None
+    if len(data) > MAX_INPUT_BYTES:
+        raise InvalidPromptError(f"{what} on standard input is larger than {MAX_INPUT_BYTES >> 20} MiB")
+    return data
+
+
 def _generate(args: argparse.Namespace) -> int:
     from viasd.api import GenerateConfig, generate
     from viasd.models.loading import load_model
@@ -21,7 +37,7 @@ def _generate(args: argparse.Namespace) -> int:
 
     prompt = DEMO_PROMPT if args.prompt is None else check_text("the prompt", args.prompt)
     if prompt == "-":
-        prompt = decode_utf8(sys.stdin.buffer.read(), "the prompt on stdin")
+        prompt = decode_utf8(read_stdin("the prompt"), "the prompt on stdin")
     settings = {name: getattr(args, name) for name in GenerateConfig.setting_names() if hasattr(args, name)}
     for name in ("draft_layers", "slim_layers"):
         if settings[name] is not None:
