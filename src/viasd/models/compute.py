@@ -141,6 +141,7 @@ class ThreadBudget:
     free over the last `INTERVAL` seconds (rounded, at least 1), or `fixed`."""
 
     INTERVAL = 0.5
+    FIRST_INTERVAL = 0.1
 
     def __init__(self, cores: int | None = None, fixed: int | None = None):
         self.cores = cores or _cores()
@@ -148,14 +149,17 @@ class ThreadBudget:
         self.threads = fixed or self.cores
         self.others = 0.0  # cores the rest of the machine used in the last window
         self._applied: int | None = None
+        self._first = True
         self._mark = (time.monotonic(), _machine_busy_s(), _own_s())
 
     def update(self, now: float | None = None) -> int:
         """The thread count, re-measured when a window has passed (cheap otherwise: one clock read)."""
         now = time.monotonic() if now is None else now
         t0, busy0, own0 = self._mark
-        if self.fixed is not None or now - t0 < self.INTERVAL or busy0 is None:
+        # (the first window is short: it runs from the library's load, so the first pass already follows the machine)
+        if self.fixed is not None or now - t0 < (self.FIRST_INTERVAL if self._first else self.INTERVAL) or busy0 is None:
             return self.threads
+        self._first = False
         busy, own = _machine_busy_s(), _own_s()
         self._mark = (now, busy, own)
         if busy is None:
