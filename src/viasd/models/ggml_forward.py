@@ -9,7 +9,7 @@ Gemma's extra norms; then the final norm and the LM head.
 
 Graphs are built per (rows, route, last_only, cache length, first layer, layer whose incoming
 stream is stored, with or without logits, LM head) and kept (a few dozen: decoding uses a handful
-of block sizes); a prompt's prefill graph is built, run and dropped. Nothing in a graph depends on
+of block sizes, and batches of several requests' rows). Nothing in a graph depends on
 the position: token ids, RoPE positions, the cache rows to write and the attention masks are
 inputs, so one graph serves every step.
 
@@ -134,12 +134,12 @@ class NativeForward:
         return g.rope_ext(graph.ctx, t, pos, None, d, _ROPE_NEOX, 0, theta, freq_scale, 0.0, 1.0, 32.0, 1.0)
 
     def _attention(self, graph: gk._Graph, q: gk._T, k: gk._T, v: gk._T, mask: gk._T, scale: float) -> gk._T:
-        """Flash attention, q [d, T, H] -> [d, H, T], one op. Passes of up to ROW_ATTENTION_MAX rows
-        attend row by row: each query row and head over its visible keys in order, whatever the other
-        rows; with viasd's row-exact op (`self.attention`), else with ggml's reference flash attention
-        (`_Graph(exact_attention=True)`). ggml's default paths would not keep a row's result: one row
-        with 512 or more keys splits them across threads and combines the parts, and many rows take a
-        tiled kernel. Longer passes (a prompt's prefill, the same for every strategy) take the tiled one."""
+        """Flash attention, q [d, T, H] -> [d, H, T], one op. Passes of up to ROW_ATTENTION_MAX rows (all
+        of them: `Decoder.forward` splits longer ones) attend row by row: each query row and head over
+        its visible keys in order, whatever the other rows; with viasd's row-exact op (`self.attention`),
+        else with ggml's reference flash attention (`_Graph(exact_attention=True)`). ggml's default paths
+        would not keep a row's result: one row with 512 or more keys splits them across threads and
+        combines the parts, and many rows take a tiled kernel."""
         g, cfg = lib(), self.dec.config
         if graph.exact_attention and self.attention == "row-exact":
             args = (gk._T * 4)(q, k, v, mask)
@@ -292,7 +292,7 @@ class NativeForward:
         built = self._graphs.get(key)
         if built is None:
             built = self._build(parts, route, first, save, head_linear)
-            if sum(n for n, _, _ in parts) <= _KEEP_GRAPH_ROWS:  # a long prompt's prefill (large buffers) is not kept
+            if sum(n for n, _, _ in parts) <= _KEEP_GRAPH_ROWS:  # a pass of very many rows (large buffers) is not kept
                 self._graphs[key] = built
                 if len(self._graphs) > _KEEP_GRAPHS:
                     self._graphs.popitem(last=False)

@@ -22,8 +22,9 @@ The Llama path runs none of the Gemma code: each switch is a constant of the mod
 Weights in the model file's own format (`native`, the default for a GGUF) run the same pass as one
 ggml graph (`models/ggml_forward.py`); `Decoder.forward` still checks the route and the cache
 invariant around it. The torch code below is the float path (float32, the reference; bfloat16).
-Passes of up to ROW_ATTENTION_MAX rows attend row by row in both, so that a row's result does not
-depend on the other rows of its pass (what makes lossless strategies equal `ar` token for token).
+Every row attends row by row in both, in passes of at most ROW_ATTENTION_MAX rows (longer ones are
+split), so that a row's result does not depend on the other rows of its pass (what makes lossless
+strategies equal `ar` token for token, and a request's tokens the same in any batch).
 """
 
 from __future__ import annotations
