@@ -91,6 +91,24 @@ def test_budget_follows_the_machine(monkeypatch):
     assert b.update(t0 + 1.5) == 2
 
 
+def test_a_window_spanning_an_idle_spell_is_measured_afresh(monkeypatch):
+    clock = {"busy": 100.0, "own": 10.0}
+    monkeypatch.setattr(compute, "_machine_busy_s", lambda: clock["busy"])
+    monkeypatch.setattr(compute, "_own_s", lambda: clock["own"])
+    b = ThreadBudget(cores=2)
+    t0 = b._mark[0]
+    clock["busy"] += 10.0  # another process ran for a long while, then this process' next pass comes
+    assert b.update(t0 + 5.0) == 2  # not judged on that: a fresh, short window starts
+    clock["busy"] += 0.05  # in which only this process runs
+    clock["own"] += 0.05
+    assert b.update(t0 + 5.15) == 2 and b.others == pytest.approx(0.0)
+    clock["busy"] += 0.15 + 0.05  # a neighbour busy now: one thread
+    clock["own"] += 0.05
+    assert b.update(t0 + 5.3) == 2  # (the window is 0.5 s after the first)
+    clock["busy"] += 0.5
+    assert b.update(t0 + 5.8) == 1
+
+
 def test_a_fixed_count_is_kept(monkeypatch):
     monkeypatch.setattr(compute, "_machine_busy_s", lambda: 1e9)
     b = ThreadBudget(cores=2, fixed=1)

@@ -124,7 +124,7 @@ class BatchSession:
                     _run_one(call)
                 continue
             decoder = group[0].decoder
-            outs = decoder.forward_many([(c.args, c.kwargs) for c in group])
+            outs = decoder.forward_many([(c.args, c.kwargs) for c in group], rows=key[-1])
             rows = sum(c.args[0].shape[0] for c in group)
             self.last_batch = (len(group), rows)
             if self.on_pass is not None:
@@ -149,8 +149,20 @@ def _group_key(call: _Call) -> tuple:
 
     dec, args, kw = call.decoder, call.args, call.kwargs
     route, head, resume = kw.get("route"), kw.get("head"), kw.get("resume", False)
-    tokens, cache = args[0], args[2]
+    tokens, start, cache = args
     if (getattr(dec, "_graph", None) is None or resume or tokens.shape[0] > ROW_ATTENTION_MAX
             or cache.saves_hidden(None if route is None or route.is_full else route)):
         return (None, id(call))
-    return (id(dec), route, id(head))
+    return (id(dec), route, id(head), padded_rows(tokens.shape[0], start, cache.k.shape[2]))
+
+
+def padded_rows(n: int, start: int, max_len: int) -> int:
+    """The rows a call of `n` rows takes in a shared pass: the next power of two (at most
+    ROW_ATTENTION_MAX), where its cache has room for them, else `n`. Calls of equal padded rows share
+    passes, so a few graphs serve every mix of draft lengths (one graph per composition of exact row
+    counts would be built anew at most steps of speculative strategies: 10-20 ms each); the padding
+    rows' outputs are dropped and their K/V lie past the request's positions, never read."""
+    from viasd.models.runtime import ROW_ATTENTION_MAX
+
+    b = 1 << max(0, n - 1).bit_length()
+    return b if b <= ROW_ATTENTION_MAX and start + b <= max_len else n

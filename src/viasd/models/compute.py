@@ -141,7 +141,8 @@ class ThreadBudget:
     free over the last `INTERVAL` seconds (rounded, at least 1), or `fixed`."""
 
     INTERVAL = 0.5
-    FIRST_INTERVAL = 0.1
+    FIRST_INTERVAL = 0.1  # the first window, and the first after an idle spell (a server between requests)
+    STALE = 2.0
 
     def __init__(self, cores: int | None = None, fixed: int | None = None):
         self.cores = cores or _cores()
@@ -156,6 +157,9 @@ class ThreadBudget:
         """The thread count, re-measured when a window has passed (cheap otherwise: one clock read)."""
         now = time.monotonic() if now is None else now
         t0, busy0, own0 = self._mark
+        if now - t0 > self.STALE and self.fixed is None:  # no pass for a while: what ran then says nothing of now
+            self._mark, self._first, self.threads = (now, _machine_busy_s(), _own_s()), True, self.cores
+            return self.threads
         # (the first window is short: it runs from the library's load, so the first pass already follows the machine)
         if self.fixed is not None or now - t0 < (self.FIRST_INTERVAL if self._first else self.INTERVAL) or busy0 is None:
             return self.threads

@@ -674,28 +674,35 @@ class Decoder:
         return out if head is None else head.expand(out)
 
     @torch.inference_mode()
-    def forward_many(self, calls: list[tuple[tuple, dict]]) -> list:
+    def forward_many(self, calls: list[tuple[tuple, dict]], rows: int | None = None) -> list:
         """Several requests' `forward(*args, **kwargs)` calls (native weights, one route and head, at
         most ROW_ATTENTION_MAX rows each, none resumed or storing streams) as one pass: every product
-        over all their rows, each request's rows attending its own cache. Returns each call's result,
-        or the exception its checks raised (the others still run)."""
+        over all their rows, each request's rows attending its own cache. `rows`: each call padded to
+        that many rows (its last token repeated; those rows' outputs dropped, their K/V past its
+        positions). Returns each call's result, or the exception its checks raised (the others run)."""
         results: list = [None] * len(calls)
         runnable, route, head = [], None, None
         for i, (args, kw) in enumerate(calls):
             tokens, start, cache = args
+            n = tokens.shape[0]
             try:
-                route, end = begin_pass(self.config, cache, kw.get("route"), start, tokens.shape[0])
+                route, end = begin_pass(self.config, cache, kw.get("route"), start, n)
             except Exception as e:
                 results[i] = e
                 continue
             head = kw.get("head")
-            mode = "none" if not kw.get("logits", True) else "last" if kw.get("last_only") and tokens.shape[0] > 1 else "all"
-            runnable.append((i, tokens, start, cache, mode, end))
+            pad = (rows or n) - n
+            if pad:
+                tokens = torch.cat([tokens, tokens[-1:].expand(pad)])
+            mode = "none" if not kw.get("logits", True) else "last" if kw.get("last_only") and n > 1 and not pad else "all"
+            runnable.append((i, tokens, start, cache, mode, end, n, kw.get("last_only", False)))
         if not runnable:
             return results
-        outs = self._graph.run([(t, s, c, m) for _, t, s, c, m, _ in runnable], route, 0, None, head)
-        for (i, _, start, cache, _, end), out in zip(runnable, outs):
+        outs = self._graph.run([(t, s, c, m) for _, t, s, c, m, _, _, _ in runnable], route, 0, None, head)
+        for (i, tokens, start, cache, _, end, n, last_only), out in zip(runnable, outs):
             cache._commit(route, start, end)
+            if out is not None and out.shape[0] > (1 if last_only else n):  # padded: the request's own rows
+                out = out[n - 1 : n] if last_only else out[:n]
             if out is not None and self.config.final_softcap is not None:
                 out = _softcap(out, self.config.final_softcap)
             results[i] = out if out is None or head is None else head.expand(out)
