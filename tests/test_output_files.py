@@ -202,7 +202,7 @@ def test_dev_zero_as_a_route_is_one_line(option, capsys):
 
 
 def test_dev_zero_as_thresholds_or_tasks_is_one_line(capsys):
-    from viasd.validation import preflight_files
+    from viasd.api import preflight_files
 
     with pytest.raises(UsageError, match="/dev/zero: thresholds file is larger than 64 MiB"):
         preflight_files(GenerateConfig.from_settings(strategy="viasd", mode="tiered", thresholds="/dev/zero").flat())

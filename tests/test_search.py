@@ -187,3 +187,12 @@ def test_routes_vocab_adds_a_head_and_routes_show_draws_it(planted, planted_dir,
     path.write_text(path.read_text().replace('"n_layers": 8', '"n_layers": 9'))
     assert main(["routes", "vocab", str(path), "--size", "20", "--model", str(planted_dir), "-o", str(other), "-q"]) == 2
     assert not other.exists()
+
+
+def test_the_calibration_text_is_ar_s_greedy_continuation(tiny):
+    from viasd.routing.search import greedy_continuation
+
+    from conftest import run_ar
+
+    prompt = [1, 5, 9, 3]
+    assert greedy_continuation(tiny.decoder, prompt, 30) == run_ar(tiny, prompt, 30)

@@ -8,6 +8,7 @@
 from __future__ import annotations
 
 import dataclasses
+import os
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -22,12 +23,13 @@ from viasd.decoding.registry import DEFAULT_STRATEGY, STRATEGIES, DraftKind, Loo
 from viasd.decoding.stats import DecodeResult, DecodeStats
 from viasd.decoding.tiers import TierThresholds, load_thresholds, thresholds_beside
 from viasd.decoding.verifier import DecodeRequest
-from viasd.errors import UsageError
+from viasd.errors import InvalidArgumentError, UsageError
 from viasd.models import compute
 from viasd.models.loading import LoadedModel, check_same_vocabulary, load_model
 from viasd.models.zoo import DEFAULT_MODEL
 from viasd.routing.resolve import drafter_head, resolve_route, route_head
-from viasd.validation import check_generate_config, check_text, check_token_ids, preflight_files
+from viasd.routing.route import Route
+from viasd.validation import check_choice, check_float, check_int, check_layers, check_seed, check_text, check_token_ids
 
 MODES = tuple(m.value for m in Mode)
 DRAFT_KINDS = tuple(k.value for k in DraftKind)
@@ -191,6 +193,61 @@ class GenerateConfig:
                              "it replaces tokens by the full model's greedy choice")
         for group in _GROUPS:
             getattr(self, group).validate()
+
+
+# ------------------------------------------------------------------------------ request settings
+# (here, not in viasd.validation: they read the strategy table, routes and thresholds files, which
+# lie above the validation helpers)
+
+
+def check_generate_config(c) -> None:
+    """Types and sanity of every `GenerateConfig` field (ranges that need the model come later)."""
+    # ranges GenerateConfig.validate checks itself (with its own messages) are only typed here
+    check_choice("strategy", c.strategy, STRATEGIES)
+    check_int("k", c.k)
+    check_int("max_new_tokens", c.max_new_tokens, hi=1 << 20)
+    check_float("temperature", c.temperature, 0.0, 100.0)
+    check_float("top_p", c.top_p)
+    check_seed(c.seed)
+    if c.chat is not None and not isinstance(c.chat, bool):
+        raise InvalidArgumentError(f"chat must be True, False or None, got {c.chat!r}")
+    if c.adapt_k is not None and not isinstance(c.adapt_k, bool):
+        raise InvalidArgumentError(f"adapt_k must be True, False or None, got {c.adapt_k!r}")
+    if c.draft_threshold is not None:
+        check_float("draft_threshold", c.draft_threshold)
+    check_choice("drafter kind", c.draft, DRAFT_KINDS)
+    check_layers("draft_layers", c.draft_layers)
+    check_layers("slim_layers", c.slim_layers)
+    for name in ("draft_route", "slim_route", "thresholds"):
+        value = getattr(c, name)
+        if value is not None and not isinstance(value, (str, os.PathLike)):
+            raise InvalidArgumentError(f"{name} must be a file path, got {value!r}")
+        if isinstance(value, str):
+            check_text(name, value)
+    check_int("max_ngram", c.max_ngram, hi=64)
+    check_int("min_ngram", c.min_ngram)
+    check_choice("mode", c.mode, MODES)
+    check_int("full_block", c.full_block, hi=1024)
+    for name in ("resume", "reduced_head", "correct"):
+        if not isinstance(getattr(c, name), bool):
+            raise InvalidArgumentError(f"{name} must be True or False, got {getattr(c, name)!r}")
+    for name in ("accept", "accept_draft", "accept_tv", "slim", "draft_confident"):
+        if getattr(c, name) is not None:
+            check_float(name, getattr(c, name), 0.0, 2.0)
+    if c.slim_entropy is not None:
+        check_float("slim_entropy", c.slim_entropy, 0.0, allow_inf=True)
+    check_choice("deferral rule", c.rule, DEFERRAL_RULES)
+    check_float("alpha", c.alpha, 0.0, 1.0)
+
+
+def preflight_files(c) -> None:
+    """Read the route and thresholds files a GenerateConfig names, before any model is loaded, so a
+    missing or malformed file is reported in a second (the model match is checked after loading)."""
+    for name in ("draft_route", "slim_route"):
+        if getattr(c, name) is not None:
+            Route.load(getattr(c, name))
+    if c.thresholds is not None:
+        load_thresholds(Path(c.thresholds))
 
 
 def _as_model(model: str | LoadedModel, progress: bool) -> LoadedModel:

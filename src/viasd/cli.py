@@ -31,9 +31,9 @@ def read_stdin(what: str) -> bytes:
 
 
 def _generate(args: argparse.Namespace) -> int:
-    from viasd.api import GenerateConfig, generate
+    from viasd.api import GenerateConfig, generate, preflight_files
     from viasd.models.loading import load_model
-    from viasd.validation import check_device, check_text, decode_utf8, dumps_strict, preflight_files
+    from viasd.validation import check_device, check_text, decode_utf8, dumps_strict
 
     prompt = DEMO_PROMPT if args.prompt is None else check_text("the prompt", args.prompt)
     if prompt == "-":
@@ -223,10 +223,9 @@ def _add_search(p: argparse.ArgumentParser) -> None:
 
 
 def _calibrate(args: argparse.Namespace) -> int:
-    from viasd.api import GenerateConfig
+    from viasd.api import GenerateConfig, preflight_files
     from viasd.calibrate import calibrate, check_settings, plot_curve, thresholds_path, write_thresholds
     from viasd.routing.resolve import resolve_route
-    from viasd.validation import preflight_files
     from viasd.models.loading import load_model
     from viasd.routing.search import dev_prompts
 
@@ -414,7 +413,7 @@ def _add_models(p: argparse.ArgumentParser) -> None:
 def _add_serve(p: argparse.ArgumentParser) -> None:
     from viasd.server.run import add_arguments
 
-    add_arguments(p)  # generate's decoding flags (the requests' defaults) and the server's own
+    add_arguments(p, _add_generate)  # generate's decoding flags (the requests' defaults) and the server's own
 
 
 def _serve(args: argparse.Namespace) -> int:

@@ -302,65 +302,6 @@ def _json_type(v) -> str:
             int: "a number", float: "a number"}.get(type(v), type(v).__name__)
 
 
-# ------------------------------------------------------------------------------ request settings
-
-
-def check_generate_config(c) -> None:
-    """Types and sanity of every `GenerateConfig` field (ranges that need the model come later)."""
-    # ranges GenerateConfig.validate checks itself (with its own messages) are only typed here
-    check_choice("strategy", c.strategy, _registry().STRATEGIES)
-    check_int("k", c.k)
-    check_int("max_new_tokens", c.max_new_tokens, hi=1 << 20)
-    check_float("temperature", c.temperature, 0.0, 100.0)
-    check_float("top_p", c.top_p)
-    check_seed(c.seed)
-    if c.chat is not None and not isinstance(c.chat, bool):
-        raise InvalidArgumentError(f"chat must be True, False or None, got {c.chat!r}")
-    if c.adapt_k is not None and not isinstance(c.adapt_k, bool):
-        raise InvalidArgumentError(f"adapt_k must be True, False or None, got {c.adapt_k!r}")
-    if c.draft_threshold is not None:
-        check_float("draft_threshold", c.draft_threshold)
-    check_choice("drafter kind", c.draft, _api().DRAFT_KINDS)
-    check_layers("draft_layers", c.draft_layers)
-    check_layers("slim_layers", c.slim_layers)
-    for name in ("draft_route", "slim_route", "thresholds"):
-        value = getattr(c, name)
-        if value is not None and not isinstance(value, (str, os.PathLike)):
-            raise InvalidArgumentError(f"{name} must be a file path, got {value!r}")
-        if isinstance(value, str):
-            check_text(name, value)
-    check_int("max_ngram", c.max_ngram, hi=64)
-    check_int("min_ngram", c.min_ngram)
-    check_choice("mode", c.mode, _api().MODES)
-    check_int("full_block", c.full_block, hi=1024)
-    for name in ("resume", "reduced_head", "correct"):
-        if not isinstance(getattr(c, name), bool):
-            raise InvalidArgumentError(f"{name} must be True or False, got {getattr(c, name)!r}")
-    for name in ("accept", "accept_draft", "accept_tv", "slim", "draft_confident"):
-        if getattr(c, name) is not None:
-            check_float(name, getattr(c, name), 0.0, 2.0)
-    if c.slim_entropy is not None:
-        check_float("slim_entropy", c.slim_entropy, 0.0, allow_inf=True)
-    from viasd.decoding.acceptance import DEFERRAL_RULES
-
-    check_choice("deferral rule", c.rule, DEFERRAL_RULES)
-    check_float("alpha", c.alpha, 0.0, 1.0)
-
-
-def preflight_files(c) -> None:
-    """Read the route and thresholds files a GenerateConfig names, before any model is loaded, so a
-    missing or malformed file is reported in a second (the model match is checked after loading)."""
-    from viasd.routing.route import Route
-
-    for name in ("draft_route", "slim_route"):
-        if getattr(c, name) is not None:
-            Route.load(getattr(c, name))
-    if c.thresholds is not None:
-        from viasd.decoding.tiers import load_thresholds
-
-        load_thresholds(Path(c.thresholds))
-
-
 def check_thresholds(values: dict, path) -> dict[str, float]:
     """Threshold values read from a file: numbers (or "inf" for slim_entropy) in range."""
     out = {}
@@ -376,15 +317,3 @@ def check_thresholds(values: dict, path) -> dict[str, float]:
         except InvalidArgumentError as e:
             raise MalformedFileError(f"{path}: {e}") from None
     return out
-
-
-def _api():
-    import viasd.api
-
-    return viasd.api
-
-
-def _registry():
-    import viasd.decoding.registry
-
-    return viasd.decoding.registry

@@ -25,6 +25,7 @@ import time
 
 import torch
 
+from viasd.decoding.drafters import NO_DRAFT, Draft, Drafter
 from viasd.models.runtime import Decoder
 
 _CONTEXT = 64  # positions already in the cache when the pass costs are measured
@@ -127,3 +128,25 @@ class DraftLength:
         if drafted > 0:
             per_token = seconds / drafted
             self.draft_s = 0.5 * self.draft_s + 0.5 * per_token if self.draft_s else per_token
+
+
+def propose(drafter: Drafter, tokens: list[int], k: int, policy: DraftLength | None) -> tuple[Draft, int | None]:
+    """Up to k drafts of `drafter` after `tokens`; with a policy, as many as it chooses. A free
+    drafter proposes k and is cut; the first token cut off comes back too (`peek`), so that the policy
+    scores the drafter on it even in rounds that verify no draft (else an acceptance estimate that
+    chose no draft could never learn otherwise)."""
+    if k <= 0:
+        return NO_DRAFT, None
+    if policy is None:
+        return drafter.propose(tokens, k), None
+    if policy.free_drafts:
+        proposal = drafter.propose(tokens, k)
+        j = min(policy.choose(), len(proposal))
+        return proposal.cut(j), proposal.tokens[j] if j < len(proposal) else None
+    j = min(policy.choose(), k)
+    if j == 0:
+        return NO_DRAFT, None
+    t0 = time.perf_counter()
+    draft = drafter.propose(tokens, j)
+    policy.observe_drafting(time.perf_counter() - t0, len(draft))
+    return draft, None

@@ -28,7 +28,7 @@ import time
 import torch
 
 from viasd.decoding.acceptance import SamplingParams, accept, settle
-from viasd.decoding.draft_length import DraftLength, pass_times
+from viasd.decoding.draft_length import DraftLength, pass_times, propose
 from viasd.decoding.drafters import NO_DRAFT, Draft, Drafter
 from viasd.decoding.tiers import Tier, TierThresholds, confident_round, round_tiers
 from viasd.decoding.verifier import DecodeRequest, Verifier
@@ -118,76 +118,103 @@ def viasd_tiered_decode(decoder: Decoder, drafter: Drafter, route: LayerMask, re
     last ones get a full pass of their own, so every emitted token is the full model's greedy choice
     after its prefix: the output equals `ar`'s (at batch-invariant passes), and tiers 1-2 only defer
     the full model's work into larger passes."""
-    params, stats = req.params, req.stats
-    if correct and not params.greedy:
+    if correct and not req.params.greedy:
         raise ValueError("correction needs greedy decoding: it replaces a token by the full model's greedy choice")
-    # thresholds above 1 switch tiers 1 and 2 off: then every position is the full model's, and a slim
-    # pass could change nothing (with both off this is plain SD, at SD's cost)
-    slim_tiers = thresholds.accept <= 1.0 or thresholds.slim <= 1.0
-    policy = None  # (first: measuring the pass costs belongs to the time to the first token, not to decoding)
-    if adaptive and k > 0 and not decoder.is_encoder_decoder:
-        policy = DraftLength(k, pass_times(decoder, k + 1), free_drafts=getattr(drafter, "free", False))
-    v = Verifier.start(decoder, drafter, req, len(req.prompt) + req.max_new_tokens + k + 2, tiers=True,
-                       resume_layer=resume_layer(route, resume and slim_tiers))
-    v.hold = correct
-    drafted = [False] * len(v.out)  # [len(v.out)] whether each new token is a kept draft (correction takes some back)
-    while not v.done or (correct and v.cache.n_full < len(v.tokens) - 1):
-        if v.done:  # correction: the budget is spent, and tokens the full model has not checked remain
-            unchecked = v.tokens[v.cache.n_full + 1 :]
-            rows = v.full([], n_rows=len(unchecked) + 1)[:-1]  # [u, V]: the logits before each of them
-            new, origin, corrected = _recheck(v, rows, unchecked, [], [], correct, drafted)
-            if not corrected:  # all checked: they go out, and the decode ends (at its budget or end token)
-                v.release()
-                break
-            drafted += [False] * v.commit(new, origin)  # decoding goes on from the corrected token
-            continue
+    return _TieredLoop(decoder, drafter, route, req, k, thresholds, resume, head, adaptive, correct).run()
+
+
+class _TieredLoop:
+    """`viasd_tiered_decode`'s state and its steps: a round's drafts, tiers 1-2, the full pass."""
+
+    def __init__(self, decoder: Decoder, drafter: Drafter, route: LayerMask, req: DecodeRequest, k: int,
+                 thresholds: TierThresholds, resume: bool, head: ReducedHead | None, adaptive: bool, correct: bool):
+        self.drafter, self.route, self.req, self.k, self.thresholds = drafter, route, req, k, thresholds
+        self.head, self.correct, self.params, self.stats = head, correct, req.params, req.stats
+        # thresholds above 1 switch tiers 1 and 2 off: then every position is the full model's, and a slim
+        # pass could change nothing (with both off this is plain SD, at SD's cost)
+        self.slim_tiers = thresholds.accept <= 1.0 or thresholds.slim <= 1.0
+        self.policy = None  # (first: measuring the pass costs belongs to the time to the first token, not to decoding)
+        if adaptive and k > 0 and not decoder.is_encoder_decoder:
+            self.policy = DraftLength(k, pass_times(decoder, k + 1), free_drafts=getattr(drafter, "free", False))
+        self.v = Verifier.start(decoder, drafter, req, len(req.prompt) + req.max_new_tokens + k + 2, tiers=True,
+                                resume_layer=resume_layer(route, resume and self.slim_tiers))
+        self.v.hold = correct
+        self.drafted = [False] * len(self.v.out)  # [len(v.out)] whether each new token is a kept draft (correction takes some back)
+
+    def run(self) -> list[int]:
+        v = self.v
+        while not v.done or (self.correct and v.cache.n_full < len(v.tokens) - 1):
+            if v.done:  # correction: the budget is spent, and tokens the full model has not checked remain
+                if self._check_the_rest():
+                    break
+                continue
+            self._round()
+        return v.out
+
+    def _check_the_rest(self) -> bool:
+        """One full pass over the tokens no full pass has checked; True when they all stand (the
+        decode ends), else decoding goes on from the corrected token."""
+        v = self.v
+        unchecked = v.tokens[v.cache.n_full + 1 :]
+        rows = v.full([], n_rows=len(unchecked) + 1)[:-1]  # [u, V]: the logits before each of them
+        new, origin, corrected = _recheck(v, rows, unchecked, [], [], self.correct, self.drafted)
+        if not corrected:  # all checked: they go out, and the decode ends (at its budget or end token)
+            v.release()
+            return True
+        self.drafted += [False] * v.commit(new, origin)
+        return False
+
+    def _round(self) -> None:
+        v, stats = self.v, self.stats
         # 1. draft, and score the drafts and the bonus position with one slim pass
-        k_eff = min(k, v.budget - 1)
-        draft, peek = _propose(drafter, v.tokens, k_eff, policy)
-        if confident_round(draft.tokens, draft.probs, thresholds):  # tier 1 by the drafter alone: no slim pass
+        draft, peek = propose(self.drafter, v.tokens, min(self.k, v.budget - 1), self.policy)
+        if confident_round(draft.tokens, draft.probs, self.thresholds):  # tier 1 by the drafter alone: no slim pass
             stats.observe_round(len(draft), len(draft))
             kept = v.commit(list(draft.tokens), [Tier.ACCEPT] * len(draft), checked=False)
             stats.unchecked += kept
-            drafted += [True] * kept
-            continue
-        if draft.tokens and slim_tiers:
-            slim = params.confidence(v.slim(route, draft.tokens, head=head))  # [k'+1, V]
-            tiers = round_tiers(draft.tokens, draft.probs, slim, thresholds, head and head.contains(draft.tokens))  # k'+1
+            self.drafted += [True] * kept
+            return
+        if draft.tokens and self.slim_tiers:
+            slim = self.params.confidence(v.slim(self.route, draft.tokens, head=self.head))  # [k'+1, V]
+            tiers = round_tiers(draft.tokens, draft.probs, slim, self.thresholds,
+                                self.head and self.head.contains(draft.tokens))  # k'+1
             # 2. tiers 1 and 2, in order, up to the first tier-3 position
-            new, i = _settle_without_full(draft, slim, tiers, params, req.generator)
+            new, i = _settle_without_full(draft, slim, tiers, self.params, self.req.generator)
         else:  # no draft (or no tier but the full one): the full model decides, with no slim pass
             new, i, tiers = [], 0, []
         origin = tiers[: len(new)]
         if i is not None:
-            # 3. the full model processes every pending position and the remaining drafts in one
-            #    pass, and decides the remaining drafts (lossless from here)
-            # the pass also computes the full model's logits before each token settled without it
-            # (pending ones and this round's tiers 1-2): greedy, count where it would have chosen otherwise
-            unchecked = v.tokens[min(v.cache.n_full, len(v.tokens) - 1) + 1 :] + new
-            n_rows = len(unchecked) + len(draft) - i + 1
-            t0 = time.perf_counter()
-            rows = v.full(new + draft.tokens[i:], n_rows=n_rows)  # [u + k'-i+1, V]
-            if policy is not None:  # the costs it chooses by follow the measured passes, as in `sd`
-                policy.observe_pass(n_rows, time.perf_counter() - t0)
-            corrected = False
-            if params.greedy and unchecked:
-                new, origin, corrected = _recheck(v, rows[: len(unchecked)], unchecked, new, origin, correct, drafted)
-            if not corrected:  # the full model decides the remaining drafts
-                rows = rows[len(unchecked) :]  # [k'-i+1, V]
-                n, x = accept(draft.tokens[i:], None if draft.probs is None else draft.probs[i:], rows, params, req.generator)
-                stats.observe_full_check(len(draft) - i, n)
-                new += draft.tokens[i : i + n] + [x]
-                origin += [Tier.FULL] * (n + 1)
+            new, origin = self._full_decides(draft, new, origin, i)
         kept_drafts = _common_prefix(new, draft.tokens)
         stats.observe_round(len(draft), kept_drafts)  # settled by the slim or the full verifier
-        if policy is not None:
-            policy.observe(len(draft), kept_drafts)
+        if self.policy is not None:
+            self.policy.observe(len(draft), kept_drafts)
             if peek is not None and kept_drafts == len(draft) and len(new) > len(draft):
-                policy.observe(1, int(new[len(draft)] == peek))  # the proposed token after the verified drafts
+                self.policy.observe(1, int(new[len(draft)] == peek))  # the proposed token after the verified drafts
         kept = v.commit(new, origin, checked=i is not None)
         stats.unchecked += sum(t != Tier.FULL for t in origin[:kept])
-        drafted += [j < kept_drafts for j in range(kept)]
-    return v.out
+        self.drafted += [j < kept_drafts for j in range(kept)]
+
+    def _full_decides(self, draft: Draft, new: list[int], origin: list[Tier], i: int) -> tuple[list[int], list[Tier]]:
+        """3. The full model processes every pending position and the remaining drafts (from i) in one
+        pass, and decides the remaining drafts (lossless from here). The pass also computes its logits
+        before each token settled without it (pending ones and this round's tiers 1-2): greedy, it
+        counts where it would have chosen otherwise, and with `correct` corrects the first."""
+        v = self.v
+        unchecked = v.tokens[min(v.cache.n_full, len(v.tokens) - 1) + 1 :] + new
+        n_rows = len(unchecked) + len(draft) - i + 1
+        t0 = time.perf_counter()
+        rows = v.full(new + draft.tokens[i:], n_rows=n_rows)  # [u + k'-i+1, V]
+        if self.policy is not None:  # the costs it chooses by follow the measured passes, as in `sd`
+            self.policy.observe_pass(n_rows, time.perf_counter() - t0)
+        if self.params.greedy and unchecked:
+            new, origin, corrected = _recheck(v, rows[: len(unchecked)], unchecked, new, origin, self.correct, self.drafted)
+            if corrected:
+                return new, origin
+        rows = rows[len(unchecked) :]  # [k'-i+1, V]
+        n, x = accept(draft.tokens[i:], None if draft.probs is None else draft.probs[i:], rows, self.params, self.req.generator)
+        self.stats.observe_full_check(len(draft) - i, n)
+        return new + draft.tokens[i : i + n] + [x], origin + [Tier.FULL] * (n + 1)
 
 
 def _recheck(v: Verifier, rows: torch.Tensor, unchecked: list[int], new: list[int], origin: list[Tier],
@@ -217,28 +244,6 @@ def _recheck(v: Verifier, rows: torch.Tensor, unchecked: list[int], new: list[in
         new, origin = new[: j - n_pending], origin[: j - n_pending]
     v.stats.discarded += len(unchecked) - j
     return new + [choice[j]], origin + [Tier.FULL], True
-
-
-def _propose(drafter: Drafter, tokens: list[int], k: int, policy: DraftLength | None) -> tuple[Draft, int | None]:
-    """Up to k drafts; with a policy, as many as it chooses. A free drafter proposes k and is cut; the
-    first token cut off comes back too (`peek`), so that the policy scores the drafter on it even in
-    rounds that verify no draft (as `sd` does: else an acceptance estimate that chose no draft could
-    never learn otherwise)."""
-    if k <= 0:
-        return NO_DRAFT, None
-    if policy is None:
-        return drafter.propose(tokens, k), None
-    if policy.free_drafts:
-        proposal = drafter.propose(tokens, k)
-        j = min(policy.choose(), len(proposal))
-        return proposal.cut(j), proposal.tokens[j] if j < len(proposal) else None
-    j = min(policy.choose(), k)
-    if j == 0:
-        return NO_DRAFT, None
-    t0 = time.perf_counter()
-    draft = drafter.propose(tokens, j)
-    policy.observe_drafting(time.perf_counter() - t0, len(draft))
-    return draft, None
 
 
 def _settle_without_full(draft: Draft, slim: torch.Tensor, tiers: list[Tier], params: SamplingParams,

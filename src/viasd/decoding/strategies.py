@@ -9,8 +9,8 @@ from __future__ import annotations
 import time
 
 from viasd.decoding.acceptance import DeferralRule, accept, cascade_target_probs
-from viasd.decoding.draft_length import DraftLength, pass_times
-from viasd.decoding.drafters import NO_DRAFT, Draft, Drafter
+from viasd.decoding.draft_length import DraftLength, pass_times, propose
+from viasd.decoding.drafters import Drafter
 from viasd.decoding.verifier import DecodeRequest, Verifier
 from viasd.models.runtime import Decoder
 
@@ -47,20 +47,9 @@ def speculative_decode(
         policy = DraftLength(k, pass_times(decoder, k + 1), free_drafts=getattr(drafter, "free", False))
     v = Verifier.start(decoder, drafter, req, len(req.prompt) + req.max_new_tokens + k + 1)
     while not v.done:
-        # 1. draft up to k tokens; never more than the budget can use (the round adds one more)
-        limit = min(k, v.budget - 1) if v.budget > 1 else 0
-        draft, peek = NO_DRAFT, None
-        if policy is None:
-            draft = drafter.propose(v.tokens, limit) if limit > 0 else NO_DRAFT
-        elif policy.free_drafts:  # propose all (free), verify the chosen prefix, score the next one
-            proposal = drafter.propose(v.tokens, limit) if limit > 0 else NO_DRAFT
-            j = min(policy.choose(), len(proposal))
-            draft = Draft(proposal.tokens[:j], None if proposal.probs is None else proposal.probs[:j])
-            peek = proposal.tokens[j] if j < len(proposal) else None
-        elif (j := min(policy.choose(), limit)) > 0:
-            t0 = time.perf_counter()
-            draft = drafter.propose(v.tokens, j)
-            policy.observe_drafting(time.perf_counter() - t0, len(draft))
+        # 1. draft up to k tokens (as many as the policy chooses); never more than the budget can use
+        # (the round adds one more); a free drafter's first token past them is scored too (`peek`)
+        draft, peek = propose(drafter, v.tokens, min(k, v.budget - 1), policy)
         # 2. verify the last committed token and the drafts in one full pass
         t0 = time.perf_counter() if policy is not None else 0.0
         logits = v.full(draft.tokens)  # [k'+1, V]

@@ -60,8 +60,6 @@ def build_calibration(model: LoadedModel, n_seqs: int = 16, seq_len: int = 128, 
     """Calibration set for `model`, cached on disk by model fingerprint and settings."""
     from tqdm import tqdm
 
-    from viasd.decoding.strategies import DecodeRequest, autoregressive_decode
-
     check_int("--calib-len", seq_len, 4, model.config.max_positions)
     fp = ModelFingerprint.of(model)
     prompts = prompts if prompts is not None else dev_prompts(model, n_seqs)
@@ -74,7 +72,7 @@ def build_calibration(model: LoadedModel, n_seqs: int = 16, seq_len: int = 128, 
     seqs, plens, logps, idxs = [], [], [], []
     for ids in tqdm(prompts, desc="calibration (full model)", disable=not progress, file=sys.stderr):
         ids = ids[: seq_len // 2]  # keep room for a continuation
-        cont = autoregressive_decode(model.decoder, DecodeRequest(ids, seq_len - len(ids)))
+        cont = greedy_continuation(model.decoder, ids, seq_len - len(ids))
         seq = torch.tensor(ids + cont)
         cache = model.decoder.new_cache(len(seq))
         logits = model.decoder.forward(seq[:-1], 0, cache)[len(ids) - 1 :]  # predicting tokens P..L-1
@@ -85,6 +83,20 @@ def build_calibration(model: LoadedModel, n_seqs: int = 16, seq_len: int = 128, 
     torch.save({k: v for k, v in calib.__dict__.items() if not k.startswith("_")}, buf)
     atomic_write_bytes(path, buf.getvalue())
     return calib
+
+
+def greedy_continuation(decoder, ids: list[int], n: int) -> list[int]:
+    """The full model's n greedy tokens after `ids`, by the passes `ar` makes (the prompt, then one
+    token a pass), with no end token: the calibration text. (Here rather than through the decoding
+    loops, which lie above routing.)"""
+    cache = decoder.new_cache(len(ids) + n + 1)
+    logits = decoder.forward(torch.tensor(ids), 0, cache, last_only=True)[0]  # [V]
+    out: list[int] = []
+    while len(out) < n:
+        out.append(int(logits.argmax()))
+        if len(out) < n:
+            logits = decoder.forward(torch.tensor(out[-1:]), len(ids) + len(out) - 1, cache)[0]
+    return out
 
 
 def _load_calibration(path) -> Calibration | None:

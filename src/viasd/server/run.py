@@ -15,10 +15,10 @@ from viasd.errors import UsageError
 SERVER_ONLY = ("prompt", "json", "chat")  # generate's flags that mean nothing to a server
 
 
-def add_arguments(p: argparse.ArgumentParser) -> None:
-    from viasd.cli import _add_generate
-
-    _add_generate(p)  # the same decoding flags as `viasd generate`: they are the requests' defaults
+def add_arguments(p: argparse.ArgumentParser, add_generate) -> None:
+    """`viasd serve`'s flags: `add_generate(p)` (the CLI's `viasd generate` decoding flags: they are the
+    requests' defaults), less those that mean nothing to a server, plus the server's own."""
+    add_generate(p)
     for action in list(p._actions):  # argparse has no public way to drop an argument
         if action.dest in SERVER_ONLY:
             p._remove_action(action)
@@ -68,8 +68,8 @@ def settings_from_args(args: argparse.Namespace) -> dict:
 
 def check_args(args: argparse.Namespace) -> dict:
     """Every flag checked before a model is fetched; UsageError (exit 2) otherwise."""
-    from viasd.api import GenerateConfig, drafter_kind
-    from viasd.validation import check_float, check_int, preflight_files
+    from viasd.api import GenerateConfig, drafter_kind, preflight_files
+    from viasd.validation import check_float, check_int
 
     defaults = settings_from_args(args)
     config = GenerateConfig.from_settings(**defaults)
