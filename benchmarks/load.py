@@ -1,19 +1,30 @@
-"""Load test of `viasd serve` on loopback: N concurrent streaming clients for a bounded time.
+"""Load test of `viasd serve` on loopback, beside llama.cpp's `llama-server` on the same GGUF.
 
-For each deployment (one process; N Ray Serve replicas), the script starts `viasd serve` itself on
-a free loopback port (or uses --url), warms each strategy up, then for every (strategy, N clients)
-cell runs N clients that each send streaming completions back to back for --duration seconds;
-requests still running then get --grace seconds to finish (after that they are cancelled and
-counted as incomplete). The strategy is chosen per request through the `viasd` extension object,
-so one server (one model load) serves every strategy.
+For each deployment (one viasd process; N Ray Serve replicas; `llama-server -np MAX` as the peer) the
+script starts the server itself on a free loopback port, warms each strategy up, then for every
+(strategy, N clients) cell runs N clients that each send streaming greedy completions back to back
+for --duration seconds; requests still running then get --grace seconds to finish (after that they
+are cancelled and counted as incomplete). The strategy is chosen per request through the `viasd`
+extension object, so one server (one model load) serves every strategy; llama-server serves `ar`
+(plain decoding) only. Every answer is compared with the same prompt's answer served alone (the
+deployment's first, 1-client cell, or a solo pass): `equal_to_alone` is the share that matches.
+
+Before the cells, a solo phase compares one request served alone with `viasd generate` on the same
+prompt, interleaved prompt by prompt: decode-only tokens/s of each (the server's own
+`decode_tokens_per_s`, and the CLI's `--json` stats), and their ratio.
 
 Each cell is one JSONL record (run id, full configuration, environment with the CPU flags from
 /proc/cpuinfo, requests/s, generated tokens/s, time to first token and latency p50 / p95, errors);
 a table is printed at the end. Run it alone on the machine: the numbers are only meaningful when
 nothing else competes for the cores.
 
-    python benchmarks/load.py                                   # ar, pld, viasd x 1, 4, 16 clients x {1 process, 2 replicas}
+    python benchmarks/load.py --deployments process,llama-server --strategies ar --clients 1,4,8,16
     python benchmarks/load.py --duration 2 --clients 1 --deployments process --max-tokens 8   # smoke
+
+llama-server is built once by this script (--llama-server-build DIR, default
+benchmarks/results/llama.cpp) from the llama-cpp-python sdist's vendored llama.cpp, with
+GGML_NATIVE=OFF and the CPU's own AVX2 / AVX-512 flags and without AMX: the native build dies with
+SIGILL (AMX `tilezero`) on every multi-row pass on this project's AMX machines.
 """
 
 from __future__ import annotations
@@ -36,7 +47,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import environment  # noqa: E402
 
 HERE = Path(__file__).resolve().parent
-PROMPTS = [  # short, varied; completions (no chat template), so every strategy sees the same ids
+PROMPTS = [  # short, varied; chat completions (the model's chat template), greedy
     "Explain in three sentences why the sky is blue.",
     "def quicksort(xs):",
     "Write a short story about a robot who learns to paint.",
@@ -52,7 +63,8 @@ STRATEGIES = {  # name -> the request's `viasd` extension object
     "viasd": {"strategy": "viasd", "mode": "lossless", "draft": "pld"},
     "viasd-tiered": {"strategy": "viasd", "mode": "tiered", "draft": "pld"},
 }
-DEPLOYMENTS = {"process": 0, "ray2": 2}  # name -> --replicas
+DEPLOYMENTS = {"process": 0, "ray2": 2, "llama-server": None}  # name -> --replicas (None: the peer)
+LLAMA_CPP_PYTHON = "llama-cpp-python==0.3.16"  # its sdist vendors the llama.cpp the peers extra pins
 
 
 def log(*a) -> None:
@@ -117,12 +129,75 @@ class Server:
                 self.proc.wait()
 
 
-async def one_request(client, url: str, model: str, prompt: str, ext: dict, max_tokens: int) -> dict:
-    body = {"model": model, "prompt": prompt, "max_tokens": max_tokens, "stream": True,
-            "stream_options": {"include_usage": True}, "viasd": ext}
+def build_llama_server(dest: Path) -> Path:
+    """llama-server built from the llama-cpp-python sdist's llama.cpp into `dest` (once): GGML_NATIVE=OFF
+    with this CPU's AVX2 / AVX-512 flags, no AMX."""
+    binary = dest / "build" / "bin" / "llama-server"
+    if binary.exists():
+        return binary
+    import tarfile
+    import tempfile
+
+    dest.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory() as tmp:
+        subprocess.run([sys.executable, "-m", "pip", "download", "--no-deps", "--no-binary", ":all:", LLAMA_CPP_PYTHON,
+                        "-d", tmp, "-q"], check=True)
+        (sdist,) = Path(tmp).glob("llama_cpp_python-*.tar.gz")
+        with tarfile.open(sdist) as t:
+            t.extractall(tmp, filter="data")
+        src = next(Path(tmp).glob("llama_cpp_python-*/vendor/llama.cpp"))
+        flags = set(cpu_flags())
+        opts = ["-DGGML_NATIVE=OFF", "-DGGML_AVX=ON", "-DGGML_AVX2=ON", "-DGGML_FMA=ON", "-DGGML_F16C=ON",
+                "-DGGML_AMX_TILE=OFF", "-DGGML_AMX_INT8=OFF", "-DGGML_AMX_BF16=OFF"]
+        for flag, opt in (("avx512f", "GGML_AVX512"), ("avx512vbmi", "GGML_AVX512_VBMI"), ("avx512_vnni", "GGML_AVX512_VNNI"),
+                          ("avx512_bf16", "GGML_AVX512_BF16")):
+            opts.append(f"-D{opt}={'ON' if flag in flags else 'OFF'}")
+        build = dest / "build"
+        subprocess.run(["cmake", "-S", str(src), "-B", str(build), "-DCMAKE_BUILD_TYPE=Release", "-DLLAMA_CURL=OFF",
+                        "-DLLAMA_BUILD_TESTS=OFF", "-DLLAMA_BUILD_EXAMPLES=OFF", *opts], check=True)
+        subprocess.run(["cmake", "--build", str(build), "-j", str(os.cpu_count() or 2), "--target", "llama-server"], check=True)
+        (dest / "build-options.json").write_text(json.dumps({"source": LLAMA_CPP_PYTHON, "cmake": opts}))
+    return binary
+
+
+class LlamaServer(Server):
+    """llama.cpp's `llama-server` on the same GGUF: `slots` parallel sequences of `ctx` positions each."""
+
+    def __init__(self, binary: Path, gguf: Path, slots: int, ctx: int, threads: int, startup_timeout: float):
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.cmd = [str(binary), "-m", str(gguf), "--host", "127.0.0.1", "--port", str(self.port), "-np", str(slots),
+                    "-c", str(slots * ctx), "-t", str(threads), "-tb", str(threads), "--no-webui"]
+        log(f"[load] starting: {' '.join(self.cmd)}")
+        self.proc = subprocess.Popen(self.cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        self.wait_ready(startup_timeout)
+
+    def wait_ready(self, timeout: float) -> None:
+        import httpx
+
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise SystemExit(f"[load] llama-server exited with status {self.proc.returncode}")
+            try:
+                if httpx.get(self.url + "/health", timeout=5).status_code == 200:
+                    return
+            except httpx.HTTPError:
+                pass
+            time.sleep(0.5)
+        self.stop()
+        raise SystemExit(f"[load] llama-server was not ready within {timeout:.0f} s")
+
+
+async def one_request(client, url: str, model: str, prompt: str, ext: dict | None, max_tokens: int) -> dict:
+    """One streaming greedy completion; `ext` None: a peer server (no `viasd` extension)."""
+    body = {"model": model, "messages": [{"role": "user", "content": prompt}], "max_tokens": max_tokens, "stream": True,
+            "temperature": 0.0, "stream_options": {"include_usage": True}}
+    if ext is not None:
+        body["viasd"] = ext
     t0 = time.perf_counter()
-    ttft, tokens, record, error = None, 0, None, None
-    async with client.stream("POST", url + "/v1/completions", json=body) as r:
+    ttft, tokens, record, error, text, pieces = None, 0, None, None, [], 0
+    async with client.stream("POST", url + "/v1/chat/completions", json=body) as r:
         if r.status_code != 200:
             text = (await r.aread()).decode(errors="replace")
             return {"error": f"HTTP {r.status_code}: {text[:200]}"}
@@ -136,8 +211,12 @@ async def one_request(client, url: str, model: str, prompt: str, ext: dict, max_
             if "error" in event:
                 error = event["error"].get("message", "error event")
                 continue
-            if event.get("choices") and event["choices"][0].get("text") and ttft is None:
-                ttft = time.perf_counter() - t0
+            piece = event["choices"][0].get("delta", {}).get("content") if event.get("choices") else None
+            if piece:
+                text.append(piece)
+                pieces += 1
+                if ttft is None:
+                    ttft = time.perf_counter() - t0
             if event.get("choices") and "viasd" in event:
                 record = event["viasd"]
             if event.get("usage"):
@@ -145,11 +224,16 @@ async def one_request(client, url: str, model: str, prompt: str, ext: dict, max_
     latency = time.perf_counter() - t0
     if error:
         return {"error": error}
-    return {"ttft": ttft if ttft is not None else latency, "latency": latency, "tokens": tokens,
-            "mean_accepted_length": (record or {}).get("stats", {}).get("mean_accepted_length")}
+    stats = (record or {}).get("stats", {})
+    return {"ttft": ttft if ttft is not None else latency, "latency": latency, "tokens": tokens or pieces,
+            "text": "".join(text), "prompt": prompt, "decode_tokens_per_s": stats.get("decode_tokens_per_s"),
+            "mean_accepted_length": stats.get("mean_accepted_length")}
 
 
-async def run_cell(url: str, model: str, ext: dict, clients: int, duration: float, grace: float, max_tokens: int) -> dict:
+async def run_cell(url: str, model: str, ext: dict | None, clients: int, duration: float, grace: float, max_tokens: int,
+                   alone: dict[str, str] | None = None) -> dict:
+    """One cell; `alone`: each prompt's text served alone, which every answer here is compared with
+    (filled from this cell's answers when empty)."""
     import httpx
 
     results: list[dict] = []
@@ -183,21 +267,27 @@ async def run_cell(url: str, model: str, ext: dict, clients: int, duration: floa
     tokens = sum(r["tokens"] for r in results)
     mal = [r["mean_accepted_length"] for r in results if r.get("mean_accepted_length")]
     pct = lambda xs, q: round(float(np.percentile(xs, q)), 4) if xs else None  # noqa: E731
+    if alone is not None:
+        for r in results:
+            alone.setdefault(r["prompt"], r["text"])
+        same = [r["text"] == alone[r["prompt"]] for r in results]
     return {"wall_s": round(wall, 3), "completed": len(results), "errors": len(errors), "error_samples": errors[:3],
             "incomplete": len(pending), "requests_per_s": round(len(results) / wall, 4), "tokens_per_s": round(tokens / wall, 3),
             "generated_tokens": tokens, "ttft_p50_s": pct(ttft, 50), "ttft_p95_s": pct(ttft, 95),
             "latency_p50_s": pct(lat, 50), "latency_p95_s": pct(lat, 95),
-            "mean_accepted_length": round(float(np.mean(mal)), 4) if mal else None}
+            "mean_accepted_length": round(float(np.mean(mal)), 4) if mal else None,
+            "equal_to_alone": round(sum(same) / len(same), 4) if alone is not None and same else None}
 
 
 def table(records: list[dict]) -> str:
-    head = ("deployment", "strategy", "clients", "req/s", "tok/s", "TTFT p50", "TTFT p95", "latency p50", "latency p95", "errors", "incomplete")
+    head = ("deployment", "strategy", "clients", "req/s", "tok/s", "TTFT p50", "TTFT p95", "latency p50", "latency p95", "errors",
+            "incomplete", "= alone")
     fmt = lambda x: "-" if x is None else (f"{x:.3g}" if isinstance(x, float) else str(x))  # noqa: E731
     rows = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for r in records:
         rows.append("| " + " | ".join(fmt(v) for v in (r["deployment"], r["strategy"], r["clients"], r["requests_per_s"], r["tokens_per_s"],
                                                          r["ttft_p50_s"], r["ttft_p95_s"], r["latency_p50_s"], r["latency_p95_s"],
-                                                         r["errors"], r["incomplete"])) + " |")
+                                                         r["errors"], r["incomplete"], r.get("equal_to_alone"))) + " |")
     return "\n".join(rows)
 
 
@@ -214,6 +304,14 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--url", help="use this already running server (loopback) instead of starting one; --deployments names it")
     p.add_argument("--startup-timeout", type=float, default=600.0, help="seconds to wait for a started server (default: %(default)s)")
     p.add_argument("--out", default=str(HERE / "results" / "load.jsonl"), help="JSONL records, appended (default: %(default)s)")
+    p.add_argument("--llama-server", help="a llama-server binary to use (default: build one into --llama-server-build)")
+    p.add_argument("--llama-server-build", default=str(HERE / "results" / "llama.cpp"),
+                   help="where llama-server is built once (default: %(default)s)")
+    p.add_argument("--threads", type=int, default=os.cpu_count() or 2, help="llama-server's threads (default: the cores)")
+    p.add_argument("--ctx", type=int, default=1024, help="positions per llama-server slot (default: %(default)s)")
+    p.add_argument("--solo", type=int, default=len(PROMPTS),
+                   help="prompts of the solo phase (one request served alone against `viasd generate`; 0: none)")
+    p.add_argument("--server-args", default="", help="extra `viasd serve` flags, space-separated")
     args = p.parse_args(argv)
     args.strategy_list = [s.strip() for s in args.strategies.split(",") if s.strip()]
     args.deployment_list = [d.strip() for d in args.deployments.split(",") if d.strip()]
@@ -233,6 +331,38 @@ def parse_args(argv=None) -> argparse.Namespace:
     return args
 
 
+def solo_phase(url: str, args, strategy: str, run_id: str, env: dict, config: dict) -> list[dict]:
+    """One request served alone against `viasd generate` on the same prompt, interleaved per prompt:
+    decode-only tokens/s of each."""
+    import httpx
+
+    out = []
+    for prompt in PROMPTS[: args.solo]:
+        cli = subprocess.run([sys.executable, "-m", "viasd", "generate", prompt, "-m", args.model, "-q", "--json",
+                              "-n", str(args.max_tokens), *_cli_flags(STRATEGIES[strategy])], capture_output=True, text=True)
+        if cli.returncode != 0:
+            raise SystemExit(f"[load] viasd generate failed: {cli.stderr[-300:]}")
+        cli_rec = json.loads(cli.stdout)
+        r = httpx.post(url + "/v1/chat/completions", json={"model": args.model, "messages": [{"role": "user", "content": prompt}],
+                                                           "max_tokens": args.max_tokens, "temperature": 0.0,
+                                                           "viasd": STRATEGIES[strategy]}, timeout=600)
+        served = r.json()
+        a, b = cli_rec["stats"]["decode_tokens_per_s"], served["viasd"]["stats"]["decode_tokens_per_s"]
+        rec = {"run_id": run_id, "phase": "solo", "strategy": strategy, "prompt": prompt, "generate_decode_tokens_per_s": a,
+               "served_decode_tokens_per_s": b, "ratio": round(b / a, 4) if a and b else None,
+               "same_text": served["choices"][0]["message"]["content"] == cli_rec["text"], "config": config, "env": env}
+        out.append(rec)
+        log(f"[load] solo {strategy}: generate {a} tok/s, served {b} tok/s")
+    return out
+
+
+def _cli_flags(ext: dict) -> list[str]:
+    flags = []
+    for k, v in ext.items():
+        flags += [f"--{k.replace('_', '-')}", str(v)]
+    return flags
+
+
 def main(argv=None) -> int:
     import httpx
 
@@ -242,37 +372,65 @@ def main(argv=None) -> int:
     config = {k: v for k, v in vars(args).items() if not k.endswith("_list")}
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
-    records = []
+
+    def write(rec: dict) -> None:
+        with open(out, "a") as f:
+            f.write(json.dumps(rec) + "\n")
+
+    records, solos = [], []
     for deployment in (args.deployment_list if args.url is None else [args.deployment_list[0] if args.deployment_list else "external"]):
-        server = None
-        if args.url is None:
-            server = Server(args.model, DEPLOYMENTS[deployment], args.startup_timeout, [])
+        server, peer = None, deployment == "llama-server"
+        if args.url is None and peer:
+            from viasd.models.loading import zoo_gguf_verified
+            from viasd.models.zoo import ZOO
+
+            binary = Path(args.llama_server) if args.llama_server else build_llama_server(Path(args.llama_server_build))
+            server = LlamaServer(binary, zoo_gguf_verified(ZOO[args.model]), max(args.client_list), args.ctx, args.threads,
+                                 args.startup_timeout)
+            url = server.url
+        elif args.url is None:
+            server = Server(args.model, DEPLOYMENTS[deployment], args.startup_timeout, args.server_args.split())
             url = server.url
         else:
             url = args.url.rstrip("/")
+        strategies = ["ar"] if peer else args.strategy_list
         try:
-            for strategy in args.strategy_list:  # warm-up: one request per strategy (first calls pay allocation)
-                r = httpx.post(url + "/v1/completions", json={"model": args.model, "prompt": PROMPTS[0], "max_tokens": 4,
-                                                              "viasd": STRATEGIES[strategy]}, timeout=600)
+            for strategy in strategies:  # warm-up: one request per strategy (first calls pay allocation)
+                body = {"model": args.model, "messages": [{"role": "user", "content": PROMPTS[0]}], "max_tokens": 4}
+                if not peer:
+                    body["viasd"] = STRATEGIES[strategy]
+                r = httpx.post(url + "/v1/chat/completions", json=body, timeout=600)
                 if r.status_code != 200:
                     raise SystemExit(f"[load] warm-up of {strategy} failed: HTTP {r.status_code} {r.text[:300]}")
-            for strategy in args.strategy_list:
+            for strategy in strategies:
+                if not peer and deployment == "process" and args.solo:
+                    for rec in solo_phase(url, args, strategy, run_id, env, config):
+                        write(rec)
+                        solos.append(rec)
+                alone: dict[str, str] = {}
                 for n in args.client_list:
                     log(f"[load] {deployment} {strategy} {n} client(s) for {args.duration:g} s")
-                    cell = asyncio.run(run_cell(url, args.model, STRATEGIES[strategy], n, args.duration, args.grace, args.max_tokens))
-                    rec = {"run_id": run_id, "deployment": deployment, "strategy": strategy, "request_viasd": STRATEGIES[strategy],
-                           "clients": n, "duration_s": args.duration, **cell, "url": url,
-                           "server_cmd": server.cmd if server else None, "config": config, "env": env}
-                    with open(out, "a") as f:
-                        f.write(json.dumps(rec) + "\n")
+                    cell = asyncio.run(run_cell(url, args.model, None if peer else STRATEGIES[strategy], n, args.duration,
+                                                args.grace, args.max_tokens, alone))
+                    rec = {"run_id": run_id, "deployment": deployment, "strategy": strategy,
+                           "request_viasd": None if peer else STRATEGIES[strategy], "clients": n, "duration_s": args.duration,
+                           **cell, "url": url, "server_cmd": server.cmd if server else None, "config": config, "env": env}
+                    write(rec)
                     records.append(rec)
                     log(f"[load]   {cell['completed']} requests, {cell['requests_per_s']} req/s, {cell['tokens_per_s']} tok/s, "
-                        f"errors {cell['errors']}")
+                        f"errors {cell['errors']}, equal to alone {cell['equal_to_alone']}")
         finally:
             if server is not None:
                 server.stop()
     print(table(records))
-    log(f"[load] run {run_id}: {len(records)} record(s) appended to {out}")
+    if solos:
+        print()
+        for strategy in args.strategy_list:
+            ratios = [r["ratio"] for r in solos if r["strategy"] == strategy and r["ratio"]]
+            if ratios:
+                print(f"solo {strategy}: served / generate decode tok/s, median of {len(ratios)} prompts: {float(np.median(ratios)):.3f}; "
+                      f"same text {sum(r['same_text'] for r in solos if r['strategy'] == strategy)}/{len(ratios)}")
+    log(f"[load] run {run_id}: {len(records) + len(solos)} record(s) appended to {out}")
     return 0 if all(r["errors"] == 0 for r in records) else 1
 
 

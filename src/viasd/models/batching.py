@@ -26,7 +26,8 @@ from viasd.models import compute
 if TYPE_CHECKING:
     from viasd.models.runtime import Decoder
 
-MAX_WAIT_S = 0.05  # a pass waits at most this long for members still busy elsewhere
+MAX_WAIT_S = 0.005  # a pass waits at most this long for members still busy elsewhere (8 smollm2 clients:
+# 160 tok/s and TTFT p50 0.49 s against 145-148 and 0.9-1.2 s at 50 ms; 1 ms: 144, 0.22 s)
 
 _local = threading.local()
 
