@@ -152,7 +152,8 @@ class NativeForward:
     def _build(self, parts: tuple[tuple[int, int, str], ...], route: LayerMask | None, first: int = 0,
                save: int | None = None, head: QuantLinear | None = None) -> tuple:
         """The graph of a pass over one or more requests' rows: `parts`, per request (rows, its cache's
-        length, logits: "all" rows', the "last" row's or "none"), in the order their rows are stacked.
+        length, the rows whose logits it returns: (first, count) of its own), in the order their rows
+        are stacked.
         Every product takes all rows at once; each request's rows write and attend its own cache
         (see `Decoder.forward` for the rest). `first`, the layer it starts at (from the residual
         streams stored in the cache's `hidden` rows at its positions; one request only); `save`, the
@@ -216,7 +217,7 @@ class NativeForward:
             graph.finish(expand=tuple(writes))
             return graph, leaves, None
         if len(out_rows) < n_rows:  # only some rows' logits: [hidden, rows kept]
-            if len(parts) == 1:  # the last row: a view
+            if len(parts) == 1 and out_rows == [n_rows - 1]:  # the last row: a view
                 x = g.view_2d(ctx, x, cfg.hidden, 1, x.contents.nb[1], (n_rows - 1) * x.contents.nb[1])
             else:
                 leaves["out_rows"] = torch.tensor(out_rows, dtype=torch.int32)  # fixed by the parts: bound once
@@ -279,13 +280,15 @@ class NativeForward:
     def __call__(self, tokens: torch.Tensor, start: int, cache: KVCache, route: LayerMask | None, last_only: bool,
                  first: int = 0, save: int | None = None, with_logits: bool = True, head=None) -> torch.Tensor | None:
         """(`head`: a `runtime.ReducedHead`; the logits are then its N columns, [T, N].)"""
-        mode = "none" if not with_logits else "last" if last_only and tokens.shape[0] > 1 else "all"
-        return self.run([(tokens, start, cache, mode)], route, first, save, head)[0]
+        n = tokens.shape[0]
+        rows = (0, 0) if not with_logits else (n - 1, 1) if last_only else (0, n)
+        return self.run([(tokens, start, cache, rows)], route, first, save, head)[0]
 
     def run(self, calls: list[tuple[torch.Tensor, int, KVCache, str]], route: LayerMask | None, first: int = 0,
             save: int | None = None, head=None) -> list[torch.Tensor | None]:
         """One pass over several requests' rows: `calls`, per request (tokens [n], start, its cache,
-        logits "all" | "last" | "none"). Returns each request's logits ([n, V], [1, V] or None)."""
+        (first, count): the rows whose logits it wants, of its own). Returns each request's logits
+        ([count, V], or None for none)."""
         parts = tuple((t.shape[0], c.k.shape[2], mode) for t, _, c, mode in calls)
         head_linear = None if head is None else head.linear
         key = (parts, route, first, save, id(head_linear))
@@ -304,7 +307,7 @@ class NativeForward:
         if ids.numel() and (int(ids.min()) < 0 or int(ids.max()) >= self.dec.embed.table.rows):
             raise IndexError(f"token id out of range [0, {self.dec.embed.table.rows})")
         pos = None if len(calls) == 1 else torch.cat([self.pos32[s : s + t.shape[0]] for t, s, _, _ in calls])
-        counts = [0 if mode == "none" else 1 if mode == "last" else t.shape[0] for t, _, _, mode in calls]
+        counts = [count for _, _, _, (_, count) in calls]
         width = (head_linear or self.dec.lm_head).out_features
         out = torch.empty(sum(counts), width) if logits_t is not None else None
         with gk.RUN_LOCK:  # binding and running a shared graph must not interleave between threads
@@ -341,7 +344,7 @@ class NativeForward:
 def _logit_rows(parts: tuple[tuple[int, int, str], ...]) -> list[int]:
     """The stacked rows whose logits a pass over `parts` returns, in order."""
     rows, at = [], 0
-    for n, _, mode in parts:
-        rows += [] if mode == "none" else [at + n - 1] if mode == "last" else list(range(at, at + n))
+    for n, _, (first, count) in parts:
+        rows += list(range(at + first, at + first + count))
         at += n
     return rows

@@ -694,15 +694,13 @@ class Decoder:
             pad = (rows or n) - n
             if pad:
                 tokens = torch.cat([tokens, tokens[-1:].expand(pad)])
-            mode = "none" if not kw.get("logits", True) else "last" if kw.get("last_only") and n > 1 and not pad else "all"
-            runnable.append((i, tokens, start, cache, mode, end, n, kw.get("last_only", False)))
+            want = (0, 0) if not kw.get("logits", True) else (n - 1, 1) if kw.get("last_only") else (0, n)  # its own rows only
+            runnable.append((i, tokens, start, cache, want, end))
         if not runnable:
             return results
-        outs = self._graph.run([(t, s, c, m) for _, t, s, c, m, _, _, _ in runnable], route, 0, None, head)
-        for (i, tokens, start, cache, _, end, n, last_only), out in zip(runnable, outs):
+        outs = self._graph.run([(t, s, c, w) for _, t, s, c, w, _ in runnable], route, 0, None, head)
+        for (i, _, start, cache, _, end), out in zip(runnable, outs):
             cache._commit(route, start, end)
-            if out is not None and out.shape[0] > (1 if last_only else n):  # padded: the request's own rows
-                out = out[n - 1 : n] if last_only else out[:n]
             if out is not None and self.config.final_softcap is not None:
                 out = _softcap(out, self.config.final_softcap)
             results[i] = out if out is None or head is None else head.expand(out)
