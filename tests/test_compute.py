@@ -69,10 +69,16 @@ def test_threads_are_the_cores_other_processes_leave(cores, others, expected):
     assert choose_threads(cores, others) == expected
 
 
-def test_budget_follows_the_machine(monkeypatch):
+@pytest.fixture
+def clock(monkeypatch) -> dict:
+    """The machine's busy CPU seconds and this process' own, as the test sets them."""
     clock = {"busy": 100.0, "own": 10.0}
     monkeypatch.setattr(compute, "_machine_busy_s", lambda: clock["busy"])
     monkeypatch.setattr(compute, "_own_s", lambda: clock["own"])
+    return clock
+
+
+def test_budget_follows_the_machine(clock):
     b = ThreadBudget(cores=2)
     t0 = b._mark[0]
     assert b.threads == 2
@@ -91,10 +97,7 @@ def test_budget_follows_the_machine(monkeypatch):
     assert b.update(t0 + 1.5) == 2
 
 
-def test_a_window_spanning_an_idle_spell_is_measured_afresh(monkeypatch):
-    clock = {"busy": 100.0, "own": 10.0}
-    monkeypatch.setattr(compute, "_machine_busy_s", lambda: clock["busy"])
-    monkeypatch.setattr(compute, "_own_s", lambda: clock["own"])
+def test_a_window_spanning_an_idle_spell_is_measured_afresh(clock):
     b = ThreadBudget(cores=2)
     t0 = b._mark[0]
     clock["busy"] += 10.0  # another process ran for a long while, then this process' next pass comes

@@ -8,7 +8,6 @@ a time, so Ctrl-C loses nothing written.
 
 from __future__ import annotations
 
-import fcntl
 import json
 import os
 import platform
@@ -25,7 +24,7 @@ from viasd.decoding.registry import BASELINE, STRATEGIES, DraftKind, Mode
 from viasd.datasets import SPEC_BENCH_CATEGORIES, human_eval, spec_bench
 from viasd.errors import NotWritableError, OutputBusyError, UsageError
 from viasd.quality import humaneval_completion, score
-from viasd.validation import check_int, check_text, decode_utf8, dumps_strict, read_capped, MAX_INPUT_BYTES
+from viasd.validation import MAX_INPUT_BYTES, check_int, check_text, decode_utf8, dumps_strict, lock_beside, read_capped
 
 # a results file is read whole on resume (and by `viasd report`): more than this is not one
 RESULTS_MAX_BYTES = 1 << 30
@@ -268,17 +267,10 @@ def results_lock(out: Path):
         finally:
             _held[key][1] -= 1
         return
-    path = lock_path(out)
-    try:
-        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
-    except OSError as e:
-        raise NotWritableError(f"results file {out}: cannot create its lock file {path} ({e.strerror or e})") from None
-    try:
-        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-    except BlockingIOError:
-        os.close(fd)
-        raise OutputBusyError(f"results file {out}: another viasd bench run is writing it (lock {path}); "
-                              "wait for it to finish, or choose another --out") from None
+    fd = lock_beside(out, "results file")
+    if fd is None:
+        raise OutputBusyError(f"results file {out}: another viasd bench run is writing it (lock {lock_path(out)}); "
+                              "wait for it to finish, or choose another --out")
     _held[key] = [fd, 1]
     try:
         yield

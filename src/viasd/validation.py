@@ -194,6 +194,31 @@ def _first_file(d: Path) -> Path:
     return d
 
 
+def lock_beside(path: str | Path, what: str, wait_s: float = 0.0) -> int | None:
+    """An exclusive flock on PATH.lock, created beside `path`: its open descriptor (closing it
+    releases the lock), or None when another process still holds it after `wait_s` seconds. The
+    lock file stays behind (removing it would race a third process)."""
+    import fcntl
+    import time
+
+    path = Path(path)
+    lock = path.with_name(path.name + ".lock")
+    try:
+        fd = os.open(lock, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
+    except OSError as e:
+        raise NotWritableError(f"{what} {path}: cannot create its lock file {lock} ({e.strerror or e})") from None
+    deadline = time.monotonic() + wait_s
+    while True:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            return fd
+        except BlockingIOError:
+            if time.monotonic() >= deadline:
+                os.close(fd)
+                return None
+            time.sleep(0.05)
+
+
 def atomic_write_bytes(path: str | Path, data: bytes) -> Path:
     """Write `data` to `path` through a temporary file in the same directory and a rename."""
     path = Path(path)

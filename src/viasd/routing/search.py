@@ -30,7 +30,7 @@ from viasd.errors import UsageError
 from viasd.models.loading import LoadedModel, cache_dir
 from viasd.models.runtime import LayerMask
 from viasd.routing.route import ModelFingerprint, Route
-from viasd.validation import atomic_write_bytes, check_choice, check_float, check_int, check_seed, check_writable_file
+from viasd.validation import atomic_write_bytes, check_choice, check_float, check_int, check_seed, check_writable_file, lock_beside
 
 COSTS = ("kl", "reverse_kl", "tv")
 BUDGET_UNITS = ("layers", "bytes")  # what --budget is a share of: the layers, or a full pass' weight bytes
@@ -156,27 +156,14 @@ def storage_lock_path(path: Path) -> Path:
 @contextmanager
 def storage_lock(path: Path, wait_s: float | None = None) -> Iterator[None]:
     """An exclusive flock on DB.lock (beside the database) around its creation and validation."""
-    import fcntl
-
-    lock = storage_lock_path(path)
+    fd = lock_beside(path, "Optuna database", STORAGE_LOCK_WAIT_S if wait_s is None else wait_s)
+    if fd is None:
+        raise UsageError(f"Optuna database {path}: another search has held {storage_lock_path(path)} for over "
+                         f"{STORAGE_LOCK_WAIT_S:.0f} s; try again when it is done")
     try:
-        fd = os.open(lock, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
-    except OSError as e:
-        raise UsageError(f"Optuna database {path}: cannot create its lock file {lock} ({e.strerror or e})") from None
-    try:
-        deadline = time.monotonic() + (STORAGE_LOCK_WAIT_S if wait_s is None else wait_s)
-        while True:
-            try:
-                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-                break
-            except BlockingIOError:
-                if time.monotonic() > deadline:
-                    raise UsageError(f"Optuna database {path}: another search has held {lock} for over "
-                                     f"{STORAGE_LOCK_WAIT_S:.0f} s; try again when it is done") from None
-                time.sleep(0.05)
         yield
     finally:
-        os.close(fd)  # releases the lock; the lock file stays (removing it would race a third search)
+        os.close(fd)  # releases the lock
 
 
 def _open_rdb(url: str, path: Path | None):
