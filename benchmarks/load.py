@@ -102,22 +102,29 @@ class Server:
         self.proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=sys.stderr)
         self.wait_ready(startup_timeout)
 
+    name = "the server"
+
+    def ready(self) -> bool:
+        import httpx
+
+        r = httpx.post(self.url + "/v1/completions", json={"model": "?", "prompt": "x"}, timeout=5)
+        return r.status_code == 404  # the app answers (an unknown model): ready
+
     def wait_ready(self, timeout: float) -> None:
         import httpx
 
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:
-                raise SystemExit(f"[load] the server exited with status {self.proc.returncode}")
+                raise SystemExit(f"[load] {self.name} exited with status {self.proc.returncode}")
             try:
-                r = httpx.post(self.url + "/v1/completions", json={"model": "?", "prompt": "x"}, timeout=5)
-                if r.status_code == 404:  # the app answers (an unknown model): ready
+                if self.ready():
                     return
             except httpx.HTTPError:
                 pass
             time.sleep(0.5)
         self.stop()
-        raise SystemExit(f"[load] the server was not ready within {timeout:.0f} s")
+        raise SystemExit(f"[load] {self.name} was not ready within {timeout:.0f} s")
 
     def stop(self) -> None:
         if self.proc.poll() is None:
@@ -172,21 +179,12 @@ class LlamaServer(Server):
         self.proc = subprocess.Popen(self.cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
         self.wait_ready(startup_timeout)
 
-    def wait_ready(self, timeout: float) -> None:
+    name = "llama-server"
+
+    def ready(self) -> bool:
         import httpx
 
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            if self.proc.poll() is not None:
-                raise SystemExit(f"[load] llama-server exited with status {self.proc.returncode}")
-            try:
-                if httpx.get(self.url + "/health", timeout=5).status_code == 200:
-                    return
-            except httpx.HTTPError:
-                pass
-            time.sleep(0.5)
-        self.stop()
-        raise SystemExit(f"[load] llama-server was not ready within {timeout:.0f} s")
+        return httpx.get(self.url + "/health", timeout=5).status_code == 200
 
 
 async def one_request(client, url: str, model: str, prompt: str, ext: dict | None, max_tokens: int) -> dict:

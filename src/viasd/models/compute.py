@@ -26,6 +26,7 @@ count instead.
 from __future__ import annotations
 
 import ctypes
+import functools
 import os
 import threading
 import time
@@ -98,8 +99,6 @@ def run(fn: Callable[..., T], *args, **kwargs) -> T:
 
 def owned(fn: Callable[..., T]) -> Callable[..., T]:
     """Decorator: the function always runs on the compute thread."""
-    import functools
-
     @functools.wraps(fn)
     def wrapper(*args, **kwargs):
         return run(fn, *args, **kwargs)
@@ -209,6 +208,8 @@ _budget: ThreadBudget | None = None
 
 def budget() -> ThreadBudget:
     global _budget
+    if _budget is not None:  # every pass asks: no lock once it exists
+        return _budget
     with _lock:
         if _budget is None:
             _budget = ThreadBudget(fixed=_fixed_from_env())

@@ -149,7 +149,7 @@ class NativeForward:
         return g.flash_attn_ext(graph.ctx, q, k, v, mask, scale, 0.0, cfg.attn_softcap or 0.0)
 
     # ------------------------------------------------------------------ the graph
-    def _build(self, parts: tuple[tuple[int, int, str], ...], route: LayerMask | None, first: int = 0,
+    def _build(self, parts: tuple[tuple[int, int, tuple[int, int]], ...], route: LayerMask | None, first: int = 0,
                save: int | None = None, head: QuantLinear | None = None) -> tuple:
         """The graph of a pass over one or more requests' rows: `parts`, per request (rows, its cache's
         length, the rows whose logits it returns: (first, count) of its own), in the order their rows
@@ -284,12 +284,12 @@ class NativeForward:
         rows = (0, 0) if not with_logits else (n - 1, 1) if last_only else (0, n)
         return self.run([(tokens, start, cache, rows)], route, first, save, head)[0]
 
-    def run(self, calls: list[tuple[torch.Tensor, int, KVCache, str]], route: LayerMask | None, first: int = 0,
+    def run(self, calls: list[tuple[torch.Tensor, int, KVCache, tuple[int, int]]], route: LayerMask | None, first: int = 0,
             save: int | None = None, head=None) -> list[torch.Tensor | None]:
         """One pass over several requests' rows: `calls`, per request (tokens [n], start, its cache,
         (first, count): the rows whose logits it wants, of its own). Returns each request's logits
         ([count, V], or None for none)."""
-        parts = tuple((t.shape[0], c.k.shape[2], mode) for t, _, c, mode in calls)
+        parts = tuple((t.shape[0], c.k.shape[2], want) for t, _, c, want in calls)
         head_linear = None if head is None else head.linear
         key = (parts, route, first, save, id(head_linear))
         built = self._graphs.get(key)
@@ -302,8 +302,7 @@ class NativeForward:
         else:
             self._graphs.move_to_end(key)
         graph, leaves, logits_t = built
-        ids = torch.cat([t for t, _, _, _ in calls]).to(torch.int32).contiguous() if len(calls) > 1 else \
-            calls[0][0].to(torch.int32).contiguous()
+        ids = torch.cat([t for t, _, _, _ in calls]).to(torch.int32)
         if ids.numel() and (int(ids.min()) < 0 or int(ids.max()) >= self.dec.embed.table.rows):
             raise IndexError(f"token id out of range [0, {self.dec.embed.table.rows})")
         pos = None if len(calls) == 1 else torch.cat([self.pos32[s : s + t.shape[0]] for t, s, _, _ in calls])
@@ -341,7 +340,7 @@ class NativeForward:
             item["bound_cache"] = (k_base, v_base)
 
 
-def _logit_rows(parts: tuple[tuple[int, int, str], ...]) -> list[int]:
+def _logit_rows(parts: tuple[tuple[int, int, tuple[int, int]], ...]) -> list[int]:
     """The stacked rows whose logits a pass over `parts` returns, in order."""
     rows, at = [], 0
     for n, _, (first, count) in parts:
