@@ -34,14 +34,36 @@ def tiny_tokenizer(words: list[str] = TINY_VOCAB):
     return PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<eos>", unk_token="<unk>", pad_token="<pad>")
 
 
-def save_tiny(path: Path, arch: str = "llama", seed: int = 0, n_layers: int = 4, words: list[str] = TINY_VOCAB, scale: float = 1.0) -> Path:
-    """A random-weights transformers model of `arch` in `path` (config, safetensors, tokenizer)."""
+def bpe_tokenizer(vocab_size: int, corpus: list[str]):
+    """A byte-level BPE tokenizer (as SmolLM2's and Qwen's are) trained on `corpus`, with an <eos>;
+    its alphabet is printable ASCII, tab and newline, so that any sequence of its tokens is text."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+    from transformers.convert_slow_tokenizer import bytes_to_unicode
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    alphabet = [bytes_to_unicode()[b] for b in [9, 10, *range(32, 127)]]
+    trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=["<eos>"], show_progress=False,
+                                  initial_alphabet=alphabet, limit_alphabet=len(alphabet))
+    tok.train_from_iterator(corpus, trainer)
+    return PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<eos>")
+
+
+def save_tiny(path: Path, arch: str = "llama", seed: int = 0, n_layers: int = 4, words: list[str] = TINY_VOCAB, scale: float = 1.0,
+              tokenizer=None) -> Path:
+    """A random-weights transformers model of `arch` in `path` (config, safetensors, tokenizer: a
+    word-level one of `words`, or `tokenizer`)."""
     from transformers import AutoConfig, AutoModelForCausalLM
 
     torch.manual_seed(seed)
+    eos = tokenizer.eos_token_id if tokenizer is not None else words.index("<eos>") if "<eos>" in words else None
+    vocab = len(tokenizer) if tokenizer is not None else len(words)
+    tokenizer = tokenizer or tiny_tokenizer(words)
     config = AutoConfig.for_model(
         arch,
-        vocab_size=len(words),
+        vocab_size=vocab,
         hidden_size=64,
         intermediate_size=128,
         num_hidden_layers=n_layers,
@@ -50,7 +72,7 @@ def save_tiny(path: Path, arch: str = "llama", seed: int = 0, n_layers: int = 4,
         max_position_embeddings=512,
         rms_norm_eps=1e-5,
         tie_word_embeddings=arch != "qwen2",
-        eos_token_id=words.index("<eos>") if "<eos>" in words else None,
+        eos_token_id=eos,
         **({"sliding_window": None, "use_sliding_window": False} if arch != "llama" else {}),
     )
     model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
@@ -61,7 +83,7 @@ def save_tiny(path: Path, arch: str = "llama", seed: int = 0, n_layers: int = 4,
             if "norm" in name:
                 p.fill_(1.0)
     model.save_pretrained(path)
-    tiny_tokenizer(words).save_pretrained(path)
+    tokenizer.save_pretrained(path)
     return path
 
 
@@ -196,6 +218,15 @@ def tiny_q8(tiny) -> LoadedModel:
 def tiny_drafter(tmp_path_factory) -> LoadedModel:
     """A different random model with the same vocabulary: its drafts are mostly rejected."""
     return load_model(str(save_tiny(tmp_path_factory.mktemp("tiny-drafter"), seed=1, n_layers=2)), progress=False)
+
+
+@pytest.fixture(scope="session")
+def small_vocab_pair(tmp_path_factory):
+    """A verifier and a drafter of 8 tokens (exact marginals by enumeration)."""
+    words = [f"w{i}" for i in range(6)] + ["<eos>", "<unk>"]
+    verifier = load_model(str(save_tiny(tmp_path_factory.mktemp("v8"), seed=5, words=words, scale=0.4)), progress=False)
+    drafter = load_model(str(save_tiny(tmp_path_factory.mktemp("d8"), seed=6, n_layers=2, words=words, scale=0.4)), progress=False)
+    return verifier, drafter
 
 
 @pytest.fixture(scope="session")

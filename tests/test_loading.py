@@ -9,7 +9,6 @@ from pathlib import Path
 
 import pytest
 
-from viasd import generate
 from viasd.errors import (
     ChecksumError,
     CorruptFileError,
@@ -17,13 +16,11 @@ from viasd.errors import (
     NoChatTemplateError,
     UnknownModelError,
     UnsupportedArchitectureError,
-    VocabularyMismatchError,
 )
 from viasd.models import loading
-from viasd.models.loading import check_same_vocabulary, load_model, verify_sha256
+from viasd.models.loading import load_model, verify_sha256
 from viasd.models.zoo import ZOO, ZooEntry
 
-from conftest import save_tiny
 
 
 @pytest.fixture(autouse=True)
@@ -125,15 +122,6 @@ def test_hub_id_offline(monkeypatch):
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
     with pytest.raises(ModelNotFoundError, match="could not load hub model 'nobody/nothing': not in the local hub cache"):
         load_model("nobody/nothing")
-
-
-def test_drafter_with_another_vocabulary(tmp_path, tiny):
-    words = [f"v{i}" for i in range(61)] + ["<eos>", "<unk>", "<pad>"]
-    other = load_model(str(save_tiny(tmp_path / "other", words=words)), progress=False)
-    with pytest.raises(VocabularyMismatchError, match="different vocabulary"):
-        check_same_vocabulary(tiny, other)
-    with pytest.raises(VocabularyMismatchError):
-        generate([1, 2, 3], tiny, drafter=other, strategy="sd", max_new_tokens=4)
 
 
 def test_transformers_directory_loads_with_its_tokenizer(tiny):

@@ -14,11 +14,10 @@ from viasd.decoding.draft_length import DraftLength, expected_tokens, pass_times
 from viasd.decoding.drafters import Draft, ModelDrafter, NgramDrafter, SelfDrafter
 from viasd.decoding.strategies import speculative_decode
 from viasd.decoding.verifier import DecodeRequest
-from viasd.models.loading import load_model
 from viasd.models.runtime import LayerMask
 from viasd.routing.resolve import default_draft_layers
 
-from conftest import GREEDY, NO_EOS, exact_marginals, run_ar, save_tiny
+from conftest import GREEDY, NO_EOS, exact_marginals, run_ar
 
 
 class RandomDrafter:
@@ -92,14 +91,6 @@ def test_statistics_add_up(tiny):
 
 
 # ------------------------------------------------------------------------------- sampling path
-
-
-@pytest.fixture(scope="module")
-def small_vocab_pair(tmp_path_factory):
-    words = [f"w{i}" for i in range(6)] + ["<eos>", "<unk>"]
-    verifier = load_model(str(save_tiny(tmp_path_factory.mktemp("v8"), seed=5, words=words, scale=0.4)), progress=False)
-    drafter = load_model(str(save_tiny(tmp_path_factory.mktemp("d8"), seed=6, n_layers=2, words=words, scale=0.4)), progress=False)
-    return verifier, drafter
 
 
 # ------------------------------------------------------------------ draft lengths from measured costs

@@ -17,22 +17,24 @@ from types import SimpleNamespace
 import torch
 
 from viasd.decoding.acceptance import DEFERRAL_RULES, DeferralRule, SamplingParams
+from viasd.decoding.crossvocab import Conversion, CrossVocabDrafter, VocabBridge
 from viasd.decoding.drafters import Drafter, ModelDrafter, NgramDrafter, SelfDrafter
 from viasd.decoding.multitier import resume_layer
 from viasd.decoding.registry import DEFAULT_STRATEGY, STRATEGIES, DraftKind, LoopArgs, Mode, Strategy, strategy
 from viasd.decoding.stats import DecodeResult, DecodeStats
 from viasd.decoding.tiers import TierThresholds, load_thresholds, thresholds_beside
 from viasd.decoding.verifier import DecodeRequest
-from viasd.errors import InvalidArgumentError, UsageError
+from viasd.errors import InvalidArgumentError, UsageError, VocabularyMismatchError
 from viasd.models import compute
-from viasd.models.loading import LoadedModel, check_same_vocabulary, load_model
+from viasd.models.loading import LoadedModel, load_model, same_vocabulary
 from viasd.models.zoo import DEFAULT_MODEL
-from viasd.routing.resolve import drafter_head, resolve_route, route_head
+from viasd.routing.resolve import drafter_head, resolve_route, route_head, slim_vocab
 from viasd.routing.route import Route
 from viasd.validation import check_choice, check_float, check_int, check_layers, check_seed, check_text, check_token_ids
 
 MODES = tuple(m.value for m in Mode)
 DRAFT_KINDS = tuple(k.value for k in DraftKind)
+CONVERSIONS = tuple(c.value for c in Conversion)
 
 
 @dataclass(frozen=True)
@@ -49,8 +51,14 @@ class DraftOptions:
     # (decoding/draft_length.py). None: on for the lossless ones under greedy decoding (the output is
     # the same at any draft length); off under sampling (a seed then reproduces the output) and for cascade
     adapt_k: bool | None = None
+    # a drafter model of another vocabulary (decoding/crossvocab.py): its drafts reach the verifier
+    # through text (greedy) or through the tokens both vocabularies share (any sampling);
+    # auto: shared tokens where the loop reads draft probabilities (sampling, cascade, tiered), else text
+    draft_conversion: str = Conversion.AUTO.value
 
     def validate(self) -> None:
+        if self.draft_conversion not in CONVERSIONS:
+            raise UsageError(f"unknown draft conversion {self.draft_conversion!r}: choose from {', '.join(CONVERSIONS)}")
         if self.draft not in DRAFT_KINDS:
             raise UsageError(f"unknown drafter kind {self.draft!r}: choose from {', '.join(DRAFT_KINDS)}")
         if self.draft_threshold is not None and not 0 <= self.draft_threshold <= 1:
@@ -279,17 +287,52 @@ class TextStream:
             self.sent = len(text)
 
 
-def _make_drafter(kind: DraftKind, verifier: LoadedModel, drafter: str | LoadedModel | None, opts: DraftOptions,
-                  params: SamplingParams, generator: torch.Generator, progress: bool, reduced_head: bool = True) -> Drafter:
+def _make_drafter(kind: DraftKind, verifier: LoadedModel, drafter: str | LoadedModel | None, config: GenerateConfig,
+                  params: SamplingParams, generator: torch.Generator, progress: bool) -> Drafter:
+    opts, reduced_head = config.drafting, config.viasd.reduced_head
     if kind is DraftKind.MODEL:
         draft_model = _as_model(drafter, progress)
-        check_same_vocabulary(verifier, draft_model)
-        return ModelDrafter(draft_model.decoder, params, generator, opts.draft_threshold,
-                            drafter_head(verifier, draft_model) if reduced_head else None)
+        if same_vocabulary(verifier, draft_model):
+            return ModelDrafter(draft_model.decoder, params, generator, opts.draft_threshold,
+                                drafter_head(verifier, draft_model) if reduced_head else None)
+        return _cross_drafter(verifier, draft_model, config, params, generator)
     if kind is DraftKind.PLD:
         return NgramDrafter(opts.max_ngram, opts.min_ngram)
     route = resolve_route(verifier, "draft", opts.draft_layers, opts.draft_route)
     return SelfDrafter(verifier.decoder, route.mask, params, generator, opts.draft_threshold, route_head(verifier, route) if reduced_head else None)
+
+
+def draft_conversion(config: GenerateConfig) -> Conversion:
+    """The conversion a cross-vocabulary drafter uses for these settings (auto resolved)."""
+    chosen = Conversion(config.drafting.draft_conversion)
+    needs_probs = config.temperature > 0 or config.spec.needs_draft_probs or (
+        config.spec.multitier and Mode(config.viasd.mode) is Mode.TIERED)
+    if chosen is Conversion.TEXT and config.temperature > 0:
+        raise UsageError("draft_conversion 'text' is greedy only: sampling with a drafter of another vocabulary "
+                         "drafts the tokens both vocabularies share (draft_conversion 'intersection' or 'auto')")
+    if chosen is Conversion.TEXT and config.spec.needs_draft_probs:
+        raise UsageError(f"strategy {config.strategy!r} reads the drafter's probabilities, which drafts converted "
+                         "through text do not have: use draft_conversion 'intersection' or 'auto'")
+    if chosen is Conversion.AUTO:
+        return Conversion.INTERSECTION if needs_probs else Conversion.TEXT
+    return chosen
+
+
+def _cross_drafter(verifier: LoadedModel, draft_model: LoadedModel, config: GenerateConfig, params: SamplingParams,
+                   generator: torch.Generator) -> CrossVocabDrafter:
+    if verifier.decoder.is_encoder_decoder or draft_model.decoder.is_encoder_decoder:
+        raise VocabularyMismatchError(f"drafter {draft_model.name} has another vocabulary than {verifier.name}; drafting "
+                                      "across vocabularies needs decoder-only models")
+    bridge = VocabBridge(verifier.vocabulary, draft_model.vocabulary)
+    if not bridge.shared:
+        raise VocabularyMismatchError(f"drafter {draft_model.name} and verifier {verifier.name} share no token")
+    conversion = draft_conversion(config)
+    head = None
+    if conversion is Conversion.INTERSECTION:  # the shared tokens (within the slim route's vocabulary, if any)
+        vocab = slim_vocab(verifier) if config.viasd.reduced_head else None
+        head = draft_model.decoder.reduced_head(bridge.shared_within(vocab) or bridge.shared)
+    return CrossVocabDrafter(draft_model.decoder, bridge, conversion, params, generator, config.drafting.draft_threshold,
+                             head, draft_model.eos_token_ids)
 
 
 def _loop_args(spec: Strategy, config: GenerateConfig, verifier: LoadedModel) -> tuple[LoopArgs, dict]:
@@ -404,9 +447,13 @@ def generate(
     stream = TextStream(verifier, on_text) if on_text else None
     req = DecodeRequest(ids, config.max_new_tokens, params, verifier.eos_token_ids, stats, generator, stream)
     args, extra = _loop_args(spec, config, verifier)
-    chosen = _make_drafter(kind, verifier, drafter, config.drafting, params, generator, progress, config.viasd.reduced_head) if kind else None
+    chosen = _make_drafter(kind, verifier, drafter, config, params, generator, progress) if kind else None
     record = {"model": verifier.name, "drafter": getattr(drafter, "name", drafter), **config.settings(),
               "draft": kind.value if kind else None, **extra}
+    if isinstance(chosen, CrossVocabDrafter):
+        record["draft_conversion"] = chosen.conversion.value
+    elif isinstance(chosen, ModelDrafter):
+        record["draft_conversion"] = "same-vocabulary"
     if isinstance(chosen, ModelDrafter):
         record["drafter_head_vocab"] = len(chosen.head) if chosen.head is not None else None
     try:

@@ -55,11 +55,12 @@ def parse_methods(spec: str) -> list[tuple[str, dict]]:
     settings, whatever its spelling) is kept once, where it first appears."""
     out, seen = [], set()
     for name in [m.strip() for m in spec.split(",") if m.strip()]:
-        head, *modifiers = name.split("+")
+        method, _, drafter_name = name.partition("@")
+        head, *modifiers = method.split("+")
         base, _, kind = head.partition(":")
         if base not in METHODS:
             raise UsageError(f"unknown method {name!r}: choose from {', '.join(METHODS)} (optionally :pld, :self or :model, "
-                             "and +adapt or +fixed, +correct for viasd-tiered)")
+                             "and +adapt or +fixed, +correct for viasd-tiered, and @DRAFTER)")
         settings = dict(METHODS[base])
         if kind:
             if kind not in (DraftKind.PLD, DraftKind.SELF, DraftKind.MODEL) or STRATEGIES[settings["strategy"]].drafter is not DraftKind.AUTO:
@@ -78,6 +79,10 @@ def parse_methods(spec: str) -> list[tuple[str, dict]]:
                                  "costs, or always k), for sd, pld, self-sd, cascade and viasd-tiered, and +correct "
                                  "for viasd-tiered")
             settings["adapt_k"] = modifier == "adapt"
+        if drafter_name:
+            if _draft_kind(settings, True) is not DraftKind.MODEL:
+                raise UsageError(f"method {name!r}: @DRAFTER names the drafter model of sd, cascade:model and viasd-*:model")
+            settings["drafter"] = drafter_name
         key = tuple(sorted((k, str(v)) for k, v in settings.items()))
         if key in seen:  # `ar,ar` or `sd+adapt,sd+adapt+adapt`: the same configuration, run (and written) once
             continue
@@ -90,6 +95,16 @@ def parse_methods(spec: str) -> list[tuple[str, dict]]:
 
 def _draft_kind(settings: dict, has_model: bool) -> DraftKind | None:
     return STRATEGIES[settings["strategy"]].draft_kind(settings.get("draft", DraftKind.AUTO), has_model)
+
+
+def _drafter_of(settings: dict, drafters: dict) -> tuple[object | None, str | None]:
+    """The drafter model a method runs with (None: it drafts without one), or why it cannot run."""
+    if _draft_kind(settings, bool(drafters)) is not DraftKind.MODEL:
+        return None, None
+    name = settings.get("drafter")
+    if name is None:
+        return (next(iter(drafters.values())), None) if drafters else (None, "needs --drafter")
+    return (drafters[name], None) if name in drafters else (None, f"needs --drafter {name}")
 
 
 def load_tasks(spec: str, limit: int | None, turns: int = 1) -> list[Prompt]:
@@ -311,7 +326,9 @@ def drop_torn_tail(out: Path) -> None:
 def run_bench(model, drafter, methods: list[tuple[str, dict]], prompts: list[Prompt], out: Path,
               base: GenerateConfig, progress: bool = True) -> int:
     """Run every (prompt, method) not yet in `out`; return how many records were written. `out`
-    must be a results file or absent, and is locked against a second run for the whole run."""
+    must be a results file or absent, and is locked against a second run for the whole run.
+    `drafter`: None, a model, or {name: model} (a method `...@name` drafts with that one; the others
+    with the first)."""
     check_results_file(out)
     out.parent.mkdir(parents=True, exist_ok=True)
     with results_lock(out):
@@ -328,15 +345,15 @@ def _run_bench(model, drafter, methods, prompts, out, base, progress) -> int:
     env = environment()
     # one id per invocation: a resumed file holds several runs, which a comparison must not mix
     run_id = time.strftime("%Y%m%dT%H%M%S") + "-" + os.urandom(3).hex()
-    available = {}
+    drafters = drafter if isinstance(drafter, dict) else {drafter.name: drafter} if drafter is not None else {}
+    chosen, available, settings_of = {}, {}, {}
     for name, settings in methods:  # methods that cannot run here are reported, not faked
-        needs_model = _draft_kind(settings, drafter is not None) is DraftKind.MODEL
-        available[name] = None if not needs_model or drafter is not None else "needs --drafter"
+        chosen[name], available[name] = _drafter_of(settings, drafters)
+        settings_of[name] = {k: v for k, v in settings.items() if k != "drafter"}
     # warm-up, every method once: first calls build graphs, and --adapt-k measures its pass costs once per model
-    for name, settings in methods:
+    for name, _ in methods:
         if not available[name]:
-            chosen = drafter if _draft_kind(settings, drafter is not None) is DraftKind.MODEL else None
-            generate("Hello", model, drafter=chosen, config=base.replace(**settings, max_new_tokens=4), progress=False)
+            generate("Hello", model, drafter=chosen[name], config=base.replace(**settings_of[name], max_new_tokens=4), progress=False)
     out.parent.mkdir(parents=True, exist_ok=True)
     bar = tqdm(total=len(todo), desc="bench", disable=not progress, file=sys.stderr)
     speedups: list[float] = []
@@ -344,7 +361,8 @@ def _run_bench(model, drafter, methods, prompts, out, base, progress) -> int:
     written = 0
     drop_torn_tail(out)  # a killed run left half a line
     with open(out, "a") as f:
-        for prompt, (name, settings) in todo:
+        for prompt, (name, _) in todo:
+            settings, drafter = settings_of[name], chosen[name]
             bar.set_postfix_str(f"{name} on {prompt.task}/{prompt.id}" + (f", speed-up {sorted(speedups)[len(speedups) // 2]:.2f}x" if speedups else ""))
             record = {"task": prompt.task, "prompt_id": prompt.id, "method": name, "time": time.strftime("%Y-%m-%dT%H:%M:%S"),
                       "run_id": run_id, "weights": {"model": model.weights, "drafter": drafter.weights if drafter else None},
@@ -352,16 +370,14 @@ def _run_bench(model, drafter, methods, prompts, out, base, progress) -> int:
             if available[name]:
                 record["unavailable"] = available[name]
             else:
-                uses_drafter = _draft_kind(settings, drafter is not None) is DraftKind.MODEL
                 config = base.replace(**settings, chat=prompt.chat if prompt.chat is not None else base.chat)
-                chosen = drafter if uses_drafter else None
-                r = generate(prompt.text, model, drafter=chosen, config=config, progress=False)
+                r = generate(prompt.text, model, drafter=drafter, config=config, progress=False)
                 stats = r.stats
                 if prompt.follow_up is not None:  # the second turn answers after the model's own first answer
                     turn1 = r
                     conversation = [{"role": "user", "content": prompt.text}, {"role": "assistant", "content": turn1.text},
                                     {"role": "user", "content": prompt.follow_up}]
-                    r = generate(conversation, model, drafter=chosen, config=config, progress=False)
+                    r = generate(conversation, model, drafter=drafter, config=config, progress=False)
                     stats = turn1.stats.merge(r.stats)
                     record.update(turns=[{"text": t.text, "token_ids": t.token_ids, "stats": t.stats.to_dict()} for t in (turn1, r)])
                 text = humaneval_completion(r.text) if prompt.task == "human_eval" else r.text

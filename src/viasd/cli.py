@@ -8,7 +8,7 @@ import sys
 from collections.abc import Callable
 from pathlib import Path
 
-from viasd.errors import ViasdError
+from viasd.errors import UsageError, ViasdError
 from viasd.validation import WEIGHT_FORMATS
 
 DEMO_PROMPT = "Explain in three sentences why the sky is blue."
@@ -255,12 +255,17 @@ def _calibrate(args: argparse.Namespace) -> int:
 
 
 def _add_calibrate(p: argparse.ArgumentParser) -> None:
-    from viasd.api import DRAFT_KINDS
+    from viasd.api import CONVERSIONS, DRAFT_KINDS
     from viasd.calibrate import GRIDS
     from viasd.models.zoo import DEFAULT_MODEL
 
     p.add_argument("--model", "-m", default=DEFAULT_MODEL, help="(default: %(default)s)")
     p.add_argument("--drafter", "-d", help="drafter model (else --draft pld or self)")
+    p.add_argument("--draft-conversion", default="auto", choices=CONVERSIONS,
+                   help="a --drafter with another vocabulary: text (greedy: drafted text re-encoded by the verifier's "
+                        "tokenizer) or intersection (drafts only tokens both vocabularies have, mapped one to one: "
+                        "lossless under sampling too); auto = intersection when sampling, for cascade and tiered "
+                        "viasd (they read the drafter's probabilities), else text (default: %(default)s)")
     p.add_argument("--draft", default="auto", choices=DRAFT_KINDS, help="drafter kind (default: %(default)s)")
     p.add_argument("--draft-route", metavar="ROUTE.json", help="self drafting route file")
     p.add_argument("--route", "-r", metavar="ROUTE.json", help="slim route (default: the shipped route); thresholds are written beside it")
@@ -285,6 +290,9 @@ def _bench(args: argparse.Namespace) -> int:
     from viasd.validation import check_text, check_writable_file
 
     methods = parse_methods(args.methods)
+    missing = sorted({m["drafter"] for _, m in methods if "drafter" in m} - set(args.drafter or []))
+    if missing:
+        raise UsageError(f"--methods names drafter(s) {', '.join(missing)} that no --drafter gives")
     prompts = load_tasks(args.tasks, args.limit, args.turns)
     base = GenerateConfig(max_new_tokens=args.max_new_tokens, k=args.k, seed=args.seed)
     base.validate()
@@ -292,8 +300,8 @@ def _bench(args: argparse.Namespace) -> int:
     with results_lock(out):  # before the models load: a second run on the same file is refused at once
         progress = not args.quiet
         model = load_model(args.model, progress=progress)
-        drafter = load_model(args.drafter, progress=progress) if args.drafter else None
-        n = run_bench(model, drafter, methods, prompts, out, base, progress)
+        drafters = {name: load_model(name, progress=progress) for name in dict.fromkeys(args.drafter or [])}
+        n = run_bench(model, drafters, methods, prompts, out, base, progress)
     print(f"{out}: {n} new record(s); {len(prompts) * len(methods)} in the run")
     return 0
 
@@ -303,11 +311,13 @@ def _add_bench(p: argparse.ArgumentParser) -> None:
     from viasd.models.zoo import DEFAULT_MODEL
 
     p.add_argument("--model", "-m", default=DEFAULT_MODEL, help="(default: %(default)s)")
-    p.add_argument("--drafter", "-d", help="drafter model for sd (and cascade / viasd-*, which otherwise draft with a route or pld)")
+    p.add_argument("--drafter", "-d", action="append", metavar="MODEL",
+                   help="drafter model for sd (and cascade / viasd-*, which otherwise draft with a route or pld); "
+                        "repeat it for several: a method METHOD@MODEL drafts with that one, the others with the first")
     p.add_argument("--methods", default="ar,pld,self-sd,cascade,viasd-lossless,viasd-tiered",
                    help=f"comma-separated, from {', '.join(METHODS)}; cascade and viasd-* take :pld / :self / :model; sd, pld, "
-                        "self-sd and cascade take +adapt / +fixed (draft lengths from measured costs or always --k; see --adapt-k) "
-                        "(default: %(default)s)")
+                        "self-sd and cascade take +adapt / +fixed (draft lengths from measured costs or always --k; see --adapt-k); "
+                        "a method drafting with a model takes @MODEL, one of the --drafter values (default: %(default)s)")
     p.add_argument("--tasks", default="spec_bench,human_eval", help=f"comma-separated, from {', '.join(TASKS)} (default: %(default)s)")
     p.add_argument("--limit", type=int, default=5, help="prompts per task (default: %(default)s)")
     p.add_argument("--turns", type=int, default=1, choices=(1, 2),
@@ -337,14 +347,15 @@ def _add_report(p: argparse.ArgumentParser) -> None:
 
 
 def _add_generate(p: argparse.ArgumentParser) -> None:
-    from viasd.api import DRAFT_KINDS, MODES
+    from viasd.api import CONVERSIONS, DRAFT_KINDS, MODES
     from viasd.decoding.acceptance import DEFERRAL_RULES
     from viasd.decoding.registry import DEFAULT_STRATEGY, STRATEGIES
     from viasd.models.zoo import DEFAULT_MODEL
 
     p.add_argument("prompt", nargs="?", help=f"text to continue; - reads stdin (default: {DEMO_PROMPT!r})")
     p.add_argument("--model", "-m", default=DEFAULT_MODEL, help="zoo alias, GGUF file, transformers directory or hub id (default: %(default)s)")
-    p.add_argument("--drafter", "-d", help="drafter model for --strategy sd (same vocabulary as --model)")
+    p.add_argument("--drafter", "-d", help="drafter model for sd / cascade / viasd --draft model: any zoo model, GGUF or "
+                   "directory; one with another tokenizer drafts through text or the tokens both share (--draft-conversion)")
     p.add_argument("--strategy", "-s", default=DEFAULT_STRATEGY, choices=list(STRATEGIES),
                    help="; ".join(f"{k}: {v.help}" for k, v in STRATEGIES.items()) + " (default: %(default)s)")
     p.add_argument("--k", "-k", type=int, default=4, help="draft tokens per verification round (default: %(default)s)")
@@ -356,6 +367,11 @@ def _add_generate(p: argparse.ArgumentParser) -> None:
                         "greedy tiered VIA-SD; off when sampling, so that --seed reproduces the output, and for cascade)")
     p.add_argument("--draft-layers", type=int, nargs="+", metavar="L", help="self drafting: verifier layers the drafting route keeps")
     p.add_argument("--draft-route", metavar="ROUTE.json", help="self-sd: drafting route from a route file (see `viasd routes show`)")
+    p.add_argument("--draft-conversion", default="auto", choices=CONVERSIONS,
+                   help="a --drafter with another vocabulary: text (greedy: drafted text re-encoded by the verifier's "
+                        "tokenizer) or intersection (drafts only tokens both vocabularies have, mapped one to one: "
+                        "lossless under sampling too); auto = intersection when sampling, for cascade and tiered "
+                        "viasd (they read the drafter's probabilities), else text (default: %(default)s)")
     p.add_argument("--draft", default="auto", choices=DRAFT_KINDS,
                    help="drafter for viasd / cascade: model (--drafter), pld, self (a route); auto = model if --drafter "
                         "is given, else pld for viasd and self for cascade")

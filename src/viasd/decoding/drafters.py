@@ -9,6 +9,7 @@ so a verification round needs no separate `update`.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -73,6 +74,14 @@ class _AutoregressiveDrafter:
         self.stats = verifier.stats
 
     def propose(self, context: list[int], k: int) -> Draft:
+        tokens, probs = self.draft_ids(context, k)
+        return Draft(tokens, probs if tokens else None)
+
+    def draft_ids(self, context: list[int], k: int, enough: Callable[[list[int]], bool] | None = None,
+                  first: torch.Tensor | None = None) -> tuple[list[int], torch.Tensor | None]:
+        """Up to k tokens of the drafter's own vocabulary continuing `context` (its ids), and their
+        q [k', V]; drafting stops early below `threshold`, or once `enough(tokens)` says so.
+        `first`: [n] the ids the first token is drawn from (token healing), None: any."""
         cache, start = self._sync(context)
         start = min(start, len(context) - 1)  # always recompute the last token to get its logits
         feed = torch.tensor(context[start:])
@@ -81,17 +90,19 @@ class _AutoregressiveDrafter:
         for _ in range(k):
             logits = self.decoder.forward(feed, start, cache, route=self.route, last_only=True, head=self.head)[0]  # [V]
             self.stats.observe_call(CallKind.DRAFT, verifier_share=self.verifier_share, bytes_read=pass_bytes(self.decoder, self.route, head=self.head))
+            if first is not None and not tokens:
+                logits = torch.full_like(logits, float("-inf")).index_copy_(0, first, logits[first])
             start += feed.shape[0]
             q = self.params.confidence(logits)  # [V]
             token = self.params.draw(q, self.generator)
             probs.append(q)
             top = float(q.max())
             tokens.append(token)
-            if self.threshold is not None and top < self.threshold:
+            if self.threshold is not None and top < self.threshold or enough is not None and enough(tokens):
                 break
             feed = torch.tensor([token])
         self._drafted(context, tokens)
-        return Draft(tokens, torch.stack(probs) if probs else None)
+        return tokens, torch.stack(probs) if probs else None
 
     def _drafted(self, context: list[int], tokens: list[int]) -> None:
         pass

@@ -51,12 +51,14 @@ def viasd_lossless_decode(decoder: Decoder, drafter: Drafter, route: LayerMask, 
                        resume_layer=resume_layer(route, resume))
     while not v.done:
         # 1. slim stage: speculative decoding drafter -> slim builds a block distributed as q'
-        block, origin, block_q = _slim_stage(v, drafter, route, k, full_block, head)
+        block, origin, block_q, rescue = _slim_stage(v, drafter, route, k, full_block, head)
         # 2. full stage: one pass verifies the block, with q' as the proposal distribution
         logits = v.full(block)  # [len(block)+1, V]
         n, x = accept(block, block_q, logits, req.params, req.generator)
         req.stats.observe_round(0, 0)
         req.stats.observe_full_check(len(block), n)
+        if rescue is not None and n >= rescue:  # the full model judged the slim verifier's replacement
+            req.stats.observe_rescue(n > rescue)
         # 3. commit; drafter tokens the full model rejected (or the budget cut) no longer count as accepted
         kept = v.commit(block[:n] + [x], origin[:n] + [Tier.FULL])
         req.stats.accepted -= origin.count(Tier.ACCEPT) - origin[: min(n, kept)].count(Tier.ACCEPT)
@@ -64,11 +66,11 @@ def viasd_lossless_decode(decoder: Decoder, drafter: Drafter, route: LayerMask, 
 
 
 def _slim_stage(v: Verifier, drafter: Drafter, route: LayerMask, k: int, full_block: int,
-                head: ReducedHead | None = None) -> tuple[list[int], list[Tier], torch.Tensor | None]:
+                head: ReducedHead | None = None) -> tuple[list[int], list[Tier], torch.Tensor | None, int | None]:
     """Draft and slim-verify rounds until the block is full, an end token appears, or the slim
     verifier rejects a draft. Returns the block, each token's origin (ACCEPT: a drafter token, SLIM:
-    the slim verifier's recovered/bonus token) and q' at each block position ([len(block), V];
-    sampling only).
+    the slim verifier's recovered/bonus token), q' at each block position ([len(block), V];
+    sampling only), and where the slim verifier replaced a rejected draft (its rescue; None: none).
 
     Stopping at the first slim rejection matters: a block continued past it grows from the slim
     verifier's own token, which the full model rejects more often than a draft both agreed on, and
@@ -96,9 +98,11 @@ def _slim_stage(v: Verifier, drafter: Drafter, route: LayerMask, k: int, full_bl
         origin += [Tier.ACCEPT] * n + [Tier.SLIM]
         if not params.greedy:
             block_q.append(params.probs(slim_logits[: n + 1]))
-        if n < len(draft) or any(t in v.req.eos for t in block[-n - 1 :]):
+        if n < len(draft):
+            return block, origin, torch.cat(block_q) if block_q else None, len(block) - 1
+        if any(t in v.req.eos for t in block[-n - 1 :]):
             break
-    return block, origin, torch.cat(block_q) if block_q else None
+    return block, origin, torch.cat(block_q) if block_q else None, None
 
 
 def viasd_tiered_decode(decoder: Decoder, drafter: Drafter, route: LayerMask, req: DecodeRequest, k: int,

@@ -50,6 +50,17 @@ class DecodeStats:
     # (the corrected one and everything settled after it)
     corrected: int = 0
     discarded: int = 0
+    # cross-vocabulary drafting through text: bytes the drafter drafted, those its converted drafts
+    # kept (the rest was lost to the verifier's re-tokenization), and drafts whose junction with the
+    # committed text no verifier tokenization respected
+    converted_bytes: int = 0
+    converted_kept: int = 0
+    junction_splits: int = 0
+    # lossless VIA-SD: the slim verifier's replacements of drafts it rejected that the full model
+    # judged, and those it kept (the slim verifier's agreement with the full model where the drafter
+    # was wrong: what a slim tier can rescue)
+    rescues: int = 0
+    rescues_kept: int = 0
     _t0: float = field(default_factory=time.perf_counter, repr=False)
 
     def observe_call(self, name: str, n: int = 1, verifier_share: float = 0.0, bytes_read: int = 0) -> None:
@@ -80,6 +91,15 @@ class DecodeStats:
         self.rechecked += n_rechecked
         self.disagreed += n_disagreed
 
+    def observe_conversion(self, drafted_bytes: int, kept_bytes: int, junction: bool = False) -> None:
+        self.converted_bytes += drafted_bytes
+        self.converted_kept += kept_bytes
+        self.junction_splits += junction
+
+    def observe_rescue(self, kept: bool) -> None:
+        self.rescues += 1
+        self.rescues_kept += kept
+
     def observe_tiers(self, tiers: list[int]) -> None:
         self.tiers.update(tiers)
 
@@ -105,6 +125,10 @@ class DecodeStats:
             full_checked=self.full_checked + other.full_checked, full_kept=self.full_kept + other.full_kept,
             rechecked=self.rechecked + other.rechecked, disagreed=self.disagreed + other.disagreed,
             corrected=self.corrected + other.corrected, discarded=self.discarded + other.discarded,
+            converted_bytes=self.converted_bytes + other.converted_bytes,
+            converted_kept=self.converted_kept + other.converted_kept,
+            junction_splits=self.junction_splits + other.junction_splits,
+            rescues=self.rescues + other.rescues, rescues_kept=self.rescues_kept + other.rescues_kept,
         )
 
     def finish(self) -> None:
@@ -153,6 +177,11 @@ class DecodeStats:
             "recheck_disagreement": round(self.disagreed / self.rechecked, 4) if self.rechecked else 0.0,
             "corrected": self.corrected,
             "discarded": self.discarded,
+            # cross-vocabulary drafting through text: the share of drafted bytes lost to re-tokenization
+            "retokenization_loss": round(1 - self.converted_kept / self.converted_bytes, 4) if self.converted_bytes else 0.0,
+            "junction_splits": self.junction_splits,
+            "slim_rescues": self.rescues,
+            "slim_rescue_agreement": round(self.rescues_kept / self.rescues, 4) if self.rescues else None,
             "acceptance_per_position": [round(a / d, 4) if d else 0.0 for a, d in zip(self.accepted_at, self.drafted_at)],
         }
 

@@ -13,6 +13,7 @@ conversion never leaves a half-written model and a second load takes seconds.
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import json
 import os
@@ -37,11 +38,11 @@ from viasd.errors import (
     UnknownModelError,
     UnsupportedArchitectureError,
     UsageError,
-    VocabularyMismatchError,
 )
 from viasd.models import compute
 from viasd.models.native import NATIVE_ARCHITECTURES, read_native
 from viasd.models.runtime import SUPPORTED_ARCHITECTURES, Decoder, ModelConfig
+from viasd.models.vocabulary import Vocabulary, vocabulary_of
 from viasd.models.zoo import ZOO, ZooEntry
 
 _META = "viasd-model.json"
@@ -412,6 +413,11 @@ class LoadedModel:
     def has_chat_template(self) -> bool:
         return bool(getattr(self.tokenizer, "chat_template", None))
 
+    @functools.cached_property
+    def vocabulary(self) -> Vocabulary:
+        """The bytes of every token id, for drafting across vocabularies (`models.vocabulary`)."""
+        return vocabulary_of(self.tokenizer, self.decoder.lm_head.out_features, self.name)
+
     def encode(self, prompt: str | list[dict[str, str]], chat: bool | None = None) -> list[int]:
         """Token ids for `prompt`: a user message, or a conversation as chat messages
         `[{"role": "user"|"assistant"|"system", "content": str}, ...]` ending with a user turn.
@@ -692,13 +698,10 @@ def _first_line(e: BaseException) -> str:
     return (str(e).strip().splitlines() or [""])[0][:200]
 
 
-def check_same_vocabulary(verifier: LoadedModel, drafter: LoadedModel) -> None:
-    """A drafter must speak the verifier's token ids, or its drafts mean nothing."""
-    if verifier.tokenizer.get_vocab() != drafter.tokenizer.get_vocab():
-        raise VocabularyMismatchError(
-            f"drafter {drafter.name} has a different vocabulary from verifier {verifier.name}: "
-            "use a drafter from the same model family (same tokenizer)"
-        )
+def same_vocabulary(verifier: LoadedModel, drafter: LoadedModel) -> bool:
+    """Whether a drafter speaks the verifier's token ids (else its drafts go through text:
+    `decoding.crossvocab`)."""
+    return verifier.tokenizer.get_vocab() == drafter.tokenizer.get_vocab()
 
 
 def cached_models() -> list[dict]:

@@ -71,14 +71,19 @@ def route_head(model: LoadedModel, resolved: Resolved) -> "ReducedHead | None":
     return model.decoder.reduced_head(vocab)
 
 
+def slim_vocab(verifier: LoadedModel) -> tuple[int, ...] | None:
+    """The vocabulary of the verifier's shipped slim route (None: no such route, or it stores none)."""
+    route = shipped_route(ModelFingerprint.of(verifier), "slim")
+    return route.vocab if route is not None else None
+
+
 def drafter_head(verifier: LoadedModel, drafter: LoadedModel) -> "ReducedHead | None":
     """A drafter model's reduced LM head (issue 11 item 3, for drafting passes): the vocabulary of
     the verifier's shipped slim route, the calibration corpus' most frequent tokens, which a drafter
     with the same tokenizer shares (None: no shipped route with a vocabulary, or a drafter without
     reduced heads). A small drafter spends a larger share of its pass on the head than its verifier
     does (qwen2.5-coder-0.5b: 136M of its 494M parameters)."""
-    route = shipped_route(ModelFingerprint.of(verifier), "slim")
-    vocab = route.vocab if route is not None else None
+    vocab = slim_vocab(verifier)
     if vocab is None or not hasattr(drafter.decoder, "reduced_head") or vocab[-1] >= drafter.decoder.lm_head.out_features:
         return None
     return drafter.decoder.reduced_head(vocab)

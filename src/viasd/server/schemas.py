@@ -52,6 +52,7 @@ class ViasdOptions(Strict):
     draft: Literal["auto", "model", "pld", "self"] | None = None
     draft_threshold: Prob | None = None
     adapt_k: bool | None = None
+    draft_conversion: Literal["auto", "text", "intersection"] | None = None
     draft_layers: Layers | None = None
     max_ngram: Annotated[int, Field(ge=1, le=64)] | None = None
     min_ngram: Annotated[int, Field(ge=1, le=64)] | None = None

@@ -1,0 +1,242 @@
+"""Drafting with a model of another vocabulary (issue 25): a drafter reads and writes text, not ids.
+
+Two conversions, as in transformers' universal assisted generation and its lossless variant
+(Timor et al., ICML 2025, "Lossless Speculative Decoding Algorithms for Heterogeneous Vocabularies"):
+
+- **text** (greedy; UAG): the drafter drafts in its own vocabulary; the drafted bytes are encoded with
+  the verifier's tokenizer, the verifier's last committed tokens before them (so a token spanning the
+  junction is seen), and the last converted token is dropped (the text after it may still extend it).
+  The verifier judges its own tokens, so greedy output is `ar`'s whatever the drafts. Drafts carry no
+  probabilities (q = None), like prompt lookup's.
+- **intersection** (any sampling; TLI, "token-level intersection"): the drafter drafts only tokens whose
+  bytes are also one verifier token (its reduced LM head over the shared tokens), each mapped 1:1, and
+  its distribution over them is q over the verifier's vocabulary (0 elsewhere). Standard speculative
+  sampling against p is then lossless, as for any proposal distribution.
+
+Either way the drafter's context follows the committed text incrementally (`DrafterContext`): only
+the new text and a few tokens before it are re-encoded each round, and the drafter's KV cache is
+rolled back to the longest common prefix of its old and new ids.
+"""
+
+from __future__ import annotations
+
+import bisect
+import functools
+from enum import StrEnum
+
+import torch
+
+from viasd.decoding.acceptance import SamplingParams
+from viasd.decoding.drafters import NO_DRAFT, Draft, ModelDrafter
+from viasd.decoding.verifier import CallKind, Verifier, pass_bytes
+from viasd.models.runtime import Decoder, ReducedHead
+from viasd.models.vocabulary import Vocabulary
+
+LOOKBEHIND = 3  # drafter tokens before the new text that are re-encoded with it (a merge across the junction)
+JUNCTION = 3  # committed verifier tokens encoded with drafted text (a token spanning the junction)
+
+
+class Conversion(StrEnum):
+    AUTO = "auto"  # intersection when the loop needs draft probabilities (sampling, cascade, tiered), else text
+    TEXT = "text"
+    INTERSECTION = "intersection"
+
+
+def common_prefix(a: list[int], b: list[int]) -> int:
+    n = min(len(a), len(b))
+    if a[:n] == b[:n]:  # (the usual case, one comparison in C)
+        return n
+    return next(i for i in range(n) if a[i] != b[i])
+
+
+def complete_utf8(data: bytes) -> str:
+    """`data` as text, less a trailing incomplete UTF-8 sequence (its bytes come with the next token);
+    invalid bytes elsewhere become U+FFFD."""
+    for back in range(1, min(4, len(data)) + 1):  # the last lead byte within the final 4
+        b = data[-back]
+        if b & 0xC0 != 0x80:  # not a continuation byte
+            need = 2 if b & 0xE0 == 0xC0 else 3 if b & 0xF0 == 0xE0 else 4 if b & 0xF8 == 0xF0 else 1
+            if need > back:
+                data = data[:-back]
+            break
+    return data.decode("utf-8", errors="replace")
+
+
+class VocabBridge:
+    """A verifier's and a drafter's vocabularies, and the tokens they share: same bytes, both special
+    or both not."""
+
+    def __init__(self, verifier: Vocabulary, drafter: Vocabulary):
+        self.verifier, self.drafter = verifier, drafter
+        index = {(b, i in verifier.special): i for i, b in enumerate(verifier.pieces) if b}
+        to_v = [index.get((b, j in drafter.special), -1) if b else -1 for j, b in enumerate(drafter.pieces)]
+        self.to_verifier = torch.tensor(to_v, dtype=torch.long)  # [V_drafter] verifier id, -1: none
+        self.shared = tuple(j for j, i in enumerate(to_v) if i >= 0)  # drafter ids, ascending
+
+    @functools.cached_property
+    def by_bytes(self) -> tuple[torch.Tensor, list[bytes]]:
+        """The drafter's non-special ids sorted by their bytes, and those bytes: the ids whose bytes
+        start with a prefix are one range of them."""
+        d = self.drafter
+        ranked = sorted((b, j) for j, b in enumerate(d.pieces) if b and j not in d.special)
+        return torch.tensor([j for _, j in ranked], dtype=torch.long), [b for b, _ in ranked]
+
+    def shared_within(self, verifier_ids: tuple[int, ...] | None) -> tuple[int, ...]:
+        """The shared drafter ids whose verifier tokens are in `verifier_ids` (None: all shared)."""
+        if verifier_ids is None:
+            return self.shared
+        keep = set(verifier_ids)
+        return tuple(j for j in self.shared if int(self.to_verifier[j]) in keep)
+
+
+class DrafterContext:
+    """The drafter's ids for the text of the committed verifier ids, updated incrementally.
+
+    Invariant: `text` = the bytes of `v_ids`; `d_ids` encode `text` (but a trailing incomplete UTF-8
+    character); `v_ends[i]` / `d_ends[i]` = the byte where token i ends."""
+
+    def __init__(self, bridge: VocabBridge):
+        self.bridge = bridge
+        self.v_ids: list[int] = []
+        self.v_ends: list[int] = []
+        self.text = bytearray()
+        self.d_ids: list[int] = []
+        self.d_ends: list[int] = []
+
+    def update(self, context: list[int]) -> list[int]:
+        """The drafter's ids for `context` (verifier ids, prompt included)."""
+        pieces = self.bridge.verifier.pieces
+        c = common_prefix(self.v_ids, context)
+        kept = self.v_ends[c - 1] if c else 0
+        del self.v_ids[c:], self.v_ends[c:], self.text[kept:]
+        for t in context[c:]:
+            self.text += pieces[t]
+            self.v_ids.append(t)
+            self.v_ends.append(len(self.text))
+        if c == len(context) and len(self.d_ends) and self.d_ends[-1] == len(self.text):
+            return self.d_ids
+        s = max(0, bisect.bisect_right(self.d_ends, kept) - LOOKBEHIND)  # drafter tokens kept as they are
+        begin = self.d_ends[s - 1] if s else 0
+        new = self.bridge.drafter.encode(complete_utf8(bytes(self.text[begin:])))
+        d_pieces = self.bridge.drafter.pieces
+        ends, end = [], begin
+        for t in new:
+            end += len(d_pieces[t])
+            ends.append(end)
+        self.d_ids[s:], self.d_ends[s:] = new, ends
+        return self.d_ids
+
+
+class CrossVocabDrafter(ModelDrafter):
+    """A drafter model with another tokenizer (`VocabBridge`), by either `Conversion`.
+
+    `head` (intersection): the drafter's reduced LM head over the shared tokens (or a subset of them).
+    `max_len` of the drafter's cache: `ratio` drafter tokens per verifier position (a drafter with
+    shorter tokens needs more); past it, no drafts (the verifier decodes alone)."""
+
+    def __init__(self, decoder: Decoder, bridge: VocabBridge, conversion: Conversion, params: SamplingParams,
+                 generator: torch.Generator | None, threshold: float | None, head: ReducedHead | None = None,
+                 eos: frozenset[int] = frozenset(), ratio: float = 3.0):
+        if conversion is Conversion.AUTO:
+            raise ValueError("choose the conversion (api.make_drafter resolves auto)")
+        if conversion is Conversion.TEXT and not params.greedy:
+            raise ValueError("text conversion is greedy only: sampling needs the intersection (TLI)")
+        if conversion is Conversion.INTERSECTION and head is None:
+            raise ValueError("intersection drafting needs the drafter's head over the shared tokens")
+        super().__init__(decoder, params, generator, threshold, head)
+        self.bridge, self.conversion, self.eos, self.ratio = bridge, conversion, eos, ratio
+        self.context = DrafterContext(bridge)
+        self._shared = torch.tensor(bridge.shared, dtype=torch.long)  # [n_shared]
+        self._healing: dict[bytes, torch.Tensor] = {}
+
+    def begin(self, max_len: int, verifier: Verifier) -> None:
+        self.stats = verifier.stats
+        if getattr(verifier, "source", None) is not None:
+            raise ValueError("cross-vocabulary drafting needs a decoder-only verifier")
+        self.context = DrafterContext(self.bridge)
+        prompt = self.context.update(list(verifier.tokens))
+        self.capacity = int(len(prompt) + self.ratio * (max_len - len(verifier.tokens))) + 8
+        self.cache = self.decoder.new_cache(self.capacity)
+        self.cached_ids = []
+        if len(prompt) > 1:  # the prompt but its last token, as ModelDrafter does (prefill work)
+            self.decoder.forward(torch.tensor(prompt[:-1]), 0, self.cache, logits=False)
+            self.stats.observe_call(CallKind.DRAFT, bytes_read=pass_bytes(self.decoder, None, head=False))
+            self.cached_ids = list(prompt[:-1])
+
+    def propose(self, context: list[int], k: int) -> Draft:
+        ids = self.context.update(context)
+        if not ids or k <= 0 or len(ids) + 2 * k + 2 > self.capacity:
+            return NO_DRAFT
+        if self.conversion is Conversion.INTERSECTION:
+            return self._mapped(ids, k)
+        return self._through_text(context, ids, k)
+
+    def _mapped(self, ids: list[int], k: int) -> Draft:
+        tokens, probs = self.draft_ids(ids, k)
+        if not tokens:
+            return NO_DRAFT
+        shared = self._shared
+        # [k', V_verifier]: q moved to the verifier's ids of the shared tokens (0 elsewhere; every
+        # drafted id is shared: the head scores no others)
+        q = torch.zeros(len(tokens), len(self.bridge.verifier.pieces), dtype=probs.dtype)
+        q[:, self.bridge.to_verifier[shared]] = probs[:, shared]
+        return Draft(self.bridge.to_verifier[torch.tensor(tokens)].tolist(), q)
+
+    def _through_text(self, context: list[int], ids: list[int], k: int) -> Draft:
+        """Token healing (as guidance' and llama.cpp's samplers do it): the committed text's last
+        drafter token is drafted again, as any token that starts with its bytes. A text that ends in
+        "\n" ends in the drafter token "\n", which training text shows only before a non-space: an
+        indented line then drafts as "\n    ", which this lets the drafter choose."""
+        v, d = self.bridge.verifier, self.bridge.drafter
+        base = v.text_bytes(context[-JUNCTION:])
+        healed = d.pieces[ids[-1]] if len(ids) > 1 and ids[-1] not in d.special else b""
+        converted: list[int] = []
+
+        def text_of(tokens: list[int]) -> bytes:
+            return d.text_bytes([t for t in tokens if t not in self.eos])[len(healed):]
+
+        def enough(tokens: list[int]) -> bool:  # k + 1 verifier tokens (the last may be incomplete), or an end
+            nonlocal converted
+            if len(tokens) < k and tokens[-1] not in self.eos:
+                return False
+            converted = self._convert(base, text_of(tokens), tokens[-1])
+            return tokens[-1] in self.eos or len(converted) > k
+
+        tokens, _ = self.draft_ids(ids[:-1] if healed else ids, 2 * k + 2, enough, self._extensions(healed) if healed else None)
+        ended = bool(tokens) and tokens[-1] in self.eos
+        if tokens and not converted:
+            converted = self._convert(base, text_of(tokens), tokens[-1])
+        kept = converted[:k] if ended else converted[: min(k, len(converted) - 1)]
+        drafted, got = text_of(tokens), v.text_bytes([t for t in kept if t not in v.special])
+        self.stats.observe_conversion(len(drafted), common_prefix(list(drafted), list(got)))  # (bytes as they came)
+        return Draft(kept, None) if kept else NO_DRAFT
+
+    def _extensions(self, piece: bytes) -> torch.Tensor:
+        """[n] the drafter ids whose bytes start with `piece` (not special): a range of the pieces
+        sorted (`VocabBridge.by_bytes`)."""
+        if piece not in self._healing:
+            order, keys = self.bridge.by_bytes
+            lo = bisect.bisect_left(keys, piece)
+            hi = bisect.bisect_left(keys, piece + b"\xff" * 64, lo)  # (no piece is 64 bytes of 0xff)
+            self._healing[piece] = order[lo:hi]
+        return self._healing[piece]
+
+    def _convert(self, base: bytes, drafted: bytes, last: int) -> list[int]:
+        """Verifier ids of the `drafted` bytes following the committed `base` bytes: a tokenization that
+        starts exactly at the junction (of the drafted text alone where the verifier's spans it); the
+        drafter's end token `last` becomes the verifier's own where they share it."""
+        v = self.bridge.verifier
+        end_id = int(self.bridge.to_verifier[last]) if last in self.eos else None
+        ids, end, out = v.encode(complete_utf8(base + drafted)), 0, None
+        for i, t in enumerate(ids):
+            if end == len(base):
+                out = ids[i:]
+                break
+            end += len(v.pieces[t])
+            if end > len(base):
+                break
+        if out is None and end != len(base):
+            self.stats.observe_conversion(0, 0, junction=True)
+            out = v.encode(complete_utf8(drafted))
+        out = out or []
+        return out + [end_id] if end_id is not None and end_id >= 0 else out

@@ -1,0 +1,77 @@
+"""A tokenizer as cross-vocabulary drafting sees it: the bytes every token id stands for, and text -> ids.
+
+Decoding a sequence of ids is then the concatenation of their bytes, exactly, for the two kinds of
+tokenizer the zoo's families use: byte-level BPE (GPT-2's byte-to-unicode alphabet: SmolLM2, Qwen)
+and SentencePiece-style BPE with byte fallback (Gemma: U+2581 for a space, `<0xNN>` for a byte).
+Added tokens (`<|im_end|>`, `<end_of_turn>`) stand for their own text and are marked special when
+the tokenizer says so. Ids the tokenizer does not define (an LM head padded past the vocabulary)
+stand for nothing (b"").
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from viasd.errors import VocabularyMismatchError
+
+SPACE_MARK = "\u2581"  # SentencePiece's visible space
+
+
+@dataclass(frozen=True, eq=False)
+class Vocabulary:
+    pieces: tuple[bytes, ...]  # [n_ids] the bytes of each id (b"": none)
+    special: frozenset[int]  # ids of special (control) tokens
+    encode: Callable[[str], list[int]]  # text -> ids, no special tokens added (those in the text are parsed)
+    kind: str  # "byte-level" or "sentencepiece"
+
+    def text_bytes(self, ids: list[int]) -> bytes:
+        return b"".join(self.pieces[i] for i in ids)
+
+
+def _byte_decoder() -> dict[str, int]:
+    """GPT-2's byte-level alphabet, reversed: printable stand-in character -> byte."""
+    keep = list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1)) + list(range(ord("®"), ord("ÿ") + 1))
+    chars, n = list(keep), 0
+    for b in range(256):
+        if b not in keep:
+            keep.append(b)
+            chars.append(256 + n)
+            n += 1
+    return {chr(c): b for b, c in zip(keep, chars)}
+
+
+def vocabulary_of(tokenizer, n_ids: int, name: str = "model") -> Vocabulary:
+    """The `Vocabulary` of a transformers fast tokenizer, over ids 0 .. n_ids-1 (the LM head's width)."""
+    backend = getattr(tokenizer, "backend_tokenizer", None)
+    if backend is None:
+        raise VocabularyMismatchError(f"{name}: cross-vocabulary drafting needs a fast (tokenizers) tokenizer")
+    spec = json.loads(backend.to_str())
+    model, decoder = spec.get("model", {}), json.dumps(spec.get("decoder"))
+    vocab: dict[str, int] = model.get("vocab") if isinstance(model.get("vocab"), dict) else {}
+    if model.get("type") == "BPE" and '"ByteLevel"' in decoder:
+        kind, table = "byte-level", _byte_decoder()
+        piece = lambda s: bytes(table[c] for c in s) if all(c in table for c in s) else s.encode()  # noqa: E731
+    elif model.get("type") == "BPE" and model.get("byte_fallback"):
+        kind = "sentencepiece"
+
+        def piece(s: str) -> bytes:
+            if len(s) == 6 and s.startswith("<0x") and s.endswith(">"):
+                return bytes([int(s[3:5], 16)])
+            return s.replace(SPACE_MARK, " ").encode()
+    else:
+        raise VocabularyMismatchError(f"{name}: cross-vocabulary drafting needs a byte-level or SentencePiece BPE tokenizer, "
+                         f"not a {model.get('type')} one")
+    pieces = [b""] * n_ids
+    for token, i in vocab.items():
+        if 0 <= i < n_ids:
+            pieces[i] = piece(token)
+    special = set()
+    for added in spec.get("added_tokens", []):
+        i = added["id"]
+        if 0 <= i < n_ids:
+            pieces[i] = added["content"].encode()
+            if added.get("special"):
+                special.add(i)
+    return Vocabulary(tuple(pieces), frozenset(special), lambda text: tokenizer.encode(text, add_special_tokens=False), kind)
