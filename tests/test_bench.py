@@ -88,3 +88,25 @@ def test_bench_cli_errors(capsys):
     assert "unknown method 'turbo'" in capsys.readouterr().err
     assert main(["bench", "--tasks", "spec_bench:poetry"]) == 2
     assert "unknown Spec-Bench category" in capsys.readouterr().err
+
+
+def test_methods_name_their_drafter_and_run_with_it(tiny, tiny_drafter, tmp_path, capsys):
+    """METHOD@MODEL drafts with that --drafter; others with the first; one not given is reported."""
+    methods = parse_methods("ar,sd@a,sd+fixed@b,sd,sd@c")
+    assert [m for _, m in methods][1:] == [{"strategy": "sd", "drafter": "a"}, {"strategy": "sd", "adapt_k": False, "drafter": "b"},
+                                           {"strategy": "sd"}, {"strategy": "sd", "drafter": "c"}]
+    with pytest.raises(UsageError, match="@DRAFTER names the drafter model of sd"):
+        parse_methods("pld@a")
+    out = tmp_path / "r.jsonl"
+    run_bench(tiny, {"a": tiny_drafter, "b": tiny}, methods, bench_tasks(tmp_path), out, BENCH_BASE, progress=False)
+    records = load_records_tolerant(out)
+    by = lambda m: [r for r in records if r["method"] == m]  # noqa: E731
+    assert all(r["config"]["drafter"] == tiny_drafter.name for r in by("sd@a") + by("sd"))
+    assert all(r["config"]["drafter"] == tiny.name for r in by("sd+fixed@b"))
+    self_drafted = [r["stats"] for r in by("sd+fixed@b")]  # the verifier drafting for itself: all accepted
+    assert sum(s["drafted"] for s in self_drafted) > 0 and all(s["accepted"] == s["drafted"] for s in self_drafted)
+    assert all(r["unavailable"] == "needs --drafter c" for r in by("sd@c"))
+    for m in ("sd@a", "sd+fixed@b"):
+        assert [r["token_ids"] for r in by(m)] == [r["token_ids"] for r in by("ar")]
+    assert main(["bench", "--methods", "ar,sd@smollm2-135m", "--out", str(tmp_path / "x.jsonl")]) == 2
+    assert "names drafter(s) smollm2-135m that no --drafter gives" in capsys.readouterr().err

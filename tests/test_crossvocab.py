@@ -10,12 +10,12 @@ import torch
 from conftest import GREEDY, NO_EOS, bpe_tokenizer, exact_marginals, run_ar, save_tiny
 from viasd.api import generate
 from viasd.decoding.acceptance import SamplingParams
-from viasd.decoding.crossvocab import Conversion, CrossVocabDrafter, DrafterContext, VocabBridge, complete_utf8
+from viasd.decoding.crossvocab import Conversion, CrossVocabDrafter, DrafterContext, complete_utf8
 from viasd.decoding.strategies import speculative_decode
 from viasd.decoding.verifier import DecodeRequest
 from viasd.errors import UsageError, VocabularyMismatchError
 from viasd.models.loading import load_model
-from viasd.models.vocabulary import Vocabulary, _byte_decoder
+from viasd.models.vocabulary import VocabBridge, Vocabulary, _byte_decoder
 
 CORPUS_A = ["the quick brown fox jumps over the lazy dog", "def f(x):\n    return x + 1\n", "hello world, hello there"] * 20
 CORPUS_B = ["lorem ipsum dolor sit amet", "for i in range(10):\n    print(i)\n", "the cat sat on the mat"] * 20

@@ -62,3 +62,36 @@ def test_report_compares_within_one_run(tiny, tmp_path):
     legacy = tmp_path / "legacy.jsonl"
     legacy.write_text("".join(json.dumps({k: v for k, v in r.items() if k != "run_id"}) + "\n" for r in records))
     report(legacy, tmp_path / "r4")  # one (unnamed) run
+
+
+def test_time_cost_model_prices_each_pass_by_its_models_measured_times():
+    from viasd.report import cost_model, pass_seconds, predicted_decode_s
+
+    costs = {"rows_s": [0.010, 0.016, 0.020], "full_pass_bytes": 100}
+    assert pass_seconds(costs, 2, 100) == 0.016 and pass_seconds(costs, 2, 50) == 0.008
+    assert pass_seconds(costs, 5, 100) == pytest.approx(0.028)  # past the measured rows: the last increment
+    drafter = {"rows_s": [0.002, 0.003], "full_pass_bytes": 10}
+
+    def record(method, passes, decode_s, tokens):
+        return {"task": "t", "prompt_id": "1", "method": method, "pass_costs": {"verifier": costs, "drafter": drafter},
+                "stats": {"passes": passes, "new_tokens": tokens, "wall_s": 1.0 + decode_s, "first_token_s": 1.0}}
+
+    ar = record("ar", [["verifier", "full", 1, 100, 20]], 0.22, 21)  # 20 one-row passes: 0.2 s predicted
+    sd = record("sd", [["verifier", "full", 3, 100, 5], ["drafter", "draft", 1, 10, 10]], 0.13, 21)  # 0.1 + 0.02
+    assert predicted_decode_s(ar) == pytest.approx(0.2) and predicted_decode_s(sd) == pytest.approx(0.12)
+    m = cost_model([ar, sd])["sd"]
+    assert m["predicted"] == pytest.approx(0.2 / 0.12) and m["measured"] == pytest.approx(0.22 / 0.13)
+    assert m["time_ratio"] == pytest.approx(0.12 / 0.13)
+    assert predicted_decode_s({"stats": {"passes": []}}) is None  # no pass costs recorded
+
+
+def test_passes_are_counted_by_rows_and_model(tiny, tiny_drafter):
+    from viasd.api import generate
+
+    r = generate([1, 2, 3], tiny, drafter=tiny_drafter, strategy="sd", k=3, adapt_k=False, max_new_tokens=12, progress=False)
+    passes = r.stats.to_dict()["passes"]
+    full = {rows: n for model, kind, rows, _, n in passes if kind == "full"}
+    assert all(model in ("verifier", "drafter") for model, *_ in passes)
+    assert sum(full.values()) == r.stats.calls["full"] - 1  # every decoding pass; the prefill is not one
+    assert {kind for model, kind, *_ in passes if model == "drafter"} == {"draft"}
+    assert max(full) == 4  # a round verifies the last token and k = 3 drafts

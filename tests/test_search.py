@@ -48,6 +48,32 @@ def planted(planted_dir):
     return load_model(str(planted_dir), progress=False)
 
 
+@pytest.fixture(scope="module")
+def bpe_pair_models(tmp_path_factory):
+    """A byte-level BPE verifier and its twin: the same weights, behind the same tokenizer with one
+    token added (another vocabulary, whose extra token has a zero embedding)."""
+    from safetensors.torch import load_file, save_file
+
+    from conftest import bpe_tokenizer
+
+    tok = bpe_tokenizer(300, ["the quick brown fox jumps over the lazy dog", "hello world, hello there"] * 20)
+    v_dir = save_tiny(tmp_path_factory.mktemp("bv"), seed=3, tokenizer=tok)
+    d_dir = save_tiny(tmp_path_factory.mktemp("bd"), seed=3, tokenizer=tok)
+    tok.add_tokens(["<extra>"])
+    tok.save_pretrained(d_dir)
+    state = load_file(v_dir / "model.safetensors")
+    for name, w in list(state.items()):
+        if w.shape[0] == 300 and w.dim() == 2:  # embedding (and a separate head): one row more
+            state[name] = torch.cat([w, torch.zeros(1, w.shape[1])])
+    save_file(state, d_dir / "model.safetensors", metadata={"format": "pt"})
+    import json
+
+    cfg = json.loads((d_dir / "config.json").read_text())
+    cfg["vocab_size"] = 301
+    (d_dir / "config.json").write_text(json.dumps(cfg))
+    return load_model(str(v_dir), progress=False), load_model(str(d_dir), progress=False)
+
+
 def prompts():
     g = torch.Generator().manual_seed(0)
     return [torch.randint(0, 61, (8,), generator=g).tolist() for _ in range(3)]
@@ -196,3 +222,36 @@ def test_the_calibration_text_is_ar_s_greedy_continuation(tiny):
 
     prompt = [1, 5, 9, 3]
     assert greedy_continuation(tiny.decoder, prompt, 30) == run_ar(tiny, prompt, 30)
+
+
+def test_drafter_misses_weigh_the_search_where_the_drafter_is_wrong(tiny, tiny_drafter, bpe_pair_models):
+    """The verifier drafting for itself misses nothing; another model misses where its greedy token
+    differs (as counted directly); the rescue costs are the costs over those positions only."""
+    from viasd.routing.search import RESCUE_COSTS, drafter_misses
+
+    calib = build_calibration(tiny, seq_len=32, top_k=16, progress=False, prompts=prompts())
+    assert not any(bool(m.any()) for m in drafter_misses(tiny, tiny, calib))
+    calib.misses = drafter_misses(tiny, tiny_drafter, calib)
+    for seq, plen, wrong in zip(calib.sequences, calib.prompt_lens, calib.misses):
+        logits = tiny_drafter.decoder.forward(seq[:-1], 0, tiny_drafter.decoder.new_cache(len(seq)))[plen - 1 :]
+        assert torch.equal(wrong, logits.argmax(-1) != seq[plen:])
+    route = LayerMask.from_layers(4, [0, 3])
+    m = evaluate_route(tiny, calib, route)
+    assert set(RESCUE_COSTS) <= set(m) and m["top1_agreement_where_drafter_wrong"] <= 1.0
+    calib.misses = [torch.ones_like(w) for w in calib.misses]  # every position: the plain costs
+    every = evaluate_route(tiny, calib, route)
+    assert every["kl_where_drafter_wrong"] == pytest.approx(every["kl"]) and every["tv_where_drafter_wrong"] == pytest.approx(every["tv"])
+    with pytest.raises(Exception, match="needs a drafter whose misses it weighs"):
+        calib.misses = None
+        search_route(tiny, 0.5, 2, calib=calib, cost="kl_where_drafter_wrong", progress=False)
+    # across vocabularies: the twin predicts the verifier's token wherever one of its own tokens ends
+    # where the next verifier token starts, and misses exactly the other positions
+    v, twin = bpe_pair_models
+    assert v.tokenizer.get_vocab() != twin.tokenizer.get_vocab()
+    calib = build_calibration(v, seq_len=24, top_k=8, progress=False, prompts=[v.vocabulary.encode("the quick brown fox")])
+    seq, plen = calib.sequences[0].tolist(), calib.prompt_lens[0]
+    wrong = drafter_misses(v, twin, calib)[0]
+    ends = [len(v.vocabulary.text_bytes(seq[: j + 1])) for j in range(len(seq))]
+    twin_ids = twin.vocabulary.encode(v.vocabulary.text_bytes(seq).decode())
+    boundaries = {len(twin.vocabulary.text_bytes(twin_ids[: m + 1])) for m in range(len(twin_ids))}
+    assert wrong.tolist() == [ends[j] not in boundaries for j in range(plen - 1, len(seq) - 1)]

@@ -547,3 +547,17 @@ def test_correction_mode_equals_ar_on_native_weights_after_a_long_unchecked_run(
                    progress=False)
     assert len(ar.token_ids) > 80
     assert out.token_ids == ar.token_ids
+
+
+def test_lossless_viasd_counts_the_slim_verifiers_rescues(tiny, tiny_drafter):
+    """Where the slim verifier rejects a draft, its replacement goes to the full model: a slim route of
+    every layer is the full model, so it keeps every rescue; a route of half the layers fewer."""
+
+    prompt = [1, 5, 6, 7, 5, 6]
+    everything = generate(prompt, tiny, drafter=tiny_drafter, strategy="viasd", draft="model", slim_layers=(0, 1, 2, 3),
+                          max_new_tokens=40, progress=False).stats
+    assert everything.rescues > 0 and everything.rescues_kept == everything.rescues
+    half = generate(prompt, tiny, drafter=tiny_drafter, strategy="viasd", draft="model", slim_layers=(0, 3),
+                    max_new_tokens=40, progress=False).stats
+    assert half.rescues > 0 and half.rescues_kept < half.rescues
+    assert half.to_dict()["slim_rescue_agreement"] == round(half.rescues_kept / half.rescues, 4)

@@ -17,7 +17,8 @@ from types import SimpleNamespace
 import torch
 
 from viasd.decoding.acceptance import DEFERRAL_RULES, DeferralRule, SamplingParams
-from viasd.decoding.crossvocab import Conversion, CrossVocabDrafter, VocabBridge
+from viasd.decoding.crossvocab import Conversion, CrossVocabDrafter
+from viasd.models.vocabulary import VocabBridge
 from viasd.decoding.drafters import Drafter, ModelDrafter, NgramDrafter, SelfDrafter
 from viasd.decoding.multitier import resume_layer
 from viasd.decoding.registry import DEFAULT_STRATEGY, STRATEGIES, DraftKind, LoopArgs, Mode, Strategy, strategy

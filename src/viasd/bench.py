@@ -322,6 +322,19 @@ def drop_torn_tail(out: Path) -> None:
         f.truncate(0)
 
 
+def pass_costs(model, base: GenerateConfig) -> dict | None:
+    """A model's measured pass times for the time cost model (`report.cost_model`): seconds of a pass
+    of 1 .. R rows (R: the most a round of these settings verifies, + 1), and its full pass' weight
+    bytes (None for models that do not count bytes: T5)."""
+    from viasd.decoding.draft_length import pass_times
+
+    dec = model.decoder
+    if dec.is_encoder_decoder or not hasattr(dec, "weight_bytes"):
+        return None
+    rows = max(base.k, base.viasd.full_block) + 2
+    return {"rows_s": [round(t, 6) for t in pass_times(dec, rows)], "full_pass_bytes": dec.weight_bytes()}
+
+
 @compute.owned
 def run_bench(model, drafter, methods: list[tuple[str, dict]], prompts: list[Prompt], out: Path,
               base: GenerateConfig, progress: bool = True) -> int:
@@ -354,6 +367,7 @@ def _run_bench(model, drafter, methods, prompts, out, base, progress) -> int:
     for name, _ in methods:
         if not available[name]:
             generate("Hello", model, drafter=chosen[name], config=base.replace(**settings_of[name], max_new_tokens=4), progress=False)
+    costs = {id(m): pass_costs(m, base) for m in [model, *drafters.values()]}
     out.parent.mkdir(parents=True, exist_ok=True)
     bar = tqdm(total=len(todo), desc="bench", disable=not progress, file=sys.stderr)
     speedups: list[float] = []
@@ -366,7 +380,8 @@ def _run_bench(model, drafter, methods, prompts, out, base, progress) -> int:
             bar.set_postfix_str(f"{name} on {prompt.task}/{prompt.id}" + (f", speed-up {sorted(speedups)[len(speedups) // 2]:.2f}x" if speedups else ""))
             record = {"task": prompt.task, "prompt_id": prompt.id, "method": name, "time": time.strftime("%Y-%m-%dT%H:%M:%S"),
                       "run_id": run_id, "weights": {"model": model.weights, "drafter": drafter.weights if drafter else None},
-                      "kernels": {"model": model.kernels, "drafter": drafter.kernels if drafter else None}}
+                      "kernels": {"model": model.kernels, "drafter": drafter.kernels if drafter else None},
+                      "pass_costs": {"verifier": costs[id(model)], "drafter": costs[id(drafter)] if drafter else None}}
             if available[name]:
                 record["unavailable"] = available[name]
             else:

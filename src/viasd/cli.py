@@ -171,11 +171,13 @@ def _add_routes(p: argparse.ArgumentParser) -> None:
 def _search(args: argparse.Namespace) -> int:
     from viasd.models.loading import load_model
     from viasd.models.loading import check_cache_writable
-    from viasd.routing.search import build_calibration, check_settings, open_storage, search_route
+    from viasd.routing.search import build_calibration, check_settings, drafter_misses, open_storage, search_route
     from viasd.validation import check_int, check_text, check_writable_file
 
     check_settings(args.budget, args.trials, args.random_trials, args.seed, args.calib_seqs, args.calib_len, args.cost)
     check_int("--prefix", args.prefix, 0, 4096)
+    if args.cost.endswith("_where_drafter_wrong") and not args.rescue_drafter:
+        raise UsageError(f"--cost {args.cost} needs --rescue-drafter (the drafter whose misses it weighs)")
     if args.head_vocab is not None:
         check_int("--head-vocab", args.head_vocab, 1, 1 << 24)
     out = check_writable_file(check_text("--out", args.out), "route file")  # all before the model and calibration
@@ -185,20 +187,24 @@ def _search(args: argparse.Namespace) -> int:
     progress = not args.quiet
     model = load_model(args.model, progress=progress)
     calib = build_calibration(model, n_seqs=args.calib_seqs, seq_len=args.calib_len, progress=progress)
+    if args.rescue_drafter:
+        calib.misses = drafter_misses(model, load_model(args.rescue_drafter, progress=progress), calib)
     route = search_route(model, args.budget, args.trials, seed=args.seed, storage=study_storage, cost=args.cost,
                          pin_ends=args.pin_ends, calib=calib, n_random=args.random_trials, progress=progress,
-                         prefix=args.prefix, head_vocab=args.head_vocab, budget_unit=args.budget_unit)
+                         prefix=args.prefix, head_vocab=args.head_vocab, budget_unit=args.budget_unit,
+                         rescue_of=args.rescue_drafter)
     route.save(out)
     print(f"{out}: {route.picture()}  {args.cost} {route.metrics[args.cost]:.4f}, "
           f"top-1 agreement {route.metrics['top1_agreement']:.3f}, reads {route.metrics['weight_bytes_fraction']:.2f} "
-          f"of a full pass' weight bytes (a full pass resumed after it {route.metrics['resumed_full_fraction']:.2f}) "
-          f"(study in {storage})")
+          f"of a full pass' weight bytes (a full pass resumed after it {route.metrics['resumed_full_fraction']:.2f})"
+          + (f", top-1 agreement where the drafter is wrong {route.metrics['top1_agreement_where_drafter_wrong']:.3f}"
+             if args.rescue_drafter else "") + f" (study in {storage})")
     return 0
 
 
 def _add_search(p: argparse.ArgumentParser) -> None:
     from viasd.models.zoo import DEFAULT_MODEL
-    from viasd.routing.search import COSTS
+    from viasd.routing.search import COSTS, RESCUE_COSTS
 
     p.add_argument("--model", "-m", default=DEFAULT_MODEL, help="model to route (default: %(default)s)")
     p.add_argument("--budget", type=float, required=True,
@@ -209,7 +215,12 @@ def _add_search(p: argparse.ArgumentParser) -> None:
     p.add_argument("--trials", type=int, default=100, help="the study's total trials; a rerun runs only the missing ones (default: %(default)s)")
     p.add_argument("--random-trials", type=int, default=20, help="random-search warm start before TPE (default: %(default)s)")
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--cost", default="kl", choices=COSTS, help="KL(full||routed), reverse KL, or total variation (default: %(default)s)")
+    p.add_argument("--cost", default="kl", choices=COSTS + RESCUE_COSTS,
+                   help="KL(full||routed), reverse KL, or total variation, over every calibration position or "
+                        "(..._where_drafter_wrong) over those where --rescue-drafter's greedy token is wrong (default: %(default)s)")
+    p.add_argument("--rescue-drafter", metavar="MODEL",
+                   help="a drafter model (any vocabulary): the route's metrics also count the positions where its "
+                        "greedy token is wrong, the ones a slim verifier must rescue")
     p.add_argument("--pin-ends", action=argparse.BooleanOptionalAction, default=True, help="always keep the first and last layer (default: on)")
     p.add_argument("--prefix", type=int, default=0, metavar="M",
                    help="keep layers 0..M-1 whole: full passes then resume at layer M after slim passes (default: %(default)s)")
@@ -231,7 +242,8 @@ def _calibrate(args: argparse.Namespace) -> int:
 
     progress = not args.quiet
     base = GenerateConfig.from_settings(strategy="viasd", mode="tiered", k=args.k, max_new_tokens=args.max_new_tokens,
-                          draft=args.draft, slim_route=args.route, draft_route=args.draft_route, correct=args.correct)
+                          draft=args.draft, slim_route=args.route, draft_route=args.draft_route, correct=args.correct,
+                          draft_conversion=args.draft_conversion)
     base.validate()
     preflight_files(base.flat())
     check_settings(args.prompts, args.min_agreement)

@@ -135,6 +135,72 @@ def summarize(records: list[dict]) -> dict[tuple[str, str], dict]:
     return out
 
 
+def pass_seconds(costs: dict, rows: int, bytes_read: int) -> float:
+    """The time cost model's price of one pass: the model's measured time for `rows` rows (a pass of
+    more rows than measured: extended by the last measured row's increment), times the share of its
+    full pass' weight bytes the pass reads (a slim or resumed pass, a reduced head)."""
+    times = costs["rows_s"]  # [R] seconds of a full pass of 1..R rows
+    t = times[rows - 1] if rows <= len(times) else times[-1] + (rows - len(times)) * (times[-1] - (times[-2] if len(times) > 1 else 0.0))
+    return t * (bytes_read / costs["full_pass_bytes"] if costs.get("full_pass_bytes") and bytes_read else 1.0)
+
+
+def predicted_decode_s(record: dict) -> float | None:
+    """Seconds the record's decoding passes cost by the time cost model (None: the record has no
+    pass counts or pass costs): every pass after the first token, priced by `pass_seconds` with the
+    measured pass times of the model that ran it."""
+    costs, passes = record.get("pass_costs"), record.get("stats", {}).get("passes")
+    if not costs or passes is None:
+        return None
+    total = 0.0
+    for model, _kind, rows, bytes_read, n in passes:
+        if not costs.get(model):
+            return None
+        total += n * pass_seconds(costs[model], rows, bytes_read)
+    return total
+
+
+def cost_model(records: list[dict]) -> dict[str, dict]:
+    """method -> median over prompts of the predicted and the measured decode-only speed-up vs `ar`
+    (the same prompt, the same run), and the median of predicted / measured decode time."""
+    def decode_s(r):
+        s = r["stats"]
+        return s["wall_s"] - s["first_token_s"] if s.get("first_token_s") is not None and s["new_tokens"] > 1 else None
+
+    ok = [r for r in records if "stats" in r]
+    ar = {(r["task"], r["prompt_id"]): r for r in ok if r["method"] == BASELINE}
+    out: dict[str, dict] = {}
+    for method in dict.fromkeys(r["method"] for r in ok):
+        pred, meas, fit = [], [], []
+        for r in (r for r in ok if r["method"] == method):
+            base = ar.get((r["task"], r["prompt_id"]))
+            p, m = predicted_decode_s(r), decode_s(r)
+            if base is None or p is None or not m:
+                continue
+            pb, mb = predicted_decode_s(base), decode_s(base)
+            n, nb = r["stats"]["new_tokens"] - 1, base["stats"]["new_tokens"] - 1
+            if pb and mb and n > 0 and nb > 0:
+                pred.append((pb / nb) / (p / n))
+                meas.append((mb / nb) / (m / n))
+                fit.append(p / m)
+        if pred:
+            out[method] = {"predicted": statistics.median(pred), "measured": statistics.median(meas),
+                           "time_ratio": statistics.median(fit), "prompts": len(pred)}
+    return out
+
+
+def cost_model_markdown(model: dict[str, dict]) -> str:
+    if not model:
+        return ""
+    lines = ["", "## Time cost model", "",
+             "Each decoding pass priced by the measured time of a pass of as many rows of the model that ran it "
+             "(`pass_costs` in the records), scaled by the share of that model's weight bytes it reads; medians over prompts.", "",
+             "| method | predicted decode speed-up vs ar | measured | predicted / measured | model time / measured time |",
+             "|---|---|---|---|---|"]
+    for method, m in model.items():
+        lines.append(f"| {method} | {m['predicted']:.2f}x | {m['measured']:.2f}x | {m['predicted'] / m['measured']:.2f} | {m['time_ratio']:.2f} |")
+    return "\n".join(lines) + "\n"
+
+
 def markdown(summary: dict[tuple[str, str], dict]) -> str:
     tasks = sorted({t for t, _ in summary if t != "overall"}) + ["overall"]
     methods = list(dict.fromkeys(m for _, m in summary))
@@ -248,6 +314,8 @@ def one_run(records: list[dict], run: str | None, path: Path) -> list[dict]:
 
 def report(results: Path, out: Path, run: str | None = None) -> tuple[Path, list[Path]]:
     check_writable_dir(out, "report directory")  # before the work
-    summary = summarize(one_run(load_records(results), run, results))
-    md = atomic_write_text(out / "report.md", f"# viasd bench report: {results.name}\n\n" + markdown(summary) + COLUMNS)
+    records = one_run(load_records(results), run, results)
+    summary = summarize(records)
+    md = atomic_write_text(out / "report.md", f"# viasd bench report: {results.name}\n\n" + markdown(summary) + COLUMNS
+                           + cost_model_markdown(cost_model(records)))
     return md, plots(summary, out)

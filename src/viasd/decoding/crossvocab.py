@@ -21,7 +21,6 @@ rolled back to the longest common prefix of its old and new ids.
 from __future__ import annotations
 
 import bisect
-import functools
 from enum import StrEnum
 
 import torch
@@ -30,7 +29,7 @@ from viasd.decoding.acceptance import SamplingParams
 from viasd.decoding.drafters import NO_DRAFT, Draft, ModelDrafter
 from viasd.decoding.verifier import CallKind, Verifier, pass_bytes
 from viasd.models.runtime import Decoder, ReducedHead
-from viasd.models.vocabulary import Vocabulary
+from viasd.models.vocabulary import VocabBridge
 
 LOOKBEHIND = 3  # drafter tokens before the new text that are re-encoded with it (a merge across the junction)
 JUNCTION = 3  # committed verifier tokens encoded with drafted text (a token spanning the junction)
@@ -60,33 +59,6 @@ def complete_utf8(data: bytes) -> str:
                 data = data[:-back]
             break
     return data.decode("utf-8", errors="replace")
-
-
-class VocabBridge:
-    """A verifier's and a drafter's vocabularies, and the tokens they share: same bytes, both special
-    or both not."""
-
-    def __init__(self, verifier: Vocabulary, drafter: Vocabulary):
-        self.verifier, self.drafter = verifier, drafter
-        index = {(b, i in verifier.special): i for i, b in enumerate(verifier.pieces) if b}
-        to_v = [index.get((b, j in drafter.special), -1) if b else -1 for j, b in enumerate(drafter.pieces)]
-        self.to_verifier = torch.tensor(to_v, dtype=torch.long)  # [V_drafter] verifier id, -1: none
-        self.shared = tuple(j for j, i in enumerate(to_v) if i >= 0)  # drafter ids, ascending
-
-    @functools.cached_property
-    def by_bytes(self) -> tuple[torch.Tensor, list[bytes]]:
-        """The drafter's non-special ids sorted by their bytes, and those bytes: the ids whose bytes
-        start with a prefix are one range of them."""
-        d = self.drafter
-        ranked = sorted((b, j) for j, b in enumerate(d.pieces) if b and j not in d.special)
-        return torch.tensor([j for _, j in ranked], dtype=torch.long), [b for b, _ in ranked]
-
-    def shared_within(self, verifier_ids: tuple[int, ...] | None) -> tuple[int, ...]:
-        """The shared drafter ids whose verifier tokens are in `verifier_ids` (None: all shared)."""
-        if verifier_ids is None:
-            return self.shared
-        keep = set(verifier_ids)
-        return tuple(j for j in self.shared if int(self.to_verifier[j]) in keep)
 
 
 class DrafterContext:

@@ -66,6 +66,7 @@ class _AutoregressiveDrafter:
     route: LayerMask | None = None
     head: ReducedHead | None = None  # a drafting route's reduced LM head
     verifier_share = 0.0
+    owner = "drafter"  # whose passes these are (the cost model prices them by that model's pass times)
 
     def _sync(self, context: list[int]) -> tuple[KVCache, int]:
         raise NotImplementedError
@@ -89,7 +90,8 @@ class _AutoregressiveDrafter:
         probs: list[torch.Tensor] = []
         for _ in range(k):
             logits = self.decoder.forward(feed, start, cache, route=self.route, last_only=True, head=self.head)[0]  # [V]
-            self.stats.observe_call(CallKind.DRAFT, verifier_share=self.verifier_share, bytes_read=pass_bytes(self.decoder, self.route, head=self.head))
+            self.stats.observe_call(CallKind.DRAFT, verifier_share=self.verifier_share, rows=feed.shape[0], model=self.owner,
+                                    bytes_read=pass_bytes(self.decoder, self.route, head=self.head))
             if first is not None and not tokens:
                 logits = torch.full_like(logits, float("-inf")).index_copy_(0, first, logits[first])
             start += feed.shape[0]
@@ -161,6 +163,7 @@ class SelfDrafter(_AutoregressiveDrafter):
         super().__init__(decoder, params, generator, threshold)
         self.route, self.head = route, head
         self.verifier_share = route.fraction
+        self.owner = "verifier"
         self.cache: KVCache | None = None
 
     def begin(self, max_len: int, verifier: Verifier) -> None:

@@ -23,6 +23,9 @@ class DecodeStats:
     wall_s: float = 0.0
     first_token_s: float | None = None
     calls: Counter = field(default_factory=Counter)
+    # decoding passes by (model, kind, rows, weight bytes read): what the time cost model prices with
+    # each model's measured pass times (`report.cost_model`)
+    passes: Counter = field(default_factory=Counter)
     # verifier work, hardware-independent: one full-model call counts 1.0 whatever its block size
     # (decoding is weight-bandwidth bound), a routed call counts its share of sub-layers
     verifier_layer_passes: float = 0.0
@@ -63,10 +66,15 @@ class DecodeStats:
     rescues_kept: int = 0
     _t0: float = field(default_factory=time.perf_counter, repr=False)
 
-    def observe_call(self, name: str, n: int = 1, verifier_share: float = 0.0, bytes_read: int = 0) -> None:
+    def observe_call(self, name: str, n: int = 1, verifier_share: float = 0.0, bytes_read: int = 0,
+                     rows: int = 0, model: str = "verifier") -> None:
+        """`rows` > 0: a decoding pass of that many rows of `model` ("verifier" or "drafter"), which
+        the time cost model counts (`passes`; prefill passes give none)."""
         self.calls[name] += n
         self.verifier_layer_passes += n * verifier_share
         self.bytes_read += n * bytes_read
+        if rows:
+            self.passes[(model, str(name), rows, bytes_read)] += n
 
     def observe_round(self, n_drafted: int, n_accepted: int, verification: bool = True) -> None:
         """A block of n_drafted drafter tokens of which the first n_accepted were kept;
@@ -116,6 +124,7 @@ class DecodeStats:
         return DecodeStats(
             prompt_tokens=self.prompt_tokens + other.prompt_tokens, new_tokens=self.new_tokens + other.new_tokens,
             wall_s=self.wall_s + other.wall_s, first_token_s=self.first_token_s, calls=self.calls + other.calls,
+            passes=self.passes + other.passes,
             verifier_layer_passes=self.verifier_layer_passes + other.verifier_layer_passes,
             bytes_read=self.bytes_read + other.bytes_read, full_pass_bytes=self.full_pass_bytes or other.full_pass_bytes,
             rounds=self.rounds + other.rounds, drafted=self.drafted + other.drafted, accepted=self.accepted + other.accepted,
@@ -158,6 +167,7 @@ class DecodeStats:
             # of the proposed tokens the full verifier judged, the share it rejected
             "full_rejection_rate": round((self.full_checked - self.full_kept) / self.full_checked, 4) if self.full_checked else 0.0,
             "calls": dict(self.calls),
+            "passes": [[*key, n] for key, n in sorted(self.passes.items())],  # [model, kind, rows, bytes, count]
             "tokens_per_full_call": round(self.new_tokens / full, 4) if full else 0.0,
             "verifier_layer_passes_per_token": round(self.verifier_layer_passes / self.new_tokens, 4) if self.new_tokens else 0.0,
             "bytes_read": self.bytes_read,

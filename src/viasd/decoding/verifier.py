@@ -139,7 +139,8 @@ class Verifier:
             lower = LayerMask.lower(self.decoder.config.n_layers, m)
             seq = self.tokens + ahead
             self.decoder.forward(torch.tensor(seq[cache.n_exact :]), cache.n_exact, cache, route=lower, logits=False)
-            self.stats.observe_call(CallKind.LOWER, verifier_share=lower.fraction, bytes_read=pass_bytes(self.decoder, lower, head=False))
+            self.stats.observe_call(CallKind.LOWER, verifier_share=lower.fraction, bytes_read=pass_bytes(self.decoder, lower, head=False),
+                                    rows=end - cache.n_exact)
         return self._pass(None, start, ahead, n_rows, CallKind.FULL, resume=True)
 
     def slim(self, route: LayerMask, ahead: list[int], n_rows: int | None = None, head: ReducedHead | None = None) -> torch.Tensor:
@@ -160,7 +161,7 @@ class Verifier:
         logits = self.decoder.forward(torch.tensor(seq[start:]), start, self.cache, route=route, resume=resume, head=head)  # [len - start, V]
         first = self.cache.resume_layer if resume else 0
         share = (1.0 if route is None else route.fraction) - (first / self.decoder.config.n_layers)
-        self.stats.observe_call(kind, verifier_share=share, bytes_read=pass_bytes(self.decoder, route, first, head))
+        self.stats.observe_call(kind, verifier_share=share, bytes_read=pass_bytes(self.decoder, route, first, head), rows=len(seq) - start)
         return logits[len(seq) - start - n_rows :]
 
     def commit(self, new: list[int], tiers: list[int] | None = None, checked: bool = True) -> int:

@@ -10,9 +10,12 @@ stand for nothing (b"").
 
 from __future__ import annotations
 
+import functools
 import json
 from collections.abc import Callable
 from dataclasses import dataclass
+
+import torch
 
 from viasd.errors import VocabularyMismatchError
 
@@ -75,3 +78,30 @@ def vocabulary_of(tokenizer, n_ids: int, name: str = "model") -> Vocabulary:
             if added.get("special"):
                 special.add(i)
     return Vocabulary(tuple(pieces), frozenset(special), lambda text: tokenizer.encode(text, add_special_tokens=False), kind)
+
+
+class VocabBridge:
+    """A verifier's and a drafter's vocabularies, and the tokens they share: same bytes, both special
+    or both not."""
+
+    def __init__(self, verifier: Vocabulary, drafter: Vocabulary):
+        self.verifier, self.drafter = verifier, drafter
+        index = {(b, i in verifier.special): i for i, b in enumerate(verifier.pieces) if b}
+        to_v = [index.get((b, j in drafter.special), -1) if b else -1 for j, b in enumerate(drafter.pieces)]
+        self.to_verifier = torch.tensor(to_v, dtype=torch.long)  # [V_drafter] verifier id, -1: none
+        self.shared = tuple(j for j, i in enumerate(to_v) if i >= 0)  # drafter ids, ascending
+
+    @functools.cached_property
+    def by_bytes(self) -> tuple[torch.Tensor, list[bytes]]:
+        """The drafter's non-special ids sorted by their bytes, and those bytes: the ids whose bytes
+        start with a prefix are one range of them."""
+        d = self.drafter
+        ranked = sorted((b, j) for j, b in enumerate(d.pieces) if b and j not in d.special)
+        return torch.tensor([j for _, j in ranked], dtype=torch.long), [b for b, _ in ranked]
+
+    def shared_within(self, verifier_ids: tuple[int, ...] | None) -> tuple[int, ...]:
+        """The shared drafter ids whose verifier tokens are in `verifier_ids` (None: all shared)."""
+        if verifier_ids is None:
+            return self.shared
+        keep = set(verifier_ids)
+        return tuple(j for j in self.shared if int(self.to_verifier[j]) in keep)

@@ -33,6 +33,9 @@ from viasd.routing.route import ModelFingerprint, Route
 from viasd.validation import atomic_write_bytes, check_choice, check_float, check_int, check_seed, check_writable_file, lock_beside
 
 COSTS = ("kl", "reverse_kl", "tv")
+# the same costs over the positions where a drafter's greedy token is wrong (`drafter_misses`): the
+# slim verifier's job when it rescues a weak drafter (search_route(..., misses=...))
+RESCUE_COSTS = tuple(f"{c}_where_drafter_wrong" for c in COSTS)
 BUDGET_UNITS = ("layers", "bytes")  # what --budget is a share of: the layers, or a full pass' weight bytes
 
 
@@ -45,6 +48,9 @@ class Calibration:
     description: str
     # per sequence, a KV cache holding the full model's prompt (filled on first use, not saved)
     _prompt_caches: dict = field(default_factory=dict, repr=False)
+    # per sequence, [L - P] bool: positions where a drafter's greedy token is not the full model's
+    # (`drafter_misses`; None: no drafter given); the costs are then also taken over those
+    misses: list[torch.Tensor] | None = None
 
 
 def dev_prompts(model: LoadedModel, n: int) -> list[list[int]]:
@@ -121,7 +127,7 @@ def _load_calibration(path) -> Calibration | None:
 
 def check_settings(budget, trials, n_random, seed, calib_seqs, calib_len, cost) -> None:
     """`viasd search`'s settings, checked before any model loads or calibration is built."""
-    check_choice("cost", cost, COSTS)
+    check_choice("cost", cost, COSTS + RESCUE_COSTS)
     check_float("--budget", budget, 0.0, 1.0, lo_open=True)
     check_int("--trials", trials, 1, 1_000_000)
     check_int("--random-trials", n_random, 0, 1_000_000)
@@ -203,9 +209,10 @@ def coarse_divergences(full_logp: torch.Tensor, idx: torch.Tensor, routed_logits
 
 
 def evaluate_route(model: LoadedModel, calib: Calibration, mask: LayerMask | None) -> dict[str, float]:
-    """Mean divergences and top-1 agreement of the routed model against the cached full model."""
+    """Mean divergences and top-1 agreement of the routed model against the cached full model (and,
+    with `calib.misses`, the same over the positions where the drafter is wrong)."""
     totals: dict[str, float] = {}
-    count = 0
+    count = missed = 0
     for i, (seq, plen, logp, idx) in enumerate(zip(calib.sequences, calib.prompt_lens, calib.topk_logp, calib.topk_idx)):
         key = (id(model.decoder), i)
         cache = calib._prompt_caches.get(key)
@@ -215,10 +222,59 @@ def evaluate_route(model: LoadedModel, calib: Calibration, mask: LayerMask | Non
                 model.decoder.forward(seq[: plen - 1], 0, cache, last_only=True)
         cache.rollback(plen - 1)  # forget the previous trial's routed (or full) continuation
         logits = model.decoder.forward(seq[plen - 1 : -1], plen - 1, cache, route=mask)
+        wrong = calib.misses[i] if calib.misses is not None else None
         for name, values in coarse_divergences(logp, idx, logits).items():
             totals[name] = totals.get(name, 0.0) + float(values.sum())
+            if wrong is not None:
+                rescue = f"{name}_where_drafter_wrong"
+                totals[rescue] = totals.get(rescue, 0.0) + float(values[wrong].sum())
         count += logits.shape[0]
-    return {name: total / count for name, total in totals.items()}
+        missed += int(wrong.sum()) if wrong is not None else 0
+    out = {}
+    for name, total in totals.items():
+        n = missed if name.endswith("_where_drafter_wrong") else count
+        out[name] = total / n if n else 0.0
+    return out
+
+
+def drafter_misses(verifier: LoadedModel, drafter: LoadedModel, calib: Calibration) -> list[torch.Tensor]:
+    """Per calibration sequence, [L - P] bool: where `drafter`, teacher-forced on the sequence's text,
+    does not predict the full model's next token. A drafter of another vocabulary reads the text in
+    its own tokens (`models.vocabulary`); at a position where the next verifier token starts, its
+    greedy token among the tokens both vocabularies share is mapped to the verifier's; where no
+    drafter token ends there it counts as wrong (it cannot propose that token as it stands)."""
+    from viasd.models.vocabulary import VocabBridge
+
+    same = verifier.tokenizer.get_vocab() == drafter.tokenizer.get_vocab()
+    bridge = None if same else VocabBridge(verifier.vocabulary, drafter.vocabulary)
+    out = []
+    for seq, plen in zip(calib.sequences, calib.prompt_lens):
+        ids = seq.tolist()
+        truth = torch.tensor(ids[plen:])  # [L - P] the tokens positions plen-1 .. L-2 predict
+        if bridge is None:
+            logits = drafter.decoder.forward(seq[:-1], 0, drafter.decoder.new_cache(len(seq)))[plen - 1 :]
+            out.append(logits.argmax(-1) != truth)
+            continue
+        v, d = bridge.verifier, bridge.drafter
+        ends, e = [], 0
+        for t in ids:
+            e += len(v.pieces[t])
+            ends.append(e)
+        d_ids = d.encode(v.text_bytes(ids).decode("utf-8", errors="replace"))
+        at, e = {}, 0
+        for m, t in enumerate(d_ids):  # drafter position m ends at byte e
+            e += len(d.pieces[t])
+            at[e] = m
+        head = drafter.decoder.reduced_head(bridge.shared)
+        logits = drafter.decoder.forward(torch.tensor(d_ids), 0, drafter.decoder.new_cache(len(d_ids)), head=head)
+        guess = bridge.to_verifier[logits.argmax(-1)]  # [len(d_ids)] verifier ids
+        wrong = torch.ones(len(truth), dtype=torch.bool)
+        for j in range(plen - 1, len(ids) - 1):
+            m = at.get(ends[j])
+            if m is not None:
+                wrong[j - plen + 1] = int(guess[m]) != ids[j + 1]
+        out.append(wrong)
+    return out
 
 
 def evaluate_model(other: LoadedModel, calib: Calibration) -> dict[str, float]:
@@ -290,6 +346,7 @@ def search_route(
     prefix: int = 0,
     head_vocab: int | None = None,
     budget_unit: str = "layers",
+    rescue_of: str | None = None,
 ) -> Route:
     """Run (or resume) a DIMR study; return the best route found. `trials` is the study's total.
 
@@ -299,13 +356,15 @@ def search_route(
     `prefix`: layers 0 .. prefix-1 are kept whole (a resumable route: full passes start at layer
     `prefix` after its slim passes; see `KVCache.enable_resume`), the search chooses the rest.
     `head_vocab`: store a reduced LM head of about that many tokens with the route (routing/vocab.py),
-    with the share of calibration positions whose full-model top-1 token it holds."""
+    with the share of calibration positions whose full-model top-1 token it holds.
+    `rescue_of`: the drafter whose misses `calib.misses` holds (a `RESCUE_COSTS` cost weighs them; the
+    study's name says which drafter)."""
     import optuna
     from optuna.trial import TrialState
     from tqdm import tqdm
 
-    if cost not in COSTS:
-        raise UsageError(f"unknown cost {cost!r}: choose from {', '.join(COSTS)}")
+    if cost not in COSTS + RESCUE_COSTS:
+        raise UsageError(f"unknown cost {cost!r}: choose from {', '.join(COSTS + RESCUE_COSTS)}")
     if not 0 < budget <= 1:
         raise UsageError(f"budget must be in (0, 1], got {budget}")
     if trials < 1:
@@ -328,6 +387,8 @@ def search_route(
             raise UsageError(f"--prefix must be in 0 .. {n - 1}, got {prefix}")
         pinned = sorted(({0, n - 1} if pin_ends else set()) | set(range(prefix)))
     calib = calib or build_calibration(model, progress=progress)
+    if cost in RESCUE_COSTS and calib.misses is None:
+        raise UsageError(f"cost {cost!r} needs a drafter whose misses it weighs (--rescue-drafter)")
     if head_vocab is not None:  # it depends on the calibration only, not on the route
         from viasd.routing.vocab import calibration_vocab
 
@@ -350,7 +411,7 @@ def search_route(
     free = [i for i in range(n) if i not in pinned]
     fp = ModelFingerprint.of(model)
     name = (f"dimr-{fp.source}-{fp.n_layers}-b{budget}{unit}-{cost}-s{seed}-pin{int(pin_ends)}"
-            f"{f'-prefix{prefix}' if prefix else ''}-{calib.description}")
+            f"{f'-prefix{prefix}' if prefix else ''}{f'-rescue-{rescue_of}' if rescue_of else ''}-{calib.description}")
     with _optuna_verbosity(optuna.logging.WARNING):  # the caller's logging setting is restored after
         sampler = optuna.samplers.TPESampler(n_startup_trials=n_random, seed=seed, multivariate=True)
         study = optuna.create_study(study_name=name, storage=storage, direction="minimize", sampler=sampler, load_if_exists=True)
@@ -398,5 +459,5 @@ def search_route(
         metrics=metrics,
         search={"method": "DIMR: random warm start + Optuna TPE", "seed": seed, "trials": len(complete),
                 "random_trials": n_random, "pinned": pinned, "budget_unit": budget_unit, "calibration": calib.description,
-                "time_s": round(study_s, 1), "this_run_s": round(time.perf_counter() - t0, 1), "study": name},
+                "rescue_of": rescue_of, "time_s": round(study_s, 1), "this_run_s": round(time.perf_counter() - t0, 1), "study": name},
     )
