@@ -83,9 +83,11 @@ def test_bench_resumes_and_reports_unavailable_methods(tiny, tmp_path):
         assert r["env"]["torch"] and "config" in r or "unavailable" in r
 
 
-def test_bench_cli_errors(capsys):
+def test_bench_cli_errors(capsys, tmp_path):
     assert main(["bench", "--methods", "ar,turbo"]) == 2
     assert "unknown method 'turbo'" in capsys.readouterr().err
+    assert main(["bench", "--slim-route", str(tmp_path / "none.json"), "--out", str(tmp_path / "r.jsonl")]) == 2
+    assert "none.json" in capsys.readouterr().err and not (tmp_path / "r.jsonl").exists()
     assert main(["bench", "--tasks", "spec_bench:poetry"]) == 2
     assert "unknown Spec-Bench category" in capsys.readouterr().err
 

@@ -295,7 +295,7 @@ def _add_calibrate(p: argparse.ArgumentParser) -> None:
 
 
 def _bench(args: argparse.Namespace) -> int:
-    from viasd.api import GenerateConfig
+    from viasd.api import GenerateConfig, preflight_files
     from viasd.bench import check_results_file, load_tasks, parse_methods, results_lock, run_bench
     from viasd.models.loading import load_model
 
@@ -306,8 +306,9 @@ def _bench(args: argparse.Namespace) -> int:
     if missing:
         raise UsageError(f"--methods names drafter(s) {', '.join(missing)} that no --drafter gives")
     prompts = load_tasks(args.tasks, args.limit, args.turns)
-    base = GenerateConfig(max_new_tokens=args.max_new_tokens, k=args.k, seed=args.seed)
+    base = GenerateConfig.from_settings(max_new_tokens=args.max_new_tokens, k=args.k, seed=args.seed, slim_route=args.slim_route)
     base.validate()
+    preflight_files(base.flat())
     out = check_results_file(check_writable_file(check_text("--out", args.out), "results file"))
     with results_lock(out):  # before the models load: a second run on the same file is refused at once
         progress = not args.quiet
@@ -338,6 +339,8 @@ def _add_bench(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-new-tokens", "-n", type=int, default=128, help="(default: %(default)s)")
     p.add_argument("--k", "-k", type=int, default=4)
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--slim-route", metavar="ROUTE.json",
+                   help="viasd-*: the slim route (default: the shipped one); tiered methods read the thresholds beside it")
     p.add_argument("--out", "-o", default="results.jsonl", help="JSONL results; rerunning skips records already there (default: %(default)s)")
     p.add_argument("--quiet", "-q", action="store_true")
 
