@@ -18,7 +18,6 @@ import torch
 
 from viasd.decoding.acceptance import DEFERRAL_RULES, DeferralRule, SamplingParams
 from viasd.decoding.crossvocab import Conversion, CrossVocabDrafter
-from viasd.models.vocabulary import VocabBridge
 from viasd.decoding.drafters import Drafter, ModelDrafter, NgramDrafter, SelfDrafter
 from viasd.decoding.multitier import resume_layer
 from viasd.decoding.registry import DEFAULT_STRATEGY, STRATEGIES, DraftKind, LoopArgs, Mode, Strategy, strategy
@@ -28,6 +27,7 @@ from viasd.decoding.verifier import DecodeRequest
 from viasd.errors import InvalidArgumentError, UsageError, VocabularyMismatchError
 from viasd.models import compute
 from viasd.models.loading import LoadedModel, load_model, same_vocabulary
+from viasd.models.vocabulary import VocabBridge
 from viasd.models.zoo import DEFAULT_MODEL
 from viasd.routing.resolve import drafter_head, resolve_route, route_head, slim_vocab
 from viasd.routing.route import Route
@@ -324,7 +324,9 @@ def _cross_drafter(verifier: LoadedModel, draft_model: LoadedModel, config: Gene
     if verifier.decoder.is_encoder_decoder or draft_model.decoder.is_encoder_decoder:
         raise VocabularyMismatchError(f"drafter {draft_model.name} has another vocabulary than {verifier.name}; drafting "
                                       "across vocabularies needs decoder-only models")
-    bridge = VocabBridge(verifier.vocabulary, draft_model.vocabulary)
+    # built once per pair (a dictionary over the larger vocabulary: a tenth of a second), kept on the drafter
+    bridges = draft_model.__dict__.setdefault("_bridges", {})
+    bridge = bridges.get(id(verifier.vocabulary)) or bridges.setdefault(id(verifier.vocabulary), VocabBridge(verifier.vocabulary, draft_model.vocabulary))
     if not bridge.shared:
         raise VocabularyMismatchError(f"drafter {draft_model.name} and verifier {verifier.name} share no token")
     conversion = draft_conversion(config)
