@@ -110,7 +110,7 @@ class CrossVocabDrafter(ModelDrafter):
                  generator: torch.Generator | None, threshold: float | None, head: ReducedHead | None = None,
                  eos: frozenset[int] = frozenset(), ratio: float = 3.0):
         if conversion is Conversion.AUTO:
-            raise ValueError("choose the conversion (api.make_drafter resolves auto)")
+            raise ValueError("choose the conversion (api.draft_conversion resolves auto)")
         if conversion is Conversion.TEXT and not params.greedy:
             raise ValueError("text conversion is greedy only: sampling needs the intersection (TLI)")
         if conversion is Conversion.INTERSECTION and head is None:
@@ -155,7 +155,7 @@ class CrossVocabDrafter(ModelDrafter):
         return Draft(self.bridge.to_verifier[torch.tensor(tokens)].tolist(), q)
 
     def _through_text(self, context: list[int], ids: list[int], k: int) -> Draft:
-        """Token healing (as guidance' and llama.cpp's samplers do it): the committed text's last
+        """Token healing (as guidance does it): the committed text's last
         drafter token is drafted again, as any token that starts with its bytes. A text that ends in
         "\n" ends in the drafter token "\n", which training text shows only before a non-space: an
         indented line then drafts as "\n    ", which this lets the drafter choose."""

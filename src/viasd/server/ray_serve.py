@@ -67,8 +67,7 @@ def serve_replicas(args, settings) -> int:
     else:  # a local head, reachable on loopback only
         ray.init(include_dashboard=False, _node_ip_address="127.0.0.1", log_to_driver=False)
     stop = threading.Event()
-    for sig in (signal.SIGTERM, signal.SIGINT):
-        signal.signal(sig, lambda *_: stop.set())
+    previous = {sig: signal.signal(sig, lambda *_: stop.set()) for sig in (signal.SIGTERM, signal.SIGINT)}
     try:
         url = deploy(args.model, args.drafter, settings, args.replicas, args.host, args.port, args.weights, args.device,
                      args.drain_timeout)
@@ -79,4 +78,6 @@ def serve_replicas(args, settings) -> int:
         serve.shutdown()
     finally:
         ray.shutdown()
+        for sig, handler in previous.items():  # the caller's handlers back (a test, an embedding program)
+            signal.signal(sig, handler)
     return 0
