@@ -26,7 +26,7 @@ from enum import StrEnum
 import torch
 
 from viasd.decoding.acceptance import SamplingParams
-from viasd.decoding.drafters import NO_DRAFT, Draft, ModelDrafter
+from viasd.decoding.drafters import NO_DRAFT, Draft, ModelDrafter, common_prefix
 from viasd.decoding.verifier import CallKind, Verifier, pass_bytes
 from viasd.models.runtime import Decoder, ReducedHead
 from viasd.models.vocabulary import VocabBridge
@@ -39,13 +39,6 @@ class Conversion(StrEnum):
     AUTO = "auto"  # intersection when the loop needs draft probabilities (sampling, cascade, tiered), else text
     TEXT = "text"
     INTERSECTION = "intersection"
-
-
-def common_prefix(a: list[int], b: list[int]) -> int:
-    n = min(len(a), len(b))
-    if a[:n] == b[:n]:  # (the usual case, one comparison in C)
-        return n
-    return next(i for i in range(n) if a[i] != b[i])
 
 
 def complete_utf8(data: bytes) -> str:

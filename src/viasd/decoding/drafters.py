@@ -40,6 +40,13 @@ class Draft:
 NO_DRAFT = Draft([], None)
 
 
+def common_prefix(a: list[int], b: list[int]) -> int:
+    n = min(len(a), len(b))
+    if a[:n] == b[:n]:  # (the usual case, one comparison in C)
+        return n
+    return next(i for i in range(n) if a[i] != b[i])
+
+
 class Drafter(Protocol):
     def begin(self, max_len: int, verifier: Verifier) -> None:
         """Start a new request of `verifier` whose sequences stay below `max_len` positions."""
@@ -142,7 +149,7 @@ class ModelDrafter(_AutoregressiveDrafter):
 
     def _sync(self, context: list[int]) -> tuple[KVCache, int]:
         n = min(len(self.cached_ids), self.cache.n_full, len(context))
-        common = next((i for i in range(n) if self.cached_ids[i] != context[i]), n)
+        common = common_prefix(self.cached_ids[:n], context[:n])
         self.cache.rollback(common)
         return self.cache, common
 

@@ -27,7 +27,7 @@ import torch
 
 from viasd.models import compute
 from viasd.errors import UsageError
-from viasd.models.loading import LoadedModel, cache_dir
+from viasd.models.loading import LoadedModel, cache_dir, same_vocabulary
 from viasd.models.runtime import LayerMask
 from viasd.routing.route import ModelFingerprint, Route
 from viasd.validation import atomic_write_bytes, check_choice, check_float, check_int, check_seed, check_writable_file, lock_beside
@@ -245,8 +245,7 @@ def drafter_misses(verifier: LoadedModel, drafter: LoadedModel, calib: Calibrati
     drafter token ends there it counts as wrong (it cannot propose that token as it stands)."""
     from viasd.models.vocabulary import VocabBridge
 
-    same = verifier.tokenizer.get_vocab() == drafter.tokenizer.get_vocab()
-    bridge = None if same else VocabBridge(verifier.vocabulary, drafter.vocabulary)
+    bridge = None if same_vocabulary(verifier, drafter) else VocabBridge(verifier.vocabulary, drafter.vocabulary)
     out = []
     for seq, plen in zip(calib.sequences, calib.prompt_lens):
         ids = seq.tolist()
