@@ -100,6 +100,50 @@ def test_packed_weights_multiply_each_row_as_decoding_does():
     assert any(t == Q4_0 for _, t in packed)
 
 
+def test_several_row_kernels_give_each_row_ggmls_one_row_product():
+    """Q4_K in ggml's CPU_REPACK layout and Q6_K in the file's blocks (where ggml keeps them plain):
+    viasd's several-row kernels give every row of any block, and of any division of the work among
+    threads, bit for bit the product ggml's one-row kernel gives that row alone."""
+    from viasd.models import rowexact
+
+    if rowexact.rows_unavailable_reason() is not None:
+        pytest.skip(rowexact.rows_unavailable_reason())
+    g = torch.Generator().manual_seed(5)
+    w = torch.randn(384, 512, generator=g) * 0.05  # 3 chunks of 128 rows, 2 super-blocks a row
+    x = torch.randn(11, 512, generator=g) * torch.rand(11, 1, generator=g) * 4
+    tried = []
+    for ggml_type, kind in ((Q4_K, "CPU_REPACK"), (Q6_K, "plain")):
+        ggml = _native(w, ggml_type)  # ggml's own kernel: repacked (Q4_K) or plain (Q6_K)
+        if kind != "plain" and ggml.pack((kind,)) != kind:
+            continue
+        alone = torch.cat([_product(ggml, x[j : j + 1].clone()) for j in range(x.shape[0])])
+        ours = _native(w, ggml_type)
+        if ours.pack() != kind + "+rows":  # (AVX-512 VNNI: the row-exact kernel takes both types)
+            continue
+        tried.append(kind)
+        for n in (1, 2, 3, 8, 9, 11):
+            assert torch.equal(_product(ours, x[:n].clone()), alone[:n]), (kind, n)
+        for split in (2, 3, 5):
+            assert torch.equal(rowexact.rows_matmul(ours.packed.rows_op, x, split=split), alone), (kind, split)
+    if not tried:
+        pytest.skip("neither Q4_K nor Q6_K takes the several-row kernels on this CPU")
+
+
+def test_several_row_kernels_are_checked_against_ggml_before_use(monkeypatch):
+    """A kernel that disagrees with ggml's products on this machine is not used: the weight keeps ggml's."""
+    from viasd.models import rowexact
+
+    if rowexact.rows_unavailable_reason() is not None:
+        pytest.skip(rowexact.rows_unavailable_reason())
+    monkeypatch.setattr(gk, "_rows_checks", {})
+    real = rowexact.rows_matmul
+    monkeypatch.setattr(rowexact, "rows_matmul", lambda op, x, split=1: real(op, x, split) + 1e-3)
+    w = _native(torch.randn(64, 256, generator=torch.Generator().manual_seed(6)), Q6_K)
+    kind = w.pack()
+    assert kind is None or not kind.endswith("+rows")
+    assert gk._rows_checks == {rowexact.ROWS_Q6K: False} or kind == gk.ROW_EXACT
+
+
 Q5_0 = 6
 
 

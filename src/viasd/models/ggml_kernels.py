@@ -417,12 +417,16 @@ class NativeTensor:
         when it loads a model: the same blocks, rearranged for that CPU's kernels; not into one
         measured slower for its type (`_SLOWER_PACKED`) unless `allowed` names the kinds to try.
         Else (`row_exact`) the row-exact kernel's AVX2 variant, faster than ggml's plain kernel.
+        With the default choice (`row_exact`, no `allowed`), Q4_K weights in CPU_REPACK and Q6_K
+        weights left plain are multiplied by viasd's several-row kernels over ggml's layouts
+        (`_rows_op`: each row what ggml's one-row kernel gives it; "+rows" in the kind's name).
         Returns the kind's name, or None (kept plain). The plain bytes stay (embedding lookups and
         `dequantize` read them)."""
         if self.packed is not None:
-            return self.packed.kind
+            return self.packed.label
         g = lib()
         wanted = row_exact if allowed is None else ROW_EXACT in allowed
+        rows = bool(row_exact) and allowed is None  # the several-row kernels over ggml's layouts
         takes = wanted and self.ggml_type in rowexact.TYPES and self.rows % 16 == 0
         if takes and rowexact.available(wanted != "always"):
             return self._pack_row_exact()
@@ -453,10 +457,18 @@ class NativeTensor:
             # weight by batch index times these; ggml only reads them for dims of size 1 otherwise)
             w.contents.nb[2] = w.contents.nb[3] = 0
             self.packed = _Packed(name, w, mem, ctx, buffer)
-            return name
+            if name == "CPU_REPACK" and self.ggml_type == Q4_K and rows:
+                self.packed.rows_op = _rows_op(self, rowexact.ROWS_Q4K8, w.contents.data)
+            return self.packed.label
+        # Q6_K, which ggml keeps plain here: its one-row results, several rows at a time
+        if self.ggml_type == Q6_K and rows and (op := _rows_op(self, rowexact.ROWS_Q6K, self.data.data_ptr())):
+            self.packed = _Packed("plain", None)
+            self.packed.rows_op = op
+            return self.packed.label
         # No layout of ggml's for it here: the row-exact kernel's AVX2 variant, which beats ggml's plain
         # one-row kernel (smollm2's Q4_1 on a 2-core AVX2 EPYC, session 11: ar 166 against 104 tok/s; a
-        # pass of 8 rows 22.6 against 46.8 ms); qwen's Q4_K keeps CPU_REPACK (28 against 24 tok/s).
+        # pass of 8 rows 22.6 against 46.8 ms); qwen's Q4_K keeps CPU_REPACK (28 against 24 tok/s) and
+        # its Q6_K ggml's plain blocks, both through the several-row kernels (`_rows_op`).
         if takes and rowexact.available(False):
             return self._pack_row_exact()
         return None
@@ -473,6 +485,37 @@ _SLOWER_PACKED = {"AMX": (14,)}  # Q6_K
 
 
 ROW_EXACT = "ROW_EXACT"  # viasd's own row-exact batched kernel (models/rowexact.py)
+Q4_K, Q6_K = 12, 14
+_rows_checks: dict[int, bool] = {}  # kind -> whether the several-row kernel gave ggml's products here
+
+
+def _rows_op(w: "NativeTensor", kind: int, data_ptr: int) -> "rowexact.GgmlRowsOp | None":
+    """The several-row kernel for a weight in one of ggml's layouts (`rowexact.GgmlRowsOp`: every row
+    what ggml's one-row kernel gives it, each extra row at a fraction of a one-row pass), or None
+    where it cannot run or, checked on the first such weight of the process, does not give ggml's
+    products bit for bit (another ggml build or layout): the weight then keeps ggml's products."""
+    if rowexact.rows_unavailable_reason() is not None or w.cols % 256 or w.rows % 8:
+        return None
+    quantize = ctypes.cast(lib().fn("quantize_row_q8_K", None), ctypes.c_void_p).value
+    op = rowexact.rows_op(kind, data_ptr, w.rows, w.cols, quantize)
+    if kind not in _rows_checks:
+        x = torch.randn(3, w.cols, generator=torch.Generator().manual_seed(0))
+        ref = torch.cat([_ggml_product(w, x[i : i + 1]) for i in range(3)])  # one row at a time
+        _rows_checks[kind] = torch.equal(rowexact.rows_matmul(op, x), ref)
+    return op if _rows_checks[kind] else None
+
+
+def _ggml_product(w: "NativeTensor", x: torch.Tensor) -> torch.Tensor:
+    """x [T, cols] through `w` as it is packed now, in a graph of its own."""
+    graph = _Graph(8)
+    xt = graph.tensor(F32, w.cols, x.shape[0])
+    y = matmul(graph, w, xt, x.shape[0])
+    graph.finish(y)
+    out = torch.empty(x.shape[0], w.rows)
+    graph.bind(xt, x.data_ptr())
+    graph.bind(y, out.data_ptr())
+    graph.run()
+    return out
 
 
 class _Packed:
@@ -481,6 +524,12 @@ class _Packed:
 
     def __init__(self, kind: str, tensor, mem: torch.Tensor | None = None, ctx: int | None = None, buffer: int | None = None):
         self.kind, self.tensor, self._mem, self._ctx, self._buffer = kind, tensor, mem, ctx, buffer
+        self.rows_op: rowexact.GgmlRowsOp | None = None  # viasd's several-row kernel over ggml's layout (`_rows_op`)
+
+    @property
+    def label(self) -> str:
+        """The kind, as records count it ("CPU_REPACK+rows", "plain+rows": multiplied by `rows_op`)."""
+        return self.kind + "+rows" if self.rows_op is not None else self.kind
 
     def __del__(self):
         if _lib is not None and self._buffer:
@@ -496,7 +545,9 @@ def matmul(graph: _Graph, w: NativeTensor, x: _T, n_rows: int) -> _T:
     take other paths for several rows (AMX tiles, 4-row repacked GEMMs) that sum in another order than
     their one-row path, so a row would come out differently in a block of drafts than decoded alone.
     One-row products give every row the same result in any block (and the one-row kernels are the
-    fast ones: decoding is one row). Plain weights compute every row alike at any row count.
+    fast ones: decoding is one row). Plain weights compute every row alike at any row count. A weight
+    with a several-row kernel (`_Packed.rows_op`) gets the one-row results for all its rows in one
+    op that reads each weight once for 8 rows.
     """
     g = lib()
     if w.packed is None:
@@ -505,6 +556,10 @@ def matmul(graph: _Graph, w: NativeTensor, x: _T, n_rows: int) -> _T:
         args = (_T * 1)(x)
         return g.custom_4d(graph.ctx, F32, w.rows, n_rows, 1, 1, args, 1, rowexact.op_address(), -1,
                            ctypes.addressof(w.packed.tensor.op))
+    if w.packed.rows_op is not None:  # ggml's one-row results, the rows sharing each weight load
+        args = (_T * 1)(x)
+        return g.custom_4d(graph.ctx, F32, w.rows, n_rows, 1, 1, args, 1, rowexact.rows_op_address(), -1,
+                           ctypes.addressof(w.packed.rows_op))
     rows = g.reshape_3d(graph.ctx, x, w.cols, 1, n_rows)
     y = g.mul_mat(graph.ctx, w.packed.tensor, rows)  # [w.rows, 1, T]
     if w.packed.kind == "AMX" and n_rows > 1:

@@ -442,6 +442,291 @@ void rx_ggml_op(void *dst, int ith, int nth, void *userdata) {
     }
 }
 
+// ---------------------------------------------------------------- ggml's repacked Q4_K, several rows (AVX2)
+// ggml's CPU_REPACK layout for Q4_K on AVX2 (block_q4_Kx8: 8 output rows' super-blocks interleaved)
+// is multiplied one activation row at a time by ggml_gemv_q4_K_8x8_q8_K; its several-row GEMM sums in
+// another order. This kernel computes several rows sharing each weight load and unpacking, with, for
+// each row, exactly the instruction sequence of ggml's AVX2 gemv (arch/x86/repack.cpp, ggml 0.10.1):
+// every output is bit for bit what the gemv gives for that row alone. Activations are quantized by
+// ggml's own quantize_row_q8_K (a pointer the caller passes). rowexact.py checks the equality against
+// ggml's gemv on this machine before it uses the kernel.
+
+typedef struct {  // block_q8_K
+    float d;
+    int8_t qs[256];
+    int16_t bsums[16];
+} rx_q8k;
+
+typedef struct {  // block_q4_Kx8
+    uint16_t d[8], dmin[8];
+    uint8_t scales[96];
+    uint8_t qs[1024];
+} rx_q4kx8;
+
+typedef struct {
+    const void *data;  // RX_ROWS_Q4K8: block_q4_Kx8 [rows / 8][cols / 256]; RX_ROWS_Q6K: block_q6_K [rows][cols / 256]
+    int64_t rows, cols;
+    void (*quantize)(const float *x, void *y, int64_t k);  // ggml's quantize_row_q8_K
+    int32_t kind;
+} rx_rows_op;
+
+enum { RX_ROWS_Q4K8 = 0, RX_ROWS_Q6K = 1 };
+
+#define RX_Q4K8_ROWS 8  // activation rows per pass over a group's weights
+#define RX_CHUNK_GROUPS 16  // groups of 8 weight rows a thread takes at a time
+
+RX_AVX2 static inline void q4k8_sub_scales(const uint8_t *src, uint32_t *utmp) {
+    const uint32_t kmask1 = 0x3f3f3f3f, kmask2 = 0x0f0f0f0f, kmask3 = 0x03030303;
+    memcpy(utmp, src, 12);
+    utmp[3] = ((utmp[2] >> 4) & kmask2) | (((utmp[1] >> 6) & kmask3) << 4);
+    const uint32_t uaux = utmp[1] & kmask1;
+    utmp[1] = (utmp[2] & kmask2) | (((utmp[0] >> 6) & kmask3) << 4);
+    utmp[2] = uaux;
+    utmp[0] &= kmask1;
+}
+
+// NT rows of activations a[t] (each nb blocks) against one group of 8 interleaved weight rows, read
+// once in memory order: acc[2 t] (the gemv's acc_row) and acc[2 t + 1] (acc_min_rows) of each row
+// t. The integer sums are exact (4-bit weights times int8 activations cannot overflow them), so
+// their order is free; the float operations are the gemv's, in its order.
+RX_AVX2 __attribute__((always_inline))
+static inline void q4k8_group(const rx_q4kx8 *b_ptr, int64_t nb, const rx_q8k *const *a, const int NT, __m256 *acc) {
+    const __m128i deltamask = _mm_set_epi8(15, 14, 7, 6, 13, 12, 5, 4, 11, 10, 3, 2, 9, 8, 1, 0);
+    const __m128i scalemask = _mm_set_epi8(7, 7, 3, 3, 6, 6, 2, 2, 5, 5, 1, 1, 4, 4, 0, 0);
+    const __m256i m4b = _mm256_set1_epi8(0x0F);
+    for (int t = 0; t < 2 * NT; t++) acc[t] = _mm256_setzero_ps();
+    for (int64_t b = 0; b < nb; b++) {
+        const rx_q4kx8 *blk = b_ptr + b;
+        __m256i iacc_b[RX_Q4K8_ROWS], iacc_min_b[RX_Q4K8_ROWS], q8s[RX_Q4K8_ROWS];
+        for (int t = 0; t < NT; t++) {
+            iacc_b[t] = iacc_min_b[t] = _mm256_setzero_si256();
+            const __m256i q8sums = _mm256_loadu_si256((const __m256i *)a[t][b].bsums);
+            q8s[t] = _mm256_castsi128_si256(_mm_hadd_epi16(_mm256_castsi256_si128(q8sums), _mm256_extracti128_si256(q8sums, 1)));
+            q8s[t] = _mm256_permute2f128_si256(q8s[t], q8s[t], 0);
+        }
+        for (int sb = 0; sb < 4; sb++) {
+            uint32_t utmp_0[4], utmp_1[4];
+            q4k8_sub_scales(blk->scales + 24 * sb, utmp_0);
+            q4k8_sub_scales(blk->scales + 12 + 24 * sb, utmp_1);
+            const __m128i mins_and_scales_0 = _mm_set_epi32(utmp_0[3], utmp_0[2], utmp_0[1], utmp_0[0]);
+            const __m128i mins_and_scales_1 = _mm_set_epi32(utmp_1[3], utmp_1[2], utmp_1[1], utmp_1[0]);
+            const __m256i mins_01 = _mm256_cvtepu8_epi16(
+                _mm_unpacklo_epi8(_mm_shuffle_epi32(mins_and_scales_0, 78), _mm_shuffle_epi32(mins_and_scales_1, 78)));
+            for (int t = 0; t < NT; t++) {
+                iacc_min_b[t] = _mm256_add_epi32(iacc_min_b[t], _mm256_madd_epi16(_mm256_shuffle_epi32(q8s[t], 0), mins_01));
+                q8s[t] = _mm256_bsrli_epi128(q8s[t], 4);
+            }
+            const uint8_t *qs = blk->qs + sb * 256;
+            for (int half = 0; half < 2; half++) {
+                const __m256i scales = _mm256_cvtepu8_epi16(_mm_shuffle_epi8(half ? mins_and_scales_1 : mins_and_scales_0, scalemask));
+                __m256i r[8];
+                for (int j = 0; j < 4; j++) {
+                    __m256i v0123 = _mm256_loadu_si256((const __m256i *)(qs + 64 * j));
+                    __m256i v4567 = _mm256_loadu_si256((const __m256i *)(qs + 64 * j + 32));
+                    if (half) {
+                        v0123 = _mm256_srli_epi16(v0123, 4);
+                        v4567 = _mm256_srli_epi16(v4567, 4);
+                    }
+                    v0123 = _mm256_and_si256(v0123, m4b);
+                    v4567 = _mm256_and_si256(v4567, m4b);
+                    r[2 * j] = _mm256_blend_epi32(v0123, _mm256_shuffle_epi32(v4567, 177), 170);
+                    r[2 * j + 1] = _mm256_blend_epi32(_mm256_shuffle_epi32(v0123, 177), v4567, 170);
+                }
+#pragma GCC unroll 1
+                for (int t = 0; t < NT; t++) {  // (not unrolled: the 8 weight vectors stay in registers)
+                    // the gemv's _mm256_shuffle_epi32(lhs, k) of 16 activations repeated in both lanes:
+                    // their 4-byte group k broadcast, loaded as such
+                    const int32_t *aq = (const int32_t *)(a[t][b].qs + sb * 64 + 32 * half);
+                    // (16-bit sums: exact, in any order, as no partial sum can overflow)
+                    __m256i m[8];
+                    for (int i = 0; i < 8; i++) m[i] = _mm256_maddubs_epi16(r[i], _mm256_set1_epi32(aq[i]));
+                    const __m256i s16 = _mm256_add_epi16(_mm256_add_epi16(_mm256_add_epi16(m[0], m[1]), _mm256_add_epi16(m[2], m[3])),
+                                                         _mm256_add_epi16(_mm256_add_epi16(m[4], m[5]), _mm256_add_epi16(m[6], m[7])));
+                    iacc_b[t] = _mm256_add_epi32(iacc_b[t], _mm256_madd_epi16(s16, scales));
+                }
+            }
+        }
+        const __m256 col_scale_f32 = _mm256_cvtph_ps(_mm_shuffle_epi8(_mm_loadu_si128((const __m128i *)blk->d), deltamask));
+        const __m256 col_dmin_f32 = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)blk->dmin));
+        for (int t = 0; t < NT; t++) {
+            const __m256 row_scale_f32 = _mm256_set1_ps(a[t][b].d);
+            acc[2 * t] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(iacc_b[t]), _mm256_mul_ps(col_scale_f32, row_scale_f32), acc[2 * t]);
+            acc[2 * t + 1] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(iacc_min_b[t]), _mm256_mul_ps(col_dmin_f32, row_scale_f32), acc[2 * t + 1]);
+        }
+    }
+}
+
+// y [T][y_stride] = W x for the activations quantized (a: nb blocks a row); groups of 8 weight rows
+// split among nth callers, each read once for every 8 rows.
+RX_AVX2 static void q4k8_matmul(const rx_rows_op *op, const rx_q8k *q8, int64_t T, float *y, int64_t y_stride, int ith, int nth) {
+    const int64_t nb = op->cols / 256, groups = op->rows / 8;
+    const __m256i finalpermutemask = _mm256_set_epi32(7, 5, 3, 1, 6, 4, 2, 0);
+    for (int64_t c = 0; c < T; c += RX_Q4K8_ROWS) {
+        const int nt = (int)(T - c < RX_Q4K8_ROWS ? T - c : RX_Q4K8_ROWS);
+        const rx_q8k *a[RX_Q4K8_ROWS];
+        for (int t = 0; t < nt; t++) a[t] = q8 + (c + t) * nb;
+        // chunks of RX_CHUNK_GROUPS groups, dealt round the threads: they read neighbouring memory
+        for (int64_t g = 0; g < groups; g++) {
+            if ((g / RX_CHUNK_GROUPS) % nth != ith) {
+                g += RX_CHUNK_GROUPS - 1 - g % RX_CHUNK_GROUPS;
+                continue;
+            }
+            __m256 acc[2 * RX_Q4K8_ROWS];
+            const rx_q4kx8 *w = (const rx_q4kx8 *)op->data + g * nb;
+            switch (nt) {  // (row counts as constants: the loops over rows unrolled)
+                case 1: q4k8_group(w, nb, a, 1, acc); break;
+                case 2: q4k8_group(w, nb, a, 2, acc); break;
+                case 3: q4k8_group(w, nb, a, 3, acc); break;
+                case 4: q4k8_group(w, nb, a, 4, acc); break;
+                case 8: q4k8_group(w, nb, a, 8, acc); break;
+                default: q4k8_group(w, nb, a, nt, acc); break;
+            }
+            for (int t = 0; t < nt; t++)
+                _mm256_storeu_ps(y + (c + t) * y_stride + 8 * g,
+                                 _mm256_sub_ps(_mm256_permutevar8x32_ps(acc[2 * t], finalpermutemask), acc[2 * t + 1]));
+        }
+    }
+}
+
+// ---------------------------------------------------------------- ggml's plain Q6_K, several rows (AVX2)
+// The same for Q6_K weights in the file's layout, which ggml multiplies one activation row at a time
+// by ggml_vec_dot_q6_K_q8_K (arch/x86/quants.c, ggml 0.10.1): for each row, its AVX2 instruction
+// sequence (the integer sums exact, so in any order; the float ones in its order, then its
+// horizontal sum), each weight row unpacked once for up to 8 activation rows.
+
+typedef struct {  // block_q6_K
+    uint8_t ql[128], qh[64];
+    int8_t scales[16];
+    uint16_t d;
+} rx_q6k;
+
+static const uint8_t q6k_scale_shuffle[128] = {
+    0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 1, 1, 1, 1, 1, 1, 2, 2, 2, 2, 2, 2, 2, 2, 3, 3, 3, 3, 3, 3, 3, 3,
+    4, 4, 4, 4, 4, 4, 4, 4, 5, 5, 5, 5, 5, 5, 5, 5, 6, 6, 6, 6, 6, 6, 6, 6, 7, 7, 7, 7, 7, 7, 7, 7,
+    8, 8, 8, 8, 8, 8, 8, 8, 9, 9, 9, 9, 9, 9, 9, 9, 10, 10, 10, 10, 10, 10, 10, 10, 11, 11, 11, 11, 11, 11, 11, 11,
+    12, 12, 12, 12, 12, 12, 12, 12, 13, 13, 13, 13, 13, 13, 13, 13, 14, 14, 14, 14, 14, 14, 14, 14, 15, 15, 15, 15, 15, 15, 15, 15};
+
+RX_AVX2 static inline float q6k_hsum_float_8(const __m256 x) {  // ggml's hsum_float_8
+    __m128 res = _mm256_extractf128_ps(x, 1);
+    res = _mm_add_ps(res, _mm256_castps256_ps128(x));
+    res = _mm_add_ps(res, _mm_movehl_ps(res, res));
+    res = _mm_add_ss(res, _mm_movehdup_ps(res));
+    return _mm_cvtss_f32(res);
+}
+
+// one weight row (nb blocks) against NT activation rows: out[t]
+RX_AVX2 __attribute__((always_inline))
+static inline void q6k_row(const rx_q6k *x, int64_t nb, const rx_q8k *const *a, const int NT, float *out) {
+    const __m256i m3 = _mm256_set1_epi8(3), m15 = _mm256_set1_epi8(15);
+    __m256 acc[RX_Q4K8_ROWS];
+    for (int t = 0; t < NT; t++) acc[t] = _mm256_setzero_ps();
+    for (int64_t i = 0; i < nb; i++) {
+        const float xd = _cvtsh_ss(x[i].d);
+        const __m128i scales = _mm_loadu_si128((const __m128i *)x[i].scales);
+        const __m256i scales_16 = _mm256_cvtepi8_epi16(scales);
+        __m256i sumi[RX_Q4K8_ROWS];
+        for (int t = 0; t < NT; t++) sumi[t] = _mm256_setzero_si256();
+        for (int j = 0; j < 2; j++) {
+            const __m256i q4bits1 = _mm256_loadu_si256((const __m256i *)(x[i].ql + 64 * j));
+            const __m256i q4bits2 = _mm256_loadu_si256((const __m256i *)(x[i].ql + 64 * j + 32));
+            const __m256i q4bitsH = _mm256_loadu_si256((const __m256i *)(x[i].qh + 32 * j));
+            const __m256i q4h_0 = _mm256_slli_epi16(_mm256_and_si256(q4bitsH, m3), 4);
+            const __m256i q4h_1 = _mm256_slli_epi16(_mm256_and_si256(q4bitsH, _mm256_set1_epi8(12)), 2);
+            const __m256i q4h_2 = _mm256_and_si256(q4bitsH, _mm256_set1_epi8(48));
+            const __m256i q4h_3 = _mm256_srli_epi16(_mm256_and_si256(q4bitsH, _mm256_set1_epi8(-64)), 2);
+            const __m256i q4[4] = {_mm256_or_si256(_mm256_and_si256(q4bits1, m15), q4h_0),
+                                   _mm256_or_si256(_mm256_and_si256(q4bits2, m15), q4h_1),
+                                   _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(q4bits1, 4), m15), q4h_2),
+                                   _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(q4bits2, 4), m15), q4h_3)};
+            __m256i sc[4];
+            for (int k = 0; k < 4; k++)
+                sc[k] = _mm256_cvtepi8_epi16(_mm_shuffle_epi8(scales, _mm_loadu_si128((const __m128i *)q6k_scale_shuffle + 4 * j + k)));
+#pragma GCC unroll 1
+            for (int t = 0; t < NT; t++) {
+                const int8_t *q8 = a[t][i].qs + 128 * j;
+                __m256i p[4];
+                for (int k = 0; k < 4; k++)
+                    p[k] = _mm256_madd_epi16(sc[k], _mm256_maddubs_epi16(q4[k], _mm256_loadu_si256((const __m256i *)(q8 + 32 * k))));
+                sumi[t] = _mm256_add_epi32(sumi[t], _mm256_add_epi32(_mm256_add_epi32(p[0], p[1]), _mm256_add_epi32(p[2], p[3])));
+            }
+        }
+        for (int t = 0; t < NT; t++) {
+            const __m256i q8sums = _mm256_loadu_si256((const __m256i *)a[t][i].bsums);
+            const __m256i q8sclsub = _mm256_slli_epi32(_mm256_madd_epi16(q8sums, scales_16), 5);
+            const float d = a[t][i].d * xd;
+            acc[t] = _mm256_fmadd_ps(_mm256_broadcast_ss(&d), _mm256_cvtepi32_ps(_mm256_sub_epi32(sumi[t], q8sclsub)), acc[t]);
+        }
+    }
+    for (int t = 0; t < NT; t++) out[t] = q6k_hsum_float_8(acc[t]);
+}
+
+// y [T][y_stride] = W x for the activations quantized; weight rows split among nth callers.
+RX_AVX2 static void q6k_matmul(const rx_rows_op *op, const rx_q8k *q8, int64_t T, float *y, int64_t y_stride, int ith, int nth) {
+    const int64_t nb = op->cols / 256;
+    const rx_q6k *data = (const rx_q6k *)op->data;
+    for (int64_t c = 0; c < T; c += RX_Q4K8_ROWS) {
+        const int nt = (int)(T - c < RX_Q4K8_ROWS ? T - c : RX_Q4K8_ROWS);
+        const rx_q8k *a[RX_Q4K8_ROWS];
+        for (int t = 0; t < nt; t++) a[t] = q8 + (c + t) * nb;
+        for (int64_t r = 0; r < op->rows; r++) {
+            if ((r / (8 * RX_CHUNK_GROUPS)) % nth != ith) {
+                r += 8 * RX_CHUNK_GROUPS - 1 - r % (8 * RX_CHUNK_GROUPS);
+                continue;
+            }
+            float out[RX_Q4K8_ROWS];
+            switch (nt) {
+                case 1: q6k_row(data + r * nb, nb, a, 1, out); break;
+                case 2: q6k_row(data + r * nb, nb, a, 2, out); break;
+                case 4: q6k_row(data + r * nb, nb, a, 4, out); break;
+                case 8: q6k_row(data + r * nb, nb, a, 8, out); break;
+                default: q6k_row(data + r * nb, nb, a, nt, out); break;
+            }
+            for (int t = 0; t < nt; t++) y[(c + t) * y_stride + r] = out[t];
+        }
+    }
+}
+
+// ---------------------------------------------------------------- entry points (ggml's one-row results)
+static __thread rx_q8k *q8k_buf;
+static __thread size_t q8k_cap;
+
+// y [T][y_stride] = W x for x [T][x_stride] floats, every row as ggml's one-row kernel gives it; the
+// outputs split among nth callers. Returns 0, or -1 when out of memory.
+RX_AVX2 int rx_rows_matmul(const rx_rows_op *op, const float *x, int64_t x_stride, int64_t T, float *y, int64_t y_stride,
+                           int ith, int nth) {
+    const int64_t nb = op->cols / 256;
+    if (q8k_cap < (size_t)(T * nb)) {
+        free(q8k_buf);
+        q8k_buf = (rx_q8k *)malloc((size_t)(T * nb) * sizeof(rx_q8k));
+        q8k_cap = q8k_buf ? (size_t)(T * nb) : 0;
+        if (!q8k_buf) return -1;
+    }
+    for (int64_t t = 0; t < T; t++) op->quantize(x + t * x_stride, q8k_buf + t * nb, op->cols);
+    if (op->kind == RX_ROWS_Q6K)
+        q6k_matmul(op, q8k_buf, T, y, y_stride, ith, nth);
+    else
+        q4k8_matmul(op, q8k_buf, T, y, y_stride, ith, nth);
+    return 0;
+}
+
+// ggml custom op (ggml_custom_4d): dst [rows, T] = W src[0], src[0] [cols, T]; userdata: rx_rows_op
+void rx_rows_ggml_op(void *dst, int ith, int nth, void *userdata) {
+    const rx_rows_op *op = (const rx_rows_op *)userdata;
+    char *d = (char *)dst;
+    char *src = *(char **)(d + OFF_SRC);
+    const int64_t *ne = (const int64_t *)(src + OFF_NE);
+    const size_t *nb = (const size_t *)(src + OFF_NB);
+    const size_t *dnb = (const size_t *)(d + OFF_NB);
+    const float *x = *(const float **)(src + OFF_DATA);
+    float *y = *(float **)(d + OFF_DATA);
+    if (rx_rows_matmul(op, x, (int64_t)(nb[1] / 4), ne[1], y, (int64_t)(dnb[1] / 4), ith, nth) != 0) {
+        // out of memory for the quantized activations: this thread's outputs become NaN, never stale
+        for (int64_t t = 0; t < ne[1]; t++)
+            for (int64_t r = 0; r < op->rows; r++)
+                if ((r / (8 * RX_CHUNK_GROUPS)) % nth == ith) y[t * (int64_t)(dnb[1] / 4) + r] = NAN;
+    }
+}
+
 // ---------------------------------------------------------------- row-exact attention (AVX-512 F, BW, VL)
 // out[t, h] = sum_p softmax_p(s) v[p],  s[p] = scale * q[t, h] . k[p] (+ softcap) + mask[t, p], over
 // the keys row t's mask leaves visible (mask > -inf). The same float operations for (t, h) whatever

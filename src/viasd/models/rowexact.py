@@ -376,3 +376,54 @@ class RowExactWeight:
         if status != 0:
             raise MemoryError("the row-exact kernel could not allocate its activation buffer")
         return y
+
+
+# ---------------------------------------------------------------- ggml's one-row results, several rows
+ROWS_Q4K8, ROWS_Q6K = 0, 1  # the weights `rx_rows_matmul` takes: Q4_K as ggml's CPU_REPACK lays it out
+# for AVX2 (block_q4_Kx8; its one-row kernel ggml_gemv_q4_K_8x8_q8_K), Q6_K in the file's blocks
+# (ggml_vec_dot_q6_K_q8_K)
+
+
+class GgmlRowsOp(ctypes.Structure):  # struct rx_rows_op
+    """A weight multiplied by `rx_rows_matmul`: each row bit for bit what ggml's one-row kernel for
+    its layout gives it, several rows sharing each weight load (see rowexact.c)."""
+
+    _fields_ = [("data", ctypes.c_void_p), ("rows", ctypes.c_int64), ("cols", ctypes.c_int64),
+                ("quantize", ctypes.c_void_p), ("kind", ctypes.c_int32)]
+
+
+def rows_unavailable_reason() -> str | None:
+    """Why the several-row kernels over ggml's layouts cannot run here (None: they can)."""
+    cdll = lib()
+    if cdll is None:
+        return f"the row-exact kernels could not be compiled: {_lib_error}"
+    if not cdll.rx_has_avx2():
+        return "the CPU lacks AVX2"
+    return None
+
+
+def rows_op(kind: int, data_ptr: int, rows: int, cols: int, quantize_ptr: int) -> GgmlRowsOp:
+    """The op struct for a weight at `data_ptr` (`quantize_ptr`: ggml's quantize_row_q8_K)."""
+    if rows % (8 if kind == ROWS_Q4K8 else 1) or cols % 256:
+        raise ValueError(f"a {'repacked Q4_K' if kind == ROWS_Q4K8 else 'Q6_K'} weight of {rows}x{cols} does not fit the kernel")
+    return GgmlRowsOp(data_ptr, rows, cols, quantize_ptr, kind)
+
+
+def rows_matmul(op: GgmlRowsOp, x: torch.Tensor, split: int = 1) -> torch.Tensor:
+    """x [T, cols] float32 -> [T, rows] through the several-row kernel, on the calling thread (checks,
+    tests); `split`: the work divided as among that many threads, their parts computed in turn."""
+    cdll = lib()
+    x = x.to(torch.float32).contiguous()
+    y = torch.empty(x.shape[0], op.rows, dtype=torch.float32)
+    cdll.rx_rows_matmul.restype = ctypes.c_int
+    cdll.rx_rows_matmul.argtypes = [ctypes.POINTER(GgmlRowsOp), ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64,
+                                    ctypes.c_void_p, ctypes.c_int64, ctypes.c_int, ctypes.c_int]
+    for ith in range(split):
+        if cdll.rx_rows_matmul(ctypes.byref(op), x.data_ptr(), op.cols, x.shape[0], y.data_ptr(), op.rows, ith, split) != 0:
+            raise MemoryError("the several-row kernel could not allocate its activation buffer")
+    return y
+
+
+def rows_op_address() -> int:
+    """Address of the several-row custom op: dst [rows, T] from src[0] [cols, T]; userdata a `GgmlRowsOp`."""
+    return ctypes.cast(lib().rx_rows_ggml_op, ctypes.c_void_p).value
