@@ -329,6 +329,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     return args
 
 
+SETTLE_S = 1.5  # seconds of idle machine before each side of the solo phase
+
+
 def solo_phase(url: str, args, strategy: str, run_id: str, env: dict, config: dict) -> list[dict]:
     """One request served alone against `viasd generate` on the same prompt, interleaved per prompt:
     decode-only tokens/s of each."""
@@ -336,11 +339,16 @@ def solo_phase(url: str, args, strategy: str, run_id: str, env: dict, config: di
 
     out = []
     for prompt in PROMPTS[: args.solo]:
+        # each side starts on an idle machine: viasd sizes its thread count from the load the rest of
+        # the machine put on the cores over the last 0.5 s (models/compute.py), and the other side has
+        # just been decoding flat out
+        time.sleep(SETTLE_S)
         cli = subprocess.run([sys.executable, "-m", "viasd", "generate", prompt, "-m", args.model, "-q", "--json",
                               "-n", str(args.max_tokens), *_cli_flags(STRATEGIES[strategy])], capture_output=True, text=True)
         if cli.returncode != 0:
             raise SystemExit(f"[load] viasd generate failed: {cli.stderr[-300:]}")
         cli_rec = json.loads(cli.stdout)
+        time.sleep(SETTLE_S)
         r = httpx.post(url + "/v1/chat/completions", json={"model": args.model, "messages": [{"role": "user", "content": prompt}],
                                                            "max_tokens": args.max_tokens, "temperature": 0.0,
                                                            "viasd": STRATEGIES[strategy]}, timeout=600)

@@ -139,7 +139,8 @@ class BatchSession:
 
 def _run_one(call: _Call) -> None:
     try:
-        call.result = call.decoder.forward(*call.args, **call.kwargs)
+        # the pass itself (`Decoder._forward`): the member went through the prefix cache already
+        call.result = getattr(call.decoder, "_forward", call.decoder.forward)(*call.args, **call.kwargs)
     except BaseException as e:  # handed to the member, raised there
         call.error = e
 
@@ -158,12 +159,14 @@ def _group_key(call: _Call) -> tuple:
 
 
 def padded_rows(n: int, start: int, max_len: int) -> int:
-    """The rows a call of `n` rows takes in a shared pass: the next power of two (at most
-    ROW_ATTENTION_MAX), where its cache has room for them, else `n`. Calls of equal padded rows share
-    passes, so a few graphs serve every mix of draft lengths (one graph per composition of exact row
-    counts would be built anew at most steps of speculative strategies: 10-20 ms each); the padding
-    rows' outputs are dropped and their K/V lie past the request's positions, never read."""
+    """The rows a call of `n` rows takes in a shared pass: the next power of two up to 8, else the
+    next multiple of 8 (at most ROW_ATTENTION_MAX), where its cache has room for them, else `n`.
+    Calls of equal padded rows share passes, so a few graphs serve every mix of draft lengths (one
+    graph per composition of exact row counts would be built anew at most steps of speculative
+    strategies: 10-20 ms each); the padding rows' outputs are dropped and their K/V lie past the
+    request's positions, never read. Prompts pad to a multiple of 8, not to a power of two: each
+    padding row costs what a real one does (a 40-token prompt padded to 64 cost 1.6x its rows)."""
     from viasd.models.runtime import ROW_ATTENTION_MAX
 
-    b = 1 << max(0, n - 1).bit_length()
+    b = 1 << max(0, n - 1).bit_length() if n <= 8 else -(-n // 8) * 8
     return b if b <= ROW_ATTENTION_MAX and start + b <= max_len else n

@@ -25,6 +25,7 @@ count instead.
 
 from __future__ import annotations
 
+import contextvars
 import ctypes
 import functools
 import os
@@ -74,8 +75,9 @@ def leave_member() -> None:
 
 
 def submit(fn: Callable[..., T], *args, **kwargs) -> Future:
-    """Queue `fn(*args, **kwargs)` on the compute thread (in order, one at a time)."""
-    return _pool().submit(fn, *args, **kwargs)
+    """Queue `fn(*args, **kwargs)` on the compute thread (in order, one at a time), in a copy of the
+    caller's context variables (as asyncio runs its callbacks: e.g. `prefix.serving`)."""
+    return _pool().submit(contextvars.copy_context().run, fn, *args, **kwargs)
 
 
 def run(fn: Callable[..., T], *args, **kwargs) -> T:

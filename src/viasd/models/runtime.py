@@ -39,6 +39,8 @@ import torch.nn.functional as F
 from viasd.errors import UnsupportedArchitectureError
 from viasd.models import batching, ggml_forward
 from viasd.models.ggml_kernels import NativeTensor, QuantEmbedding, QuantLinear
+from viasd.models import prefix
+from viasd.models.prefix import PrefixCache
 
 SUPPORTED_ARCHITECTURES = ("llama", "qwen2", "mistral", "gemma2", "gemma3", "gemma3_text", "t5")
 # model_type -> family: one forward pass per family, switched by ModelConfig fields
@@ -647,9 +649,40 @@ class Decoder:
         stream entering that layer stores it. `head`: logits over a reduced vocabulary only (-inf
         elsewhere; see `ReducedHead`).
         """
+        if (start == 0 and route is None and not resume and (last_only or not logits) and cache.n_full == 0
+                and not cache._routed and (kept := prefix.active(self)) is not None):
+            return self._prefill(kept, tokens, cache, last_only, logits, head)
         if (session := batching.current()) is not None:  # a request of a batch: the compute thread runs it with others
             return session.forward(self, tokens, start, cache, route=route, last_only=last_only, resume=resume,
                                    logits=logits, head=head)
+        return self._forward(tokens, start, cache, route, last_only, resume, logits, head)
+
+    def _prefill(self, kept: PrefixCache, tokens: torch.Tensor, cache: KVCache, last_only: bool, logits: bool,
+                 head: ReducedHead | None) -> torch.Tensor | None:
+        """A prompt's pass from position 0 through the prefix cache: the longest cached prefix's K/V
+        copied in, the rest computed, the whole prompt's K/V kept for the next one."""
+        ids = tokens.tolist()
+        n = 0
+        if (hit := kept.lookup(ids, cache.resume_layer)) is not None:
+            n, k, v, hidden = hit
+            cache.k[:, :, :n].copy_(k[:, :, :n])
+            cache.v[:, :, :n].copy_(v[:, :, :n])
+            if hidden is not None:
+                cache.hidden[:n].copy_(hidden[:n])
+            cache._commit(None, 0, n)
+        rest = tokens[n:]
+        if (session := batching.current()) is not None:
+            out = session.forward(self, rest, n, cache, last_only=last_only, logits=logits, head=head)
+        else:
+            out = self._forward(rest, n, cache, None, last_only, False, logits, head)
+        kept.store(ids, cache.k, cache.v, cache.hidden, cache.resume_layer)
+        return out
+
+    @torch.inference_mode()
+    def _forward(self, tokens: torch.Tensor, start: int, cache: KVCache, route: LayerMask | None = None,
+                 last_only: bool = False, resume: bool = False, logits: bool = True,
+                 head: ReducedHead | None = None) -> torch.Tensor | None:
+        """`forward` itself, on this thread (no batch session, no prefix cache)."""
         n_tokens = tokens.shape[0]
         route, end = begin_pass(self.config, cache, route, start, n_tokens, resume)
         first = cache.resume_layer if resume else 0

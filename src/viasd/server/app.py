@@ -42,6 +42,7 @@ class ServeSettings:
     max_queue: int = 64  # requests waiting behind the running ones; more get 503
     max_batch: int = 8  # requests decoded at once, their passes batched
     kv_budget: int | None = None  # bytes of KV cache the running requests may reserve (None: a quarter of free memory)
+    prefix_cache: int = 128 << 20  # bytes of recent prompts' K/V kept for reuse (models/prefix.py); 0: off
     max_body_bytes: int = DEFAULT_MAX_BODY
     api_key: str | None = None
 
@@ -162,7 +163,8 @@ def create_app(model, drafter=None, settings: ServeSettings | None = None, worke
     """The app for one loaded model (and optional drafter). `worker` may be given (tests wrap it)."""
     settings = settings or ServeSettings()
     metrics = Metrics()
-    worker = worker or Worker(model, drafter, settings.max_queue, max_batch=settings.max_batch, kv_budget=settings.kv_budget)
+    worker = worker or Worker(model, drafter, settings.max_queue, max_batch=settings.max_batch, kv_budget=settings.kv_budget,
+                              prefix_cache=settings.prefix_cache)
     worker.on_depth = metrics.depth
     metrics.watch(worker)
     served = settings.served_name or model.name

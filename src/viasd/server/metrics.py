@@ -39,11 +39,17 @@ class Metrics:
         self.kv_used = Gauge("viasd_kv_cache_bytes", "KV-cache bytes reserved by the running requests", registry=r)
         self.kv_budget = Gauge("viasd_kv_cache_budget_bytes", "KV-cache bytes the running requests may reserve (--kv-budget-mb)",
                                registry=r)
+        self.prefix_bytes = Gauge("viasd_prefix_cache_bytes", "bytes of prompts' K/V kept for reuse (--prefix-cache-mb)", registry=r)
+        self.prefix_reused = Gauge("viasd_prefix_cache_reused_tokens", "prompt tokens whose K/V came from the prefix cache "
+                                   "since start (verifier model)", registry=r)
 
     def watch(self, worker) -> None:
         """Follow `worker`'s KV reservations and its batched passes."""
         self.kv_used.set_function(lambda: worker.kv_used)
         self.kv_budget.set(worker.kv_budget)
+        caches = [c for _, c in worker.prefix_caches]
+        self.prefix_bytes.set_function(lambda: sum(c.nbytes for c in caches))
+        self.prefix_reused.set_function(lambda: caches[0].reused_positions if caches else 0)
         worker.session.on_pass = self.observe_pass
 
     def observe_pass(self, requests: int, rows: int) -> None:

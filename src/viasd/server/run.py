@@ -45,6 +45,9 @@ def add_arguments(p: argparse.ArgumentParser, add_generate) -> None:
     s.add_argument("--kv-budget-mb", type=int, default=None,
                    help="MiB of KV cache the running requests may reserve; a request waits while it does not fit "
                         "(default: a quarter of the memory available at start)")
+    s.add_argument("--prefix-cache-mb", type=int, default=128,
+                   help="MiB of recent prompts' KV cache kept per model for reuse by prompts that share a prefix "
+                        "(a chat template's system prompt, earlier turns); results unchanged; 0: off (default: %(default)s)")
     s.add_argument("--max-body-kb", type=int, default=1024, help="request body limit in KiB; larger bodies get 413 (default: %(default)s)")
     s.add_argument("--drain-timeout", type=float, default=30.0,
                    help="on SIGTERM, seconds in-flight requests may take to finish before they are cancelled (default: %(default)s)")
@@ -83,6 +86,7 @@ def check_args(args: argparse.Namespace) -> dict:
     check_int("--max-batch", args.max_batch, 1, 256)
     if args.kv_budget_mb is not None:
         check_int("--kv-budget-mb", args.kv_budget_mb, 1)
+    check_int("--prefix-cache-mb", args.prefix_cache_mb, 0)
     check_int("--max-body-kb", args.max_body_kb, 1)
     check_float("--drain-timeout", args.drain_timeout, 0, allow_inf=True)
     check_int("--replicas", args.replicas, 0)
@@ -107,7 +111,8 @@ def serve_command(args: argparse.Namespace) -> int:
     defaults = check_args(args)
     settings = ServeSettings(defaults=defaults, served_name=args.served_model_name or args.model, max_queue=args.max_queue,
                              max_body_bytes=args.max_body_kb * 1024, api_key=args.api_key, max_batch=args.max_batch,
-                             kv_budget=None if args.kv_budget_mb is None else args.kv_budget_mb << 20)
+                             kv_budget=None if args.kv_budget_mb is None else args.kv_budget_mb << 20,
+                             prefix_cache=args.prefix_cache_mb << 20)
     if args.replicas:
         from viasd.server.ray_serve import serve_replicas
 

@@ -1,0 +1,120 @@
+"""Prompt prefix caching: the K/V of recent prompts, reused for the longest prefix a new prompt shares
+with one of them (a chat template's system prompt, a conversation's earlier turns, the same prompt
+again), as llama.cpp's server (`cache_prompt`) and vLLM (automatic prefix caching) do.
+
+Reuse changes no result: every row of a pass is computed independently (row-exact products, each row
+attending its own keys in order), so a position's K/V are the same whether it was computed in this
+prompt's prefill, in another's, or in a pass of any size. Only a full-model prefill from position 0
+of an empty cache takes part, and only when it asks for the last row's logits or none: the reused
+positions' own logits are not kept. A cache that keeps residual streams for resumed passes
+(`KVCache.enable_resume`, VIA-SD) reuses entries kept at the same layer, streams included.
+
+Off by default (a benchmark's prompts would share their template's prefill, and their timings with
+it): a cache serves the decoders it is given to, on the threads inside `serving(...)`; `viasd serve`
+runs every request that way (`--prefix-cache-mb`).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import contextvars
+import threading
+from collections import OrderedDict
+from collections.abc import Iterator
+
+import torch
+
+_caches: contextvars.ContextVar[dict | None] = contextvars.ContextVar("viasd_prefix_caches", default=None)
+
+
+@contextlib.contextmanager
+def serving(caches: list[tuple[object, "PrefixCache"]]) -> Iterator[None]:
+    """Within the block (this thread's context, and the compute thread's work it submits),
+    `Decoder.forward` of each decoder of `caches` ((decoder, PrefixCache) pairs) goes through its cache."""
+    token = _caches.set({id(d): c for d, c in caches})
+    try:
+        yield
+    finally:
+        _caches.reset(token)
+
+
+def active(decoder) -> "PrefixCache | None":
+    """The prefix cache `decoder` uses in this context, if any."""
+    caches = _caches.get()
+    return caches.get(id(decoder)) if caches else None
+
+MIN_REUSE = 4  # positions: shorter shared prefixes are computed again (the copy is not worth it)
+
+
+class PrefixCache:
+    """Up to `budget_bytes` of recent prompts' K/V (least recently used dropped first), thread-safe."""
+
+    def __init__(self, budget_bytes: int):
+        self.budget_bytes = int(budget_bytes)
+        # (resume layer or None, tokens) -> (k, v, residual streams entering the resume layer or None)
+        self._entries: OrderedDict[tuple, tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]] = OrderedDict()
+        self._bytes = 0
+        self._lock = threading.Lock()
+        self.hits = self.reused_positions = self.lookups = 0
+
+    @property
+    def nbytes(self) -> int:
+        return self._bytes
+
+    def lookup(self, tokens: list[int], layer: int | None = None) -> tuple[int, torch.Tensor, torch.Tensor, torch.Tensor | None] | None:
+        """The longest cached prefix of `tokens` kept at resume layer `layer`, at most len(tokens) - 1
+        positions (the last row is always computed: its logits are the pass' result): (n, k, v,
+        hidden) with k, v [layers, kv_heads, >= n, head_dim] and hidden [>= n, hidden] (None without
+        a layer), or None when it is shorter than MIN_REUSE."""
+        best, found = 0, None
+        with self._lock:
+            self.lookups += 1
+            for key, kept in self._entries.items():
+                n = _common_prefix(key[1], tokens, len(tokens) - 1) if key[0] == layer else 0
+                if n > best:
+                    best, found = n, (key, kept)
+            if found is None or best < MIN_REUSE:
+                return None
+            self._entries.move_to_end(found[0])
+            self.hits += 1
+            self.reused_positions += best
+            return (best, *found[1])
+
+    def store(self, tokens: list[int], k: torch.Tensor, v: torch.Tensor, hidden: torch.Tensor | None = None,
+              layer: int | None = None) -> None:
+        """Keep the K/V of `tokens` (k, v [layers, kv_heads, >= len(tokens), head_dim]; with `layer`,
+        the residual streams entering it, hidden [>= len(tokens), hidden]; copied)."""
+        n = len(tokens)
+        size = _bytes(k[:, :, :n]) * 2 + (_bytes(hidden[:n]) if hidden is not None else 0)
+        if n < MIN_REUSE or size > self.budget_bytes:
+            return
+        key = (layer, tuple(tokens))
+        with self._lock:
+            if key in self._entries:
+                self._entries.move_to_end(key)
+                return
+        kept = (k[:, :, :n].clone(), v[:, :, :n].clone(), None if hidden is None else hidden[:n].clone())
+        with self._lock:
+            if key in self._entries:
+                return
+            # a prompt that extends a cached one replaces it (its K/V hold the shorter one's)
+            for old in [old for old in self._entries if old[0] == layer and len(old[1]) < n and key[1][: len(old[1])] == old[1]]:
+                self._drop(old)
+            while self._entries and self._bytes + size > self.budget_bytes:
+                self._drop(next(iter(self._entries)))
+            self._entries[key] = kept
+            self._bytes += size
+
+    def _drop(self, key: tuple) -> None:
+        self._bytes -= sum(_bytes(t) for t in self._entries.pop(key) if t is not None)
+
+
+def _bytes(t: torch.Tensor) -> int:
+    return t.numel() * t.element_size()
+
+
+def _common_prefix(a: tuple[int, ...], b: list[int], limit: int) -> int:
+    n, m = 0, min(len(a), len(b), limit)
+    while n < m and a[n] == b[n]:
+        n += 1
+    return n
