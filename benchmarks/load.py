@@ -60,6 +60,7 @@ PROMPTS = [  # short, varied; chat completions (the model's chat template), gree
 STRATEGIES = {  # name -> the request's `viasd` extension object
     "ar": {"strategy": "ar"},
     "pld": {"strategy": "pld"},
+    "sd": {"strategy": "sd"},  # needs --drafter
     "viasd": {"strategy": "viasd", "mode": "lossless", "draft": "pld"},
     "viasd-tiered": {"strategy": "viasd", "mode": "tiered", "draft": "pld"},
 }
@@ -310,6 +311,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--solo", type=int, default=len(PROMPTS),
                    help="prompts of the solo phase (one request served alone against `viasd generate`; 0: none)")
     p.add_argument("--server-args", default="", help="extra `viasd serve` flags, space-separated")
+    p.add_argument("--drafter", help="the drafter model of `sd` (given to `viasd serve` and to the solo phase's `viasd generate`)")
     args = p.parse_args(argv)
     args.strategy_list = [s.strip() for s in args.strategies.split(",") if s.strip()]
     args.deployment_list = [d.strip() for d in args.deployments.split(",") if d.strip()]
@@ -320,6 +322,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     bad = [s for s in args.strategy_list if s not in STRATEGIES]
     if bad or not args.strategy_list:
         p.error(f"unknown strategy {bad}: choose from {', '.join(STRATEGIES)}")
+    if "sd" in args.strategy_list and not args.drafter:
+        p.error("the sd strategy needs --drafter MODEL")
     if args.url is None and ([d for d in args.deployment_list if d not in DEPLOYMENTS] or not args.deployment_list):
         p.error(f"--deployments: choose from {', '.join(DEPLOYMENTS)}")
     if args.url is not None and not args.url.startswith(("http://127.0.0.1", "http://localhost", "http://[::1]")):
@@ -344,7 +348,8 @@ def solo_phase(url: str, args, strategy: str, run_id: str, env: dict, config: di
         # just been decoding flat out
         time.sleep(SETTLE_S)
         cli = subprocess.run([sys.executable, "-m", "viasd", "generate", prompt, "-m", args.model, "-q", "--json",
-                              "-n", str(args.max_tokens), *_cli_flags(STRATEGIES[strategy])], capture_output=True, text=True)
+                              "-n", str(args.max_tokens), *_cli_flags(STRATEGIES[strategy]),
+                              *(["-d", args.drafter] if args.drafter else [])], capture_output=True, text=True)
         if cli.returncode != 0:
             raise SystemExit(f"[load] viasd generate failed: {cli.stderr[-300:]}")
         cli_rec = json.loads(cli.stdout)
@@ -395,7 +400,8 @@ def main(argv=None) -> int:
                                  args.startup_timeout)
             url = server.url
         elif args.url is None:
-            server = Server(args.model, DEPLOYMENTS[deployment], args.startup_timeout, args.server_args.split())
+            server = Server(args.model, DEPLOYMENTS[deployment], args.startup_timeout,
+                            args.server_args.split() + (["--drafter", args.drafter] if args.drafter else []))
             url = server.url
         else:
             url = args.url.rstrip("/")

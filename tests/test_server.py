@@ -792,3 +792,47 @@ def test_the_kv_budget_holds_requests_back_until_running_ones_free_it(tiny):
         assert first.result().choices[0].text == second.result().choices[0].text
         wait_for(lambda: worker.pending == 0, "both to finish")
         assert metric(live.metrics(), "viasd_kv_cache_bytes") == 0
+
+
+def test_a_member_run_on_the_compute_thread_serves_the_members_that_join_it(tiny_q8):
+    """`BatchSession.run_inline`: a request decoding on the compute thread itself runs its passes at
+    once and, while it runs, the passes of members that join share them; every answer equals the
+    request decoded alone."""
+    from viasd.models import batching, compute
+
+    session = batching.BatchSession()
+    passes = []
+    session.on_pass = lambda requests, rows: passes.append(requests)
+    prompts = [[1, 2, 3, 4], [5, 6, 7], [8, 9, 10, 11, 12]]
+    alone = [generate(p, tiny_q8, strategy="ar", max_new_tokens=30, progress=False).token_ids for p in prompts]
+    joined, shared = threading.Event(), []
+
+    def first():
+        out = []
+
+        def on_text(_):
+            if not out:  # the others join after its first round
+                out.append(1)
+                joined.set()
+                time.sleep(0.05)
+
+        return generate(prompts[0], tiny_q8, strategy="ar", max_new_tokens=30, progress=False, on_text=on_text).token_ids
+
+    def member(p):
+        joined.wait(30)
+        return session.member(generate, p, tiny_q8, strategy="ar", max_new_tokens=30, progress=False).token_ids
+
+    def compute_thread():  # as the server's scheduler: the inline request, then steps while members remain
+        out = session.run_inline(first)
+        shared.append(sum(r >= 2 for r in passes))  # passes of several requests while it ran
+        while not all(f.done() for f in others):
+            session.step(idle_timeout=0.05)
+        return out
+
+    with ThreadPoolExecutor(2) as pool:
+        others = [pool.submit(member, p) for p in prompts[1:]]
+        inline = compute.run(compute_thread)
+        results = [inline] + [f.result(timeout=60) for f in others]
+    assert results == alone
+    assert shared[0] > 0  # the joined members' rows were computed in the inline request's steps
+    assert session.members == 0 and batching.current() is None

@@ -160,6 +160,7 @@ class Worker:
         self.live: set[Job] = set()
         self.draining = False
         self._scheduling = False
+        self._inline: list[tuple[Job, threading.Event, list]] = []  # requests to run on the compute thread
 
     @property
     def pending(self) -> int:
@@ -190,11 +191,24 @@ class Worker:
         self.on_depth(self.waiting, self.running)
 
     def _schedule(self) -> None:
-        """On the compute thread while requests are live: run their passes."""
+        """On the compute thread while requests are live: run their passes, and run a request that
+        started alone on this thread itself (`BatchSession.run_inline`; others that arrive meanwhile
+        share its passes)."""
         while True:
+            with self.lock:
+                inline = self._inline.pop(0) if self._inline else None
+            if inline is not None:
+                job, done, error = inline
+                try:
+                    self.session.run_inline(self._decode, job)
+                except BaseException as e:  # raised in the request's thread
+                    error.append(e)
+                finally:
+                    done.set()
+                continue
             if not self.session.step(idle_timeout=0.05):
                 with self.lock:
-                    if not self.live:
+                    if not self.live and not self._inline:
                         self._scheduling = False
                         return
 
@@ -213,13 +227,23 @@ class Worker:
             self.kv_used += need
             self.waiting -= 1
             self.running += 1
+            alone = self.running == 1 and self.waiting == 0
             self._depth()
         try:
             if job.cancel.is_set():  # the client left while the request waited
                 job.post("cancelled")
                 return
             job.started = time.perf_counter()
-            self.session.member(self._decode, job)
+            if alone:  # on the compute thread, as `viasd generate` decodes
+                done, error = threading.Event(), []
+                with self.lock:
+                    self._inline.append((job, done, error))
+                self.session.wake()
+                done.wait()
+                if error:
+                    raise error[0]
+            else:
+                self.session.member(self._decode, job)
         except ViasdError as e:
             job.post("error", e)
         except Exception as e:  # a bug, not the client's fault: log it, answer 500 without a traceback
