@@ -349,7 +349,7 @@ def solo_phase(url: str, args, strategy: str, run_id: str, env: dict, config: di
         time.sleep(SETTLE_S)
         cli = subprocess.run([sys.executable, "-m", "viasd", "generate", prompt, "-m", args.model, "-q", "--json",
                               "-n", str(args.max_tokens), *_cli_flags(STRATEGIES[strategy]),
-                              *(["-d", args.drafter] if args.drafter else [])], capture_output=True, text=True)
+                              *(["-d", args.drafter] if args.drafter and strategy == "sd" else [])], capture_output=True, text=True)
         if cli.returncode != 0:
             raise SystemExit(f"[load] viasd generate failed: {cli.stderr[-300:]}")
         cli_rec = json.loads(cli.stdout)
