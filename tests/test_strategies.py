@@ -121,6 +121,21 @@ def test_draft_length_follows_costs_and_acceptance():
         DraftLength(4, [0.01] * 3, free_drafts=True)
 
 
+def test_draft_length_shrinks_as_a_batch_fills_the_cheap_rows():
+    """Beside other requests the pass carries their rows too: drafts pay while rows are cheap (a
+    kernel whose extra rows cost a tenth of a pass), not once each extra row costs what a row alone
+    does (this project's AVX2 machine), however well the drafts are accepted."""
+    cheap = [0.01 * (1 + 0.1 * j) for j in range(5)]
+    steep = [0.01 * (1 + 0.55 * j) for j in range(5)]
+    for times, alone, batched in ((cheap, 4, 2), (steep, 1, 0)):
+        policy = DraftLength(4, times, free_drafts=True)
+        for _ in range(10):
+            policy.observe(4, 3)  # alpha about 0.75
+        assert policy.choose(others=0) == alone
+        assert policy.choose(others=7) == batched, times  # cheap rows: fewer drafts; dear ones: none
+    assert DraftLength(4, steep, True).batch_costs(7)[:2] == pytest.approx([1 + 0.55 * 7, 1 + 0.55 * 8])
+
+
 def test_pass_times_are_measured_interleaved(tiny, monkeypatch):
     """Every row count is measured in every round (1, 2, 3, 1, 2, 3, ...), not one after another."""
     calls = []

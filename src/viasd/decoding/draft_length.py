@@ -26,6 +26,7 @@ import time
 import torch
 
 from viasd.decoding.drafters import NO_DRAFT, Draft, Drafter
+from viasd.models import batching
 from viasd.models.runtime import Decoder
 
 _CONTEXT = 64  # positions already in the cache when the pass costs are measured
@@ -95,13 +96,29 @@ class DraftLength:
             out[j] = max(out[j], out[j - 1])
         return out
 
+    def batch_costs(self, others: int) -> list[float]:
+        """[k+1]: a pass of `others` rows of other requests plus j+1 of this one's, in one-row passes
+        (past the measured row counts, each row at the last measured row's cost)."""
+        costs = self.costs
+        slope = costs[-1] - costs[-2] if len(costs) > 1 else costs[0]
+        return [costs[r] if r < len(costs) else costs[-1] + (r - len(costs) + 1) * slope
+                for r in range(others, others + self.k + 1)]
+
     @property
     def alpha(self) -> float:
         return self.accepted / (self.accepted + self.rejected)
 
-    def choose(self) -> int:
-        a, costs, draft_cost = self.alpha, self.costs, self.draft_s / self.times[0]
-        rates = [expected_tokens(a, j) / (costs[j] + j * draft_cost) for j in range(self.k + 1)]
+    def choose(self, others: int | None = None) -> int:
+        """Drafts for the next round. Served beside `others` other requests (default: the other
+        members of this thread's batch session, a row each), the round's pass carries their rows too:
+        the draft length that commits the most tokens of the whole pass per unit of its time, so that
+        speculation shrinks as the batch fills the kernel's cheap rows (alone: this request's tokens
+        per unit of its own passes' time)."""
+        if others is None:
+            session = batching.current()
+            others = max(0, session.members - 1) if session is not None else 0
+        a, costs, draft_cost = self.alpha, self.batch_costs(others), self.draft_s / self.times[0]
+        rates = [(others + expected_tokens(a, j)) / (costs[j] + j * draft_cost) for j in range(self.k + 1)]
         j = max(range(self.k + 1), key=lambda i: (rates[i], -i))  # ties: fewer drafts
         self._probing = False
         if j == 0 and not self.free_drafts and self.k > 0 and self._idle >= self._probe_every:
