@@ -448,7 +448,7 @@ void rx_ggml_op(void *dst, int ith, int nth, void *userdata) {
 // another order. This kernel computes several rows sharing each weight load and unpacking, with, for
 // each row, exactly the instruction sequence of ggml's AVX2 gemv (arch/x86/repack.cpp, ggml 0.10.1):
 // every output is bit for bit what the gemv gives for that row alone. Activations are quantized by
-// ggml's own quantize_row_q8_K (a pointer the caller passes). rowexact.py checks the equality against
+// ggml's own quantize_row_q8_K (a pointer the caller passes). ggml_kernels._rows_op checks the equality against
 // ggml's gemv on this machine before it uses the kernel.
 
 typedef struct {  // block_q8_K

@@ -22,6 +22,10 @@ Three product kernels compute the same sums, bit for bit: AVX-512 VNNI (used by
 default), AVX2 (used when asked for: see `unavailable_reason`) and a portable reference (tests).
 Where there is no compiler or the CPU has neither, `available()` is False and native weights keep
 ggml's kernels.
+
+The same library holds several-row kernels over ggml's own layouts (`GgmlRowsOp`, AVX2): Q4_K as
+CPU_REPACK lays it out and Q6_K in the file's blocks, each row bit for bit what ggml's one-row kernel
+gives it, each weight unpacked once for up to 16 rows (where the row-exact kernel is not the default).
 """
 
 from __future__ import annotations
