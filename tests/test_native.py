@@ -56,15 +56,7 @@ def test_quant_linear_parts_of_different_types_fill_their_columns():
 
 def _product(w: gk.NativeTensor, x: torch.Tensor) -> torch.Tensor:
     """x [T, in] through `w` as the forward graph multiplies it (`ggml_kernels.matmul`)."""
-    graph = gk._Graph(n_tensors=8)
-    xt = graph.tensor(gk.F32, w.cols, x.shape[0])
-    y = gk.matmul(graph, w, xt, x.shape[0])
-    graph.finish(y)
-    out = torch.empty(x.shape[0], w.rows)
-    graph.bind(xt, x.data_ptr())
-    graph.bind(y, out.data_ptr())
-    graph.run()
-    return out
+    return gk.ggml_product(w, x)
 
 
 Q4_K, Q6_K = 12, 14

@@ -500,13 +500,14 @@ def _rows_op(w: "NativeTensor", kind: int, data_ptr: int) -> "rowexact.GgmlRowsO
     op = rowexact.rows_op(kind, data_ptr, w.rows, w.cols, quantize)
     if kind not in _rows_checks:
         x = torch.randn(3, w.cols, generator=torch.Generator().manual_seed(0))
-        ref = torch.cat([_ggml_product(w, x[i : i + 1]) for i in range(3)])  # one row at a time
+        ref = torch.cat([ggml_product(w, x[i : i + 1]) for i in range(3)])  # one row at a time
         _rows_checks[kind] = torch.equal(rowexact.rows_matmul(op, x), ref)
     return op if _rows_checks[kind] else None
 
 
-def _ggml_product(w: "NativeTensor", x: torch.Tensor) -> torch.Tensor:
-    """x [T, cols] through `w` as it is packed now, in a graph of its own."""
+def ggml_product(w: "NativeTensor", x: torch.Tensor) -> torch.Tensor:
+    """x [T, cols] through `w` as it is packed now (`matmul`, as the forward graph multiplies it), in a
+    graph of its own (checks, tests)."""
     graph = _Graph(8)
     xt = graph.tensor(F32, w.cols, x.shape[0])
     y = matmul(graph, w, xt, x.shape[0])

@@ -425,20 +425,29 @@ typedef struct {
     int32_t impl;
 } rx_op;
 
-void rx_ggml_op(void *dst, int ith, int nth, void *userdata) {
-    const rx_op *op = (const rx_op *)userdata;
+// a product op's activations and output: x [T][x_stride], y [T][y_stride] floats (from the ggml tensors)
+typedef struct {
+    const float *x;
+    float *y;
+    int64_t T, x_stride, y_stride;
+} rx_io;
+
+static rx_io op_io(void *dst) {
     char *d = (char *)dst;
     char *src = *(char **)(d + OFF_SRC);
-    const int64_t *ne = (const int64_t *)(src + OFF_NE);
-    const size_t *nb = (const size_t *)(src + OFF_NB);
-    const size_t *dnb = (const size_t *)(d + OFF_NB);
-    const float *x = *(const float **)(src + OFF_DATA);
-    float *y = *(float **)(d + OFF_DATA);
-    if (rx_matmul(&op->w, x, (int64_t)(nb[1] / 4), ne[1], y, (int64_t)(dnb[1] / 4), ith, nth, op->impl) != 0) {
+    rx_io io = {*(const float **)(src + OFF_DATA), *(float **)(d + OFF_DATA), ((const int64_t *)(src + OFF_NE))[1],
+                (int64_t)(((const size_t *)(src + OFF_NB))[1] / 4), (int64_t)(((const size_t *)(d + OFF_NB))[1] / 4)};
+    return io;
+}
+
+void rx_ggml_op(void *dst, int ith, int nth, void *userdata) {
+    const rx_op *op = (const rx_op *)userdata;
+    const rx_io io = op_io(dst);
+    if (rx_matmul(&op->w, io.x, io.x_stride, io.T, io.y, io.y_stride, ith, nth, op->impl) != 0) {
         // out of memory for the quantized activations: this thread's outputs become NaN, never stale
         const int64_t ntiles = op->w.rows / 16, r0 = 16 * (ntiles * ith / nth), r1 = 16 * (ntiles * (ith + 1) / nth);
-        for (int64_t t = 0; t < ne[1]; t++)
-            for (int64_t r = r0; r < r1; r++) y[t * (int64_t)(dnb[1] / 4) + r] = NAN;
+        for (int64_t t = 0; t < io.T; t++)
+            for (int64_t r = r0; r < r1; r++) io.y[t * io.y_stride + r] = NAN;
     }
 }
 
@@ -714,18 +723,12 @@ RX_AVX2 int rx_rows_matmul(const rx_rows_op *op, const float *x, int64_t x_strid
 // ggml custom op (ggml_custom_4d): dst [rows, T] = W src[0], src[0] [cols, T]; userdata: rx_rows_op
 void rx_rows_ggml_op(void *dst, int ith, int nth, void *userdata) {
     const rx_rows_op *op = (const rx_rows_op *)userdata;
-    char *d = (char *)dst;
-    char *src = *(char **)(d + OFF_SRC);
-    const int64_t *ne = (const int64_t *)(src + OFF_NE);
-    const size_t *nb = (const size_t *)(src + OFF_NB);
-    const size_t *dnb = (const size_t *)(d + OFF_NB);
-    const float *x = *(const float **)(src + OFF_DATA);
-    float *y = *(float **)(d + OFF_DATA);
-    if (rx_rows_matmul(op, x, (int64_t)(nb[1] / 4), ne[1], y, (int64_t)(dnb[1] / 4), ith, nth) != 0) {
+    const rx_io io = op_io(dst);
+    if (rx_rows_matmul(op, io.x, io.x_stride, io.T, io.y, io.y_stride, ith, nth) != 0) {
         // out of memory for the quantized activations: this thread's outputs become NaN, never stale
-        for (int64_t t = 0; t < ne[1]; t++)
+        for (int64_t t = 0; t < io.T; t++)
             for (int64_t r = 0; r < op->rows; r++)
-                if ((r / (8 * RX_CHUNK_GROUPS)) % nth == ith) y[t * (int64_t)(dnb[1] / 4) + r] = NAN;
+                if ((r / (8 * RX_CHUNK_GROUPS)) % nth == ith) io.y[t * io.y_stride + r] = NAN;
     }
 }
 
