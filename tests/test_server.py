@@ -30,6 +30,7 @@ from prometheus_client.parser import text_string_to_metric_families  # noqa: E40
 from viasd import generate  # noqa: E402
 from viasd.cli import main  # noqa: E402
 from viasd.server import ServeSettings, create_app  # noqa: E402
+from viasd.models.loading import LoadedModel  # noqa: E402
 from viasd.server.engine import StopText, Worker  # noqa: E402
 
 SRC = str(Path(__file__).resolve().parents[1] / "src")
@@ -775,6 +776,74 @@ def test_concurrent_requests_share_passes_and_each_answer_equals_serving_alone(t
     assert together == alone
     assert passes and max(passes) >= 2
     assert batching.current() is None
+
+
+def _native_q8(model: LoadedModel) -> LoadedModel:
+    from viasd.models.loading import load_state_dict
+    from viasd.models.native import quantize
+    from viasd.models.runtime import Decoder
+
+    state = load_state_dict(model.path)
+    decoder = Decoder.from_state_dict(model.config, state, native=quantize(state, model.config, 8), pack=True)
+    return LoadedModel(name=model.name, path=model.path, config=model.config, decoder=decoder,
+                       tokenizer=model.tokenizer, weights="native")
+
+
+def test_speculative_members_draft_together_and_verify_together(tiny_q8, tiny_drafter):
+    """`batching.lockstep`: while a drafter's calls are parked, the verifier's wait for them, so no
+    step runs a drafter pass and a verifier pass at once (run as they came, three `sd` requests
+    started apart would each pay both in most steps); each answer equals the request alone."""
+    from viasd.models import batching, compute
+
+    drafter = _native_q8(tiny_drafter)  # 2 layers against the verifier's 4: its passes read fewer bytes
+    assert drafter.decoder.weight_bytes() < tiny_q8.decoder.weight_bytes()
+    session = batching.BatchSession()
+    steps: list[list[int | None]] = []
+    run = session._run
+    session._run = lambda calls: (steps.append([batching._cost(c) for c in calls]), run(calls))
+    prompts = [[5, 36, 16], [8, 7, 5], [11, 28, 44]]  # each decodes its 60 tokens (no end of text)
+    kw = dict(strategy="sd", drafter=drafter, k=3, adapt_k=False, max_new_tokens=60, progress=False)
+    alone = [generate(p, tiny_q8, **kw).token_ids for p in prompts]
+    assert [len(a) for a in alone] == [60] * 3
+
+    def member(i):
+        time.sleep(0.01 * i)  # started apart: not in step by chance
+        return session.member(generate, prompts[i], tiny_q8, **kw).token_ids
+
+    def compute_thread():
+        while not all(f.done() for f in futures):
+            session.step(idle_timeout=0.05)
+
+    with ThreadPoolExecutor(3) as pool:
+        futures = [pool.submit(member, i) for i in range(3)]
+        compute.run(compute_thread)
+        assert [f.result(timeout=60) for f in futures] == alone
+    verifier = tiny_q8.decoder.weight_bytes()
+    assert all(len(set(costs)) == 1 for costs in steps), [s for s in steps if len(set(s)) > 1][:3]
+    assert max(costs.count(verifier) for costs in steps) == 3  # all three verified in one pass
+
+
+def test_a_call_waits_for_cheaper_ones_at_most_max_defer_steps():
+    from viasd.models import batching
+
+    class Model:
+        def __init__(self, nbytes):
+            self.nbytes = nbytes
+
+        def weight_bytes(self, route=None, from_layer=0, head=True):
+            return self.nbytes
+
+    def call(model):
+        return batching._Call(model, (), {})
+
+    big, small, unknown = Model(100), Model(10), Model(0)  # 0: the model does not say
+    dear, cheap, other = call(big), call(small), call(unknown)
+    now, later = batching.lockstep([dear, cheap, other])
+    assert now == [cheap, other] and later == [dear]
+    assert batching.lockstep([dear, call(big)])[1] == []  # one cost: all run
+    for _ in range(batching.MAX_DEFER - 1):
+        assert batching.lockstep([dear, call(small)])[1] == [dear]
+    assert batching.lockstep([dear, call(small)])[1] == []  # waited MAX_DEFER steps: runs
 
 
 def test_the_kv_budget_holds_requests_back_until_running_ones_free_it(tiny):

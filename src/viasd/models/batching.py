@@ -10,6 +10,11 @@ all their rows, each request's rows attending its own cache), the rest run one b
 only their loops' light work (acceptance, sampling, text) between passes, on one torch thread each,
 so that the OpenMP teams stay with the compute thread (`models/compute.py` says why).
 
+Speculative members run in lockstep (`lockstep`): while a cheaper model's calls are parked (a
+drafter's, a slim route's), the dearer ones wait for them, so that every member drafts in the same
+cheap passes and verifies in the same full one. Run as they came, a step held one member's draft
+and another's verification, and cost a drafter pass plus a verifier pass for one row of each.
+
 Rows are computed independently (row-exact products; attention of each row over its own keys), so a
 request's tokens are the same served alone or beside any others: batch invariance.
 """
@@ -29,6 +34,9 @@ if TYPE_CHECKING:
 MAX_WAIT_S = 0.005  # a pass waits at most this long for members still busy elsewhere (8 smollm2 clients:
 # 160 tok/s and TTFT p50 0.49 s against 145-148 and 0.9-1.2 s at 50 ms; 1 ms: 144, 0.22 s)
 
+MAX_DEFER = 16  # steps a call waits at most for cheaper models' calls (`lockstep`): four times the
+# default draft length (`--k` 4), so that a member drafting long rounds cannot hold the others for good
+
 _local = threading.local()
 
 
@@ -38,12 +46,13 @@ def current() -> BatchSession | None:
 
 
 class _Call:
-    __slots__ = ("decoder", "args", "kwargs", "result", "error", "done")
+    __slots__ = ("decoder", "args", "kwargs", "result", "error", "done", "deferred")
 
     def __init__(self, decoder, args, kwargs):
         self.decoder, self.args, self.kwargs = decoder, args, kwargs
         self.result = self.error = None
         self.done = False
+        self.deferred = 0  # steps it waited for cheaper calls (`lockstep`)
 
 
 class BatchSession:
@@ -137,7 +146,7 @@ class BatchSession:
                 if left <= 0:
                     break
                 self._cv.wait(left)
-            calls, self._parked = self._parked, []
+            calls, self._parked = lockstep(self._parked)
         try:
             self._run(calls)
         finally:
@@ -167,6 +176,35 @@ class BatchSession:
                     call.error = out
                 else:
                     call.result = out
+
+
+def lockstep(calls: list[_Call]) -> tuple[list[_Call], list[_Call]]:
+    """(run now, keep parked): while calls of a cheaper pass are parked (a drafter model's, a slim
+    route's: fewer weight bytes read), the dearer ones wait (each at most MAX_DEFER steps), so that
+    speculative members draft together in cheap passes and verify together in one full pass, as
+    vLLM's steps run every request's drafts and then one verification. Calls of one cost all run."""
+    costs = [_cost(c) for c in calls]
+    known = [c for c in costs if c is not None]
+    if len(set(known)) < 2:
+        return calls, []
+    cheapest = min(known)
+    now, later = [], []
+    for call, cost in zip(calls, costs):
+        if cost is not None and cost > cheapest and call.deferred < MAX_DEFER:
+            call.deferred += 1
+            later.append(call)
+        else:
+            now.append(call)
+    return now, later
+
+
+def _cost(call: _Call) -> int | None:
+    """Weight bytes the call's pass reads (None where its decoder does not say)."""
+    weight_bytes = getattr(call.decoder, "weight_bytes", None)
+    if weight_bytes is None:
+        return None
+    head = call.kwargs.get("head")
+    return weight_bytes(call.kwargs.get("route"), 0, call.kwargs.get("logits", True) is not False if head is None else head) or None
 
 
 def _run_one(call: _Call) -> None:
