@@ -766,7 +766,7 @@ def test_concurrent_requests_share_passes_and_each_answer_equals_serving_alone(t
     with LiveServer(app) as live, ThreadPoolExecutor(len(asks)) as pool:
         live.app.state.worker.session.on_pass = lambda r, rows: passes.append(r)
         def ask(i):
-            time.sleep(0.02 * i)  # staggered arrivals: requests join running ones
+            time.sleep(0.005 * i)  # staggered arrivals: requests join running ones (close enough to overlap)
             p, s, n = asks[i]
             r = httpx.post(live.url + "/v1/completions", timeout=300,
                            json={"model": "tiny", "prompt": p, "max_tokens": n, "viasd": s})

@@ -136,6 +136,42 @@ def test_draft_length_shrinks_as_a_batch_fills_the_cheap_rows():
     assert DraftLength(4, steep, True).batch_costs(7)[:2] == pytest.approx([1 + 0.55 * 7, 1 + 0.55 * 8])
 
 
+def test_beside_others_the_policy_neither_learns_their_passes_nor_probes_where_drafts_cannot_pay():
+    """A pass beside other requests carries their rows and waits for their drafters: its time is not
+    that of this request's rows (learnt as such, every draft length cost about the same and 8 served
+    `sd` requests drafted as if alone). And a probe there makes every member wait for the drafter,
+    so none is made where drafts could not pay even if all were accepted."""
+    from viasd.models import batching
+
+    cheap = [0.01 * (1 + 0.1 * j) for j in range(5)]
+    policy = DraftLength(4, cheap, free_drafts=False, draft_s=0.002)  # a drafted token: 0.2 of a pass
+    session = batching.BatchSession()
+    session.members = 1  # another request is running
+
+    def beside_others():
+        policy.observe_pass(1, 0.5)
+        policy.observe_drafting(0.3, 1)
+        return [policy.choose(others=7) for _ in range(40)]
+
+    assert session.member(beside_others) == [0] * 40  # 7 others: (7 + 2) / (1.8 + 0.2) < 8 / 1.7 at best
+    assert policy.times == cheap and policy.draft_s == 0.002
+    assert policy.choose(others=0) > 0  # alone, drafts pay
+    policy.observe_pass(1, 0.02)
+    assert policy.times[0] > cheap[0]  # alone, its passes are its own: learnt
+
+
+def test_drafting_costs_are_known_before_any_draft(tiny, tiny_drafter):
+    from viasd.decoding.draft_length import drafting_seconds
+
+    params = GREEDY
+    times = pass_times(tiny.decoder, 3)
+    assert drafting_seconds(NgramDrafter(), times) == 0.0
+    half = SelfDrafter(tiny.decoder, LayerMask.from_layers(tiny.decoder.config.n_layers, [0, 1]), params, None, None)
+    assert drafting_seconds(half, times) == pytest.approx(half.verifier_share * times[0])
+    model = ModelDrafter(tiny_drafter.decoder, params, None, None)
+    assert drafting_seconds(model, times) == pass_times(tiny_drafter.decoder, 1)[0] > 0
+
+
 def test_pass_times_are_measured_interleaved(tiny, monkeypatch):
     """Every row count is measured in every round (1, 2, 3, 1, 2, 3, ...), not one after another."""
     calls = []

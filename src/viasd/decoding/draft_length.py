@@ -77,13 +77,13 @@ class DraftLength:
     round verifies no draft.
     """
 
-    def __init__(self, k: int, times: list[float], free_drafts: bool):
+    def __init__(self, k: int, times: list[float], free_drafts: bool, draft_s: float = 0.0):
         if len(times) < k + 1 or times[0] <= 0:
             raise ValueError(f"need positive pass times for 1..{k + 1} rows, got {times}")
         self.k, self.free_drafts = k, free_drafts
         self.times = list(times[: k + 1])  # [k+1] seconds of a pass of 1..k+1 rows
         self.accepted, self.rejected = _PRIOR
-        self.draft_s = 0.0  # seconds of drafting per drafted token (decayed mean)
+        self.draft_s = draft_s  # seconds of drafting per drafted token (decayed mean; `drafting_seconds` first)
         self._idle = 0  # rounds since the last verified draft
         self._probe_every = _PROBE_EVERY
         self._probing = False
@@ -113,16 +113,20 @@ class DraftLength:
         members of this thread's batch session, a row each), the round's pass carries their rows too:
         the draft length that commits the most tokens of the whole pass per unit of its time, so that
         speculation shrinks as the batch fills the kernel's cheap rows (alone: this request's tokens
-        per unit of its own passes' time)."""
+        per unit of its own passes' time). A drafter that costs is probed now and then after rounds
+        without drafts (its acceptance is only learnt from verified drafts), but not where drafts
+        could not pay even if every one were accepted: a probe beside others makes them all wait for
+        its drafter's passes (`batching.lockstep`)."""
         if others is None:
-            session = batching.current()
-            others = max(0, session.members - 1) if session is not None else 0
+            others = _others()
         a, costs, draft_cost = self.alpha, self.batch_costs(others), self.draft_s / self.times[0]
-        rates = [(others + expected_tokens(a, j)) / (costs[j] + j * draft_cost) for j in range(self.k + 1)]
+        rate = lambda alpha, i: (others + expected_tokens(alpha, i)) / (costs[i] + i * draft_cost)  # noqa: E731
+        rates = [rate(a, i) for i in range(self.k + 1)]
         j = max(range(self.k + 1), key=lambda i: (rates[i], -i))  # ties: fewer drafts
         self._probing = False
         if j == 0 and not self.free_drafts and self.k > 0 and self._idle >= self._probe_every:
-            j, self._probing = 1, True  # a drafter that costs is only scored when its drafts are verified
+            if max(rate(1.0, i) for i in range(1, self.k + 1)) > rates[0]:  # drafts could pay: score the drafter
+                j, self._probing = 1, True
         self._idle = 0 if j > 0 else self._idle + 1
         return j
 
@@ -136,15 +140,37 @@ class DraftLength:
             self._probe_every = _PROBE_EVERY if accepted else min(2 * self._probe_every, _PROBE_MAX)
 
     def observe_pass(self, rows: int, seconds: float) -> None:
-        """A verification pass of `rows` rows took `seconds`."""
-        if 1 <= rows <= len(self.times) and seconds > 0:
+        """A verification pass of `rows` rows took `seconds`. Learnt only from a request's passes of its
+        own: beside others, a pass carries their rows too and waits for their drafters (`batching`),
+        and its time is not that of `rows` rows (learnt as such, it made every draft length cost
+        about the same, so that 8 served `sd` requests drafted as if alone)."""
+        if 1 <= rows <= len(self.times) and seconds > 0 and _others() == 0:
             self.times[rows - 1] = (1 - _FOLLOW) * self.times[rows - 1] + _FOLLOW * seconds
 
     def observe_drafting(self, seconds: float, drafted: int) -> None:
-        """Time spent drafting `drafted` tokens (a drafter model's or route's passes)."""
-        if drafted > 0:
+        """Time spent drafting `drafted` tokens (a drafter model's or route's passes), alone (as
+        `observe_pass`)."""
+        if drafted > 0 and _others() == 0:
             per_token = seconds / drafted
             self.draft_s = 0.5 * self.draft_s + 0.5 * per_token if self.draft_s else per_token
+
+
+def drafting_seconds(drafter: Drafter, verifier_times: list[float]) -> float:
+    """Seconds a drafted token costs before any drafting is measured (a request that starts beside
+    others never measures it alone): a drafter model's one-row pass (measured once per model, as the
+    verifier's), a drafting route's share of the verifier's one-row pass, nothing for a free drafter."""
+    if getattr(drafter, "free", False):
+        return 0.0
+    if (share := getattr(drafter, "verifier_share", 0.0)) > 0:
+        return share * verifier_times[0]
+    decoder = getattr(drafter, "decoder", None)
+    return pass_times(decoder, 1)[0] if isinstance(decoder, Decoder) and not decoder.is_encoder_decoder else 0.0
+
+
+def _others() -> int:
+    """Other requests in this thread's batch session (0 outside one)."""
+    session = batching.current()
+    return max(0, session.members - 1) if session is not None else 0
 
 
 def propose(drafter: Drafter, tokens: list[int], k: int, policy: DraftLength | None) -> tuple[Draft, int | None]:

@@ -28,7 +28,7 @@ import time
 import torch
 
 from viasd.decoding.acceptance import SamplingParams, accept, settle
-from viasd.decoding.draft_length import DraftLength, pass_times, propose
+from viasd.decoding.draft_length import DraftLength, drafting_seconds, pass_times, propose
 from viasd.decoding.drafters import NO_DRAFT, Draft, Drafter
 from viasd.decoding.tiers import Tier, TierThresholds, confident_round, round_tiers
 from viasd.decoding.verifier import DecodeRequest, Verifier
@@ -139,7 +139,8 @@ class _TieredLoop:
         self.slim_tiers = thresholds.accept <= 1.0 or thresholds.slim <= 1.0
         self.policy = None  # (first: measuring the pass costs belongs to the time to the first token, not to decoding)
         if adaptive and k > 0 and not decoder.is_encoder_decoder:
-            self.policy = DraftLength(k, pass_times(decoder, k + 1), free_drafts=getattr(drafter, "free", False))
+            self.policy = DraftLength(k, times := pass_times(decoder, k + 1), getattr(drafter, "free", False),
+                                      drafting_seconds(drafter, times))
         self.v = Verifier.start(decoder, drafter, req, len(req.prompt) + req.max_new_tokens + k + 2, tiers=True,
                                 resume_layer=resume_layer(route, resume and self.slim_tiers))
         self.v.hold = correct

@@ -9,7 +9,7 @@ from __future__ import annotations
 import time
 
 from viasd.decoding.acceptance import DeferralRule, accept, cascade_target_probs
-from viasd.decoding.draft_length import DraftLength, pass_times, propose
+from viasd.decoding.draft_length import DraftLength, drafting_seconds, pass_times, propose
 from viasd.decoding.drafters import Drafter
 from viasd.decoding.verifier import DecodeRequest, Verifier
 from viasd.models.runtime import Decoder
@@ -44,7 +44,8 @@ def speculative_decode(
     params, stats = req.params, req.stats
     policy = None  # (first: measuring the pass costs belongs to the time to the first token, not to decoding)
     if adaptive and k > 0 and not decoder.is_encoder_decoder:
-        policy = DraftLength(k, pass_times(decoder, k + 1), free_drafts=getattr(drafter, "free", False))
+        policy = DraftLength(k, times := pass_times(decoder, k + 1), getattr(drafter, "free", False),
+                             drafting_seconds(drafter, times))
     v = Verifier.start(decoder, drafter, req, len(req.prompt) + req.max_new_tokens + k + 1)
     while not v.done:
         # 1. draft up to k tokens (as many as the policy chooses); never more than the budget can use
