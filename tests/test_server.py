@@ -632,6 +632,26 @@ def test_sigterm_drains_in_flight_requests_and_refuses_new_ones(smollm2):
 # ---------------------------------------------------------------- faults: stalled readers, half bodies, drains, config
 
 
+def test_a_request_answered_at_once_wakes_its_reader_only_at_the_end():
+    """A non-streamed request's tokens are not events: the reader (the event loop) is woken once,
+    when the answer is complete, not for each token while the decode runs beside it."""
+    import asyncio
+
+    from viasd.server.engine import Job
+
+    loop = asyncio.new_event_loop()
+    try:
+        job = Job("x", {}, [], loop, stream=False, max_unread=3)
+        for _ in range(10):  # more than max_unread: never "stalled", there is nothing to read yet
+            job.post("text", "a")
+        job.post("done")
+        loop.run_until_complete(asyncio.sleep(0))
+        assert job.events.qsize() == 1 and loop.run_until_complete(job.next_event()) == ("done",)
+        assert not job.cancel.is_set()
+    finally:
+        loop.close()
+
+
 def test_an_unread_stream_stops_its_own_decode_and_its_memory_stays_bounded():
     import asyncio
 

@@ -295,7 +295,7 @@ def create_app(model, drafter=None, settings: ServeSettings | None = None, worke
     async def run(request: Request, endpoint: str, req, prompt, max_tokens: int | None, chat: bool):
         settings_ = config_for(req, max_tokens)
         settings_["chat"] = chat
-        job = Job(prompt, settings_, req.stops(), asyncio.get_running_loop())
+        job = Job(prompt, settings_, req.stops(), asyncio.get_running_loop(), stream=bool(req.stream))
         try:
             worker.submit(job)
         except QueueFull:
@@ -323,8 +323,6 @@ def create_app(model, drafter=None, settings: ServeSettings | None = None, worke
             try:
                 while True:
                     kind, *rest = await job.next_event()
-                    if kind == "text":
-                        continue
                     if kind == "error":
                         e = engine_error(rest[0])
                         finish(e.status)
