@@ -160,6 +160,25 @@ def test_beside_others_the_policy_neither_learns_their_passes_nor_probes_where_d
     assert policy.times[0] > cheap[0]  # alone, its passes are its own: learnt
 
 
+def test_drafting_is_priced_per_pass_with_a_rounds_extra_passes_apart():
+    """A round's drafting costs its passes: one a draft plus a few more (a drafter of another
+    vocabulary drafts a token past what it keeps, and first reads the text committed since). Priced
+    per draft, a round of one draft that took 3 passes made every draft look 3 passes dear, and long
+    drafts never paid; per pass, they do."""
+    cheap = [0.01 * (1 + 0.05 * j) for j in range(5)]
+    per_pass, per_draft = DraftLength(4, cheap, False, draft_s=0.001), DraftLength(4, cheap, False, draft_s=0.001)
+    for policy in (per_pass, per_draft):
+        for _ in range(10):
+            policy.observe(4, 3)  # alpha about 0.75
+    for _ in range(10):
+        per_pass.observe_drafting(0.003, drafted=1, passes=3)
+        per_draft.observe_drafting(0.003, drafted=1)  # passes not known: one a draft
+    assert per_pass.draft_s == pytest.approx(0.001) and per_pass.extra_passes == pytest.approx(2, abs=0.01)
+    assert per_draft.draft_s == pytest.approx(0.003, rel=0.01) and per_draft.extra_passes == 0  # (decayed from 0.001)
+    assert per_pass.choose(others=0) == 4  # 3.05 tokens for 1.2 + 6 * 0.1 passes
+    assert per_draft.choose(others=0) == 2
+
+
 def test_drafting_costs_are_known_before_any_draft(tiny, tiny_drafter):
     from viasd.decoding.draft_length import drafting_seconds
 
