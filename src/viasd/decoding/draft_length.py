@@ -166,7 +166,7 @@ class DraftLength:
 
 
 def drafting_seconds(drafter: Drafter, verifier_times: list[float]) -> float:
-    """Seconds a drafted token costs before any drafting is measured (a request that starts beside
+    """Seconds a drafting pass costs before any drafting is measured (a request that starts beside
     others never measures it alone): a drafter model's one-row pass (measured once per model, as the
     verifier's), a drafting route's share of the verifier's one-row pass, nothing for a free drafter."""
     if getattr(drafter, "free", False):

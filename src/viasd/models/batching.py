@@ -203,8 +203,9 @@ def _cost(call: _Call) -> int | None:
     weight_bytes = getattr(call.decoder, "weight_bytes", None)
     if weight_bytes is None:
         return None
-    head = call.kwargs.get("head")
-    return weight_bytes(call.kwargs.get("route"), 0, call.kwargs.get("logits", True) is not False if head is None else head) or None
+    kw = call.kwargs
+    head = kw.get("head") if kw.get("head") is not None else kw.get("logits", True) is not False  # (False: no head)
+    return weight_bytes(kw.get("route"), 0, head) or None
 
 
 def _run_one(call: _Call) -> None:
