@@ -122,18 +122,24 @@ def test_draft_length_follows_costs_and_acceptance():
 
 
 def test_draft_length_shrinks_as_a_batch_fills_the_cheap_rows():
-    """Beside other requests the pass carries their rows too: drafts pay while rows are cheap (a
-    kernel whose extra rows cost a tenth of a pass), not once each extra row costs what a row alone
-    does (this project's AVX2 machine), however well the drafts are accepted."""
+    """Beside other requests a round with drafts pays a pass of its own (a shared pass groups calls
+    of equal row buckets), so drafts pay there only where nearly all of them are accepted, and not
+    beside many others at all; alone, cheap rows make long drafts pay and dear ones (this project's
+    AVX2 machine) one."""
     cheap = [0.01 * (1 + 0.1 * j) for j in range(5)]
     steep = [0.01 * (1 + 0.55 * j) for j in range(5)]
-    for times, alone, batched in ((cheap, 4, 2), (steep, 1, 0)):
+    for times, alone in ((cheap, 4), (steep, 1)):
         policy = DraftLength(4, times, free_drafts=True)
         for _ in range(10):
             policy.observe(4, 3)  # alpha about 0.75
         assert policy.choose(others=0) == alone
-        assert policy.choose(others=7) == batched, times  # cheap rows: fewer drafts; dear ones: none
-    assert DraftLength(4, steep, True).batch_costs(7)[:2] == pytest.approx([1 + 0.55 * 7, 1 + 0.55 * 8])
+        assert policy.choose(others=1) == 0 and policy.choose(others=7) == 0, times
+    copying = DraftLength(4, cheap, free_drafts=True)
+    for _ in range(20):
+        copying.observe(4, 4)  # alpha about 1: a copied passage
+    assert copying.choose(others=1) == 4 and copying.choose(others=7) == 0
+    # no draft: one pass of 8 rows; j drafts: 7 rows, and j+1 rows in a pass of their own
+    assert DraftLength(4, steep, True).batch_costs(7)[:2] == pytest.approx([1 + 0.55 * 7, 1 + 0.55 * 6 + 1.55])
 
 
 def test_beside_others_the_policy_neither_learns_their_passes_nor_probes_where_drafts_cannot_pay():
