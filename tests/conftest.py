@@ -199,19 +199,24 @@ def tiny(tiny_dir) -> LoadedModel:
     return load_model(str(tiny_dir), progress=False)
 
 
-@pytest.fixture(scope="session")
-def tiny_q8(tiny) -> LoadedModel:
-    """The tiny Llama with its products, embedding and head in Q8_0: native weights, so that a pass is
-    one ggml graph and several requests' passes can be one (continuous batching)."""
+def native_q8(model: LoadedModel) -> LoadedModel:
+    """`model` with its products, embedding and head in Q8_0: native weights, so that a pass is one
+    ggml graph and several requests' passes can be one (continuous batching)."""
     from viasd.models.loading import load_state_dict
     from viasd.models.native import quantize
     from viasd.models.runtime import Decoder
 
-    state = load_state_dict(tiny.path)
-    decoder = Decoder.from_state_dict(tiny.config, state, native=quantize(state, tiny.config, 8), pack=True)  # 8: Q8_0
+    state = load_state_dict(model.path)
+    decoder = Decoder.from_state_dict(model.config, state, native=quantize(state, model.config, 8), pack=True)  # 8: Q8_0
     assert decoder._graph is not None
-    return LoadedModel(name="tiny", path=tiny.path, config=tiny.config, decoder=decoder, tokenizer=tiny.tokenizer,
-                       weights="native")
+    return LoadedModel(name=model.name, path=model.path, config=model.config, decoder=decoder,
+                       tokenizer=model.tokenizer, weights="native")
+
+
+@pytest.fixture(scope="session")
+def tiny_q8(tiny) -> LoadedModel:
+    """The tiny Llama in Q8_0 (`native_q8`)."""
+    return native_q8(tiny)
 
 
 @pytest.fixture(scope="session")

@@ -30,7 +30,7 @@ from prometheus_client.parser import text_string_to_metric_families  # noqa: E40
 from viasd import generate  # noqa: E402
 from viasd.cli import main  # noqa: E402
 from viasd.server import ServeSettings, create_app  # noqa: E402
-from viasd.models.loading import LoadedModel  # noqa: E402
+from conftest import native_q8  # noqa: E402
 from viasd.server.engine import StopText, Worker  # noqa: E402
 
 SRC = str(Path(__file__).resolve().parents[1] / "src")
@@ -798,24 +798,13 @@ def test_concurrent_requests_share_passes_and_each_answer_equals_serving_alone(t
     assert batching.current() is None
 
 
-def _native_q8(model: LoadedModel) -> LoadedModel:
-    from viasd.models.loading import load_state_dict
-    from viasd.models.native import quantize
-    from viasd.models.runtime import Decoder
-
-    state = load_state_dict(model.path)
-    decoder = Decoder.from_state_dict(model.config, state, native=quantize(state, model.config, 8), pack=True)
-    return LoadedModel(name=model.name, path=model.path, config=model.config, decoder=decoder,
-                       tokenizer=model.tokenizer, weights="native")
-
-
 def test_speculative_members_draft_together_and_verify_together(tiny_q8, tiny_drafter):
     """`batching.lockstep`: while a drafter's calls are parked, the verifier's wait for them, so no
     step runs a drafter pass and a verifier pass at once (run as they came, three `sd` requests
     started apart would each pay both in most steps); each answer equals the request alone."""
     from viasd.models import batching, compute
 
-    drafter = _native_q8(tiny_drafter)  # 2 layers against the verifier's 4: its passes read fewer bytes
+    drafter = native_q8(tiny_drafter)  # 2 layers against the verifier's 4: its passes read fewer bytes
     assert drafter.decoder.weight_bytes() < tiny_q8.decoder.weight_bytes()
     session = batching.BatchSession()
     steps: list[list[int | None]] = []

@@ -118,10 +118,10 @@ class DraftLength:
 
     def choose(self, others: int | None = None) -> int:
         """Drafts for the next round. Served beside `others` other requests (default: the other
-        members of this thread's batch session, a row each), the round's pass carries their rows too:
-        the draft length that commits the most tokens of the whole pass per unit of its time, so that
-        speculation shrinks as the batch fills the kernel's cheap rows (alone: this request's tokens
-        per unit of its own passes' time). A drafter that costs is probed now and then after rounds
+        members of this thread's batch session, a row each), the round's passes carry their rows too
+        (`batch_costs`): the draft length that commits the most tokens of all of them per unit of
+        their time, so that speculation shrinks to none beside others unless nearly every draft is
+        accepted (alone: this request's tokens per unit of its own passes' time). A drafter that costs is probed now and then after rounds
         without drafts (its acceptance is only learnt from verified drafts), but not where drafts
         could not pay even if every one were accepted: a probe beside others makes them all wait for
         its drafter's passes (`batching.lockstep`)."""
