@@ -61,6 +61,7 @@ STRATEGIES = {  # name -> the request's `viasd` extension object
     "ar": {"strategy": "ar"},
     "pld": {"strategy": "pld"},
     "sd": {"strategy": "sd"},  # needs --drafter
+    "self-sd": {"strategy": "self-sd"},
     "viasd": {"strategy": "viasd", "mode": "lossless", "draft": "pld"},
     "viasd-tiered": {"strategy": "viasd", "mode": "tiered", "draft": "pld"},
 }
@@ -310,6 +311,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--ctx", type=int, default=1024, help="positions per llama-server slot (default: %(default)s)")
     p.add_argument("--solo", type=int, default=len(PROMPTS),
                    help="prompts of the solo phase (one request served alone against `viasd generate`; 0: none)")
+    p.add_argument("--solo-repeats", type=int, default=3,
+                   help="times each solo prompt is run on each side, alternating; the ratio is of the per-prompt medians "
+                        "(one pair per prompt left 0.7-1.3x swings on answers of 13-16 tokens) (default: %(default)s)")
     p.add_argument("--server-args", default="", help="extra `viasd serve` flags, space-separated")
     p.add_argument("--drafter", help="the drafter model of `sd` (given to `viasd serve` and to the solo phase's `viasd generate`)")
     args = p.parse_args(argv)
@@ -330,6 +334,8 @@ def parse_args(argv=None) -> argparse.Namespace:
         p.error("--url must be a loopback address")
     if any(c < 1 for c in args.client_list) or not args.client_list or args.duration <= 0 or args.grace < 0 or args.max_tokens < 1:
         p.error("--clients >= 1, --duration > 0, --grace >= 0 and --max-tokens >= 1")
+    if args.solo_repeats < 1:
+        p.error("--solo-repeats must be >= 1")
     return args
 
 
@@ -337,8 +343,9 @@ SETTLE_S = 1.5  # seconds of idle machine before each side of the solo phase
 
 
 def solo_phase(url: str, args, strategy: str, run_id: str, env: dict, config: dict) -> list[dict]:
-    """One request served alone against `viasd generate` on the same prompt, interleaved per prompt:
-    decode-only tokens/s of each."""
+    """One request served alone against `viasd generate` on the same prompt, interleaved per prompt and
+    repeated `--solo-repeats` times (generate, served, generate, served, ...): decode-only tokens/s of
+    each run, one record per pair (`repeat`). `solo_summary` compares the per-prompt medians."""
     import httpx
 
     out = []
@@ -347,28 +354,47 @@ def solo_phase(url: str, args, strategy: str, run_id: str, env: dict, config: di
     httpx.post(url + "/v1/chat/completions", json={"model": args.model, "messages": [{"role": "user", "content": "Hello."}],
                                                    "max_tokens": 16, "temperature": 0.0, "viasd": STRATEGIES[strategy]}, timeout=600)
     for prompt in PROMPTS[: args.solo]:
-        # each side starts on an idle machine: viasd sizes its thread count from the load the rest of
-        # the machine put on the cores over the last 0.5 s (models/compute.py), and the other side has
-        # just been decoding flat out
-        time.sleep(SETTLE_S)
-        cli = subprocess.run([sys.executable, "-m", "viasd", "generate", prompt, "-m", args.model, "-q", "--json",
-                              "-n", str(args.max_tokens), *_cli_flags(STRATEGIES[strategy]),
-                              *(["-d", args.drafter] if args.drafter and strategy == "sd" else [])], capture_output=True, text=True)
-        if cli.returncode != 0:
-            raise SystemExit(f"[load] viasd generate failed: {cli.stderr[-300:]}")
-        cli_rec = json.loads(cli.stdout)
-        time.sleep(SETTLE_S)
-        r = httpx.post(url + "/v1/chat/completions", json={"model": args.model, "messages": [{"role": "user", "content": prompt}],
-                                                           "max_tokens": args.max_tokens, "temperature": 0.0,
-                                                           "viasd": STRATEGIES[strategy]}, timeout=600)
-        served = r.json()
-        a, b = cli_rec["stats"]["decode_tokens_per_s"], served["viasd"]["stats"]["decode_tokens_per_s"]
-        rec = {"run_id": run_id, "phase": "solo", "strategy": strategy, "prompt": prompt, "generate_decode_tokens_per_s": a,
-               "served_decode_tokens_per_s": b, "ratio": round(b / a, 4) if a and b else None,
-               "same_text": served["choices"][0]["message"]["content"] == cli_rec["text"], "config": config, "env": env}
-        out.append(rec)
-        log(f"[load] solo {strategy}: generate {a} tok/s, served {b} tok/s")
+        for repeat in range(args.solo_repeats):
+            # each side starts on an idle machine: viasd sizes its thread count from the load the rest of
+            # the machine put on the cores over the last 0.5 s (models/compute.py), and the other side has
+            # just been decoding flat out
+            time.sleep(SETTLE_S)
+            cli = subprocess.run([sys.executable, "-m", "viasd", "generate", prompt, "-m", args.model, "-q", "--json",
+                                  "-n", str(args.max_tokens), *_cli_flags(STRATEGIES[strategy]),
+                                  *(["-d", args.drafter] if args.drafter and strategy == "sd" else [])], capture_output=True, text=True)
+            if cli.returncode != 0:
+                raise SystemExit(f"[load] viasd generate failed: {cli.stderr[-300:]}")
+            cli_rec = json.loads(cli.stdout)
+            time.sleep(SETTLE_S)
+            r = httpx.post(url + "/v1/chat/completions", json={"model": args.model, "messages": [{"role": "user", "content": prompt}],
+                                                               "max_tokens": args.max_tokens, "temperature": 0.0,
+                                                               "viasd": STRATEGIES[strategy]}, timeout=600)
+            served = r.json()
+            a, b = cli_rec["stats"]["decode_tokens_per_s"], served["viasd"]["stats"]["decode_tokens_per_s"]
+            rec = {"run_id": run_id, "phase": "solo", "strategy": strategy, "prompt": prompt, "repeat": repeat,
+                   "new_tokens": served["viasd"]["stats"]["new_tokens"], "generate_decode_tokens_per_s": a,
+                   "served_decode_tokens_per_s": b, "ratio": round(b / a, 4) if a and b else None,
+                   "same_text": served["choices"][0]["message"]["content"] == cli_rec["text"], "config": config, "env": env}
+            out.append(rec)
+            log(f"[load] solo {strategy} #{repeat}: generate {a} tok/s, served {b} tok/s")
     return out
+
+
+def solo_summary(solos: list[dict], strategy: str) -> str | None:
+    """Served / generate decode tokens/s: per prompt, the ratio of the two sides' medians over the
+    repeats; then the median over prompts."""
+    by_prompt: dict[str, list[dict]] = {}
+    for r in solos:
+        if r["strategy"] == strategy and r["ratio"]:
+            by_prompt.setdefault(r["prompt"], []).append(r)
+    if not by_prompt:
+        return None
+    ratios = [float(np.median([r["served_decode_tokens_per_s"] for r in rs]) / np.median([r["generate_decode_tokens_per_s"] for r in rs]))
+              for rs in by_prompt.values()]
+    same = sum(r["same_text"] for rs in by_prompt.values() for r in rs)
+    pairs = sum(len(rs) for rs in by_prompt.values())
+    return (f"solo {strategy}: served / generate decode tok/s, median over {len(ratios)} prompts of the per-prompt medians' "
+            f"ratio: {float(np.median(ratios)):.3f} (per prompt {min(ratios):.2f}-{max(ratios):.2f}); same text {same}/{pairs}")
 
 
 def _cli_flags(ext: dict) -> list[str]:
@@ -442,10 +468,8 @@ def main(argv=None) -> int:
     if solos:
         print()
         for strategy in args.strategy_list:
-            ratios = [r["ratio"] for r in solos if r["strategy"] == strategy and r["ratio"]]
-            if ratios:
-                print(f"solo {strategy}: served / generate decode tok/s, median of {len(ratios)} prompts: {float(np.median(ratios)):.3f}; "
-                      f"same text {sum(r['same_text'] for r in solos if r['strategy'] == strategy)}/{len(ratios)}")
+            if (line := solo_summary(solos, strategy)) is not None:
+                print(line)
     log(f"[load] run {run_id}: {len(records) + len(solos)} record(s) appended to {out}")
     return 0 if all(r["errors"] == 0 for r in records) else 1
 
