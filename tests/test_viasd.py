@@ -339,12 +339,14 @@ def test_resumed_full_passes_change_no_token_and_read_fewer_bytes(tiny, kind):
         assert "lower" not in runs[False][3].calls
 
 
-def test_resume_setting_reaches_the_record(tiny):
-    on = generate([1, 5, 6, 7, 5, 6], tiny, strategy="viasd", mode="tiered", slim_layers=SLIM, max_new_tokens=8)
-    off = generate([1, 5, 6, 7, 5, 6], tiny, strategy="viasd", mode="tiered", slim_layers=SLIM, max_new_tokens=8, resume=False)
+def test_resume_setting_reaches_the_record(tiny, tiny_q8):
+    on = generate([1, 5, 6, 7, 5, 6], tiny_q8, strategy="viasd", mode="tiered", slim_layers=SLIM, max_new_tokens=8)
+    off = generate([1, 5, 6, 7, 5, 6], tiny_q8, strategy="viasd", mode="tiered", slim_layers=SLIM, max_new_tokens=8, resume=False)
     assert on.config["resume_layer"] == 2 and off.config["resume_layer"] is None and on.token_ids == off.token_ids
-    not_whole = generate([1, 5, 6, 7], tiny, strategy="viasd", slim_layers=[1, 2, 3], max_new_tokens=4)
+    not_whole = generate([1, 5, 6, 7], tiny_q8, strategy="viasd", slim_layers=[1, 2, 3], max_new_tokens=4)
     assert not_whole.config["resume_layer"] is None  # layer 0 is not kept: nothing to resume from
+    # float weights never resume: a row computed alone by oneDNN may round otherwise than in its pass
+    assert generate([1, 5, 6, 7, 5, 6], tiny, strategy="viasd", slim_layers=SLIM, max_new_tokens=8).config["resume_layer"] is None
 
 
 def test_reduced_head_scores_its_vocabulary_only(tiny):
