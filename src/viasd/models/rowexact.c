@@ -150,92 +150,79 @@ static inline __m512 block_vector(const rx_weight *w, int which, int64_t tile, i
     return _mm512_mul_ps(_mm512_loadu_ps(sup), sub);
 }
 
-// One block of U tiles x NT activation rows (compile-time U, NT: accumulators stay in registers).
-// Several tiles at once when rows are few: their accumulation chains are independent.
+// One tile x NT activation rows (compile-time NT: the accumulators stay in registers). (Two tiles at
+// once for up to three rows, independent accumulation chains, was slower on the 2-core AMD EPYC with
+// AVX-512 of session 15: qwen2.5-coder-1.5b passes of 1 / 2 / 3 rows 23-24 / 25-26 / 26-27 ms against
+// 24-29 / 30-33 / 35-38, alternated runs of benchmarks/native_probe.py's kind; results unchanged.)
 __attribute__((target("avx512f,avx512bw,avx512vnni"), always_inline))
-static inline void tiles_vnni_un(const rx_weight *w, int64_t tile0, const int U, const int NT, const int BLK, const int BITS,
-                                 const int8_t *xq, const float *dx, const float *sx, const int32_t *qsum, float *y,
-                                 int64_t ystride) {
+static inline void tile_vnni_nt(const rx_weight *w, int64_t tile, const int NT, const int BLK, const int BITS,
+                                const int8_t *xq, const float *dx, const float *sx, const int32_t *qsum, float *y,
+                                int64_t ystride) {
     const int64_t nblk = w->cols / BLK;
     const int G = BLK / 4;  // groups of 4 inputs a block
     const int64_t qbytes = (int64_t)BLK * (BITS == 8 ? 16 : 8);
     const __m512i low = _mm512_set1_epi8(15);
-    __m512 acc[4][RX_CHUNK];
-    for (int u = 0; u < U; u++)
-        for (int t = 0; t < NT; t++) acc[u][t] = _mm512_setzero_ps();
+    __m512 acc[RX_CHUNK];
+    for (int t = 0; t < NT; t++) acc[t] = _mm512_setzero_ps();
     for (int64_t b = 0; b < nblk; b++) {
-        for (int u = 0; u < U; u++) {
-            const int64_t tile = tile0 + u;
-            const uint8_t *p = w->q + (tile * nblk + b) * qbytes;
-            if (NT <= prefetch_rows)  // ask for the weights RX_AHEAD blocks on
-                for (int64_t off = 0; off < qbytes; off += 64) _mm_prefetch((const char *)p + RX_AHEAD * qbytes + off, _MM_HINT_T0);
-            __m512i wv[8];
-            if (BITS == 8) {
-                for (int g = 0; g < G; g++) wv[g] = _mm512_loadu_si512((const void *)(p + 64 * g));
-            } else {
-                for (int v = 0; v < G / 2; v++) {
-                    const __m512i raw = _mm512_loadu_si512((const void *)(p + 64 * v));
-                    wv[v] = _mm512_and_si512(raw, low);
-                    wv[v + G / 2] = _mm512_and_si512(_mm512_srli_epi16(raw, 4), low);
-                }
-            }
-            const __m512 sc = block_vector(w, 0, tile, b);
-            const int mult = w->min_mode == 3;
-            const __m512 mn = mult ? _mm512_setzero_ps() : block_vector(w, 1, tile, b);  // (mult: unused)
-            for (int t = 0; t < NT; t++) {
-                const int32_t *xa = (const int32_t *)(xq + t * w->cols + b * BLK);
-                __m512i s0 = _mm512_setzero_si512(), s1 = _mm512_setzero_si512();
-                for (int g = 0; g < G; g += 2) {
-                    s0 = _mm512_dpbusd_epi32(s0, wv[g], _mm512_set1_epi32(xa[g]));
-                    s1 = _mm512_dpbusd_epi32(s1, wv[g + 1], _mm512_set1_epi32(xa[g + 1]));
-                }
-                __m512i isum = _mm512_add_epi32(s0, s1);
-                if (mult) isum = _mm512_add_epi32(isum, _mm512_set1_epi32((int32_t)w->min_mult * qsum[t * nblk + b]));
-                acc[u][t] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(isum), _mm512_mul_ps(sc, _mm512_set1_ps(dx[t * nblk + b])), acc[u][t]);
-                if (!mult) acc[u][t] = _mm512_fmadd_ps(mn, _mm512_set1_ps(sx[t * nblk + b]), acc[u][t]);
+        const uint8_t *p = w->q + (tile * nblk + b) * qbytes;
+        if (NT <= prefetch_rows)  // ask for the weights RX_AHEAD blocks on
+            for (int64_t off = 0; off < qbytes; off += 64) _mm_prefetch((const char *)p + RX_AHEAD * qbytes + off, _MM_HINT_T0);
+        __m512i wv[8];
+        if (BITS == 8) {
+            for (int g = 0; g < G; g++) wv[g] = _mm512_loadu_si512((const void *)(p + 64 * g));
+        } else {
+            for (int v = 0; v < G / 2; v++) {
+                const __m512i raw = _mm512_loadu_si512((const void *)(p + 64 * v));
+                wv[v] = _mm512_and_si512(raw, low);
+                wv[v + G / 2] = _mm512_and_si512(_mm512_srli_epi16(raw, 4), low);
             }
         }
+        const __m512 sc = block_vector(w, 0, tile, b);
+        const int mult = w->min_mode == 3;
+        const __m512 mn = mult ? _mm512_setzero_ps() : block_vector(w, 1, tile, b);  // (mult: unused)
+        for (int t = 0; t < NT; t++) {
+            const int32_t *xa = (const int32_t *)(xq + t * w->cols + b * BLK);
+            __m512i s0 = _mm512_setzero_si512(), s1 = _mm512_setzero_si512();
+            for (int g = 0; g < G; g += 2) {
+                s0 = _mm512_dpbusd_epi32(s0, wv[g], _mm512_set1_epi32(xa[g]));
+                s1 = _mm512_dpbusd_epi32(s1, wv[g + 1], _mm512_set1_epi32(xa[g + 1]));
+            }
+            __m512i isum = _mm512_add_epi32(s0, s1);
+            if (mult) isum = _mm512_add_epi32(isum, _mm512_set1_epi32((int32_t)w->min_mult * qsum[t * nblk + b]));
+            acc[t] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(isum), _mm512_mul_ps(sc, _mm512_set1_ps(dx[t * nblk + b])), acc[t]);
+            if (!mult) acc[t] = _mm512_fmadd_ps(mn, _mm512_set1_ps(sx[t * nblk + b]), acc[t]);
+        }
     }
-    for (int u = 0; u < U; u++)
-        for (int t = 0; t < NT; t++) _mm512_storeu_ps(y + t * ystride + (tile0 + u) * 16, acc[u][t]);
+    for (int t = 0; t < NT; t++) _mm512_storeu_ps(y + t * ystride + tile * 16, acc[t]);
 }
 
 // the block shapes as constants: loops unrolled, weights in registers
 __attribute__((target("avx512f,avx512bw,avx512vnni"), always_inline))
-static inline void rx_case(const rx_weight *w, int64_t tile0, const int U, const int NT, const int8_t *xq,
-                           const float *dx, const float *sx, const int32_t *qsum, float *y, int64_t ystride) {
-    if (w->bits == 4) tiles_vnni_un(w, tile0, U, NT, 32, 4, xq, dx, sx, qsum, y, ystride);
-    else if (w->blk == 32) tiles_vnni_un(w, tile0, U, NT, 32, 8, xq, dx, sx, qsum, y, ystride);
-    else tiles_vnni_un(w, tile0, U, NT, 16, 8, xq, dx, sx, qsum, y, ystride);
+static inline void rx_case(const rx_weight *w, int64_t tile, const int NT, const int8_t *xq, const float *dx,
+                           const float *sx, const int32_t *qsum, float *y, int64_t ystride) {
+    if (w->bits == 4) tile_vnni_nt(w, tile, NT, 32, 4, xq, dx, sx, qsum, y, ystride);
+    else if (w->blk == 32) tile_vnni_nt(w, tile, NT, 32, 8, xq, dx, sx, qsum, y, ystride);
+    else tile_vnni_nt(w, tile, NT, 16, 8, xq, dx, sx, qsum, y, ystride);
 }
 
 __attribute__((target("avx512f,avx512bw,avx512vnni")))
 static void tiles_vnni(const rx_weight *w, int64_t t0, int64_t t1, int64_t T, const int8_t *xq, const float *dx,
                        const float *sx, const int32_t *qsum, float *y, int64_t ystride) {
     const int64_t nblk = w->cols / w->blk;
-#define RX_CASE(U, NT) rx_case(w, tile, U, NT, xq + c * w->cols, dx + c * nblk, sx + c * nblk, qsum + c * nblk, \
-                               y + c * ystride, ystride)
+#define RX_CASE(NT) rx_case(w, tile, NT, xq + c * w->cols, dx + c * nblk, sx + c * nblk, qsum + c * nblk, y + c * ystride, ystride)
     for (int64_t c = 0; c < T; c += RX_CHUNK) {
         const int nt = (int)(T - c < RX_CHUNK ? T - c : RX_CHUNK);
-        const int U = nt <= 3 ? 2 : 1;  // independent chains: two tiles at once for up to three rows
-        int64_t tile = t0;
-        for (; tile + U <= t1; tile += U) {
+        for (int64_t tile = t0; tile < t1; tile++) {
             switch (nt) {
-                case 1: RX_CASE(2, 1); break;
-                case 2: RX_CASE(2, 2); break;
-                case 3: RX_CASE(2, 3); break;
-                case 4: RX_CASE(1, 4); break;
-                case 5: RX_CASE(1, 5); break;
-                case 6: RX_CASE(1, 6); break;
-                case 7: RX_CASE(1, 7); break;
-                default: RX_CASE(1, 8); break;
-            }
-        }
-        for (; tile < t1; tile++) {  // the tiles left over when U > 1
-            switch (nt) {
-                case 1: RX_CASE(1, 1); break;
-                case 2: RX_CASE(1, 2); break;
-                default: RX_CASE(1, 3); break;
+                case 1: RX_CASE(1); break;
+                case 2: RX_CASE(2); break;
+                case 3: RX_CASE(3); break;
+                case 4: RX_CASE(4); break;
+                case 5: RX_CASE(5); break;
+                case 6: RX_CASE(6); break;
+                case 7: RX_CASE(7); break;
+                default: RX_CASE(8); break;
             }
         }
     }
