@@ -183,3 +183,33 @@ def test_gemma3_drafts_for_smollm2_and_the_output_is_ar(smollm2, gemma3):
                      draft_conversion=conversion, progress=False)
         assert r.token_ids == expected, conversion
         assert r.stats.accepted > 0, conversion
+
+
+def test_a_right_guess_of_the_healed_token_saves_its_pass_and_a_wrong_one_changes_nothing(tiny, tiny_drafter):
+    """Token healing drafts the context's last token again (`draft_ids(first=...)`); read in the
+    first pass with the context (`guess`), a token drawn again costs no pass of its own, and a guess
+    the drafter does not draw leaves drafts and cache as without it."""
+    from viasd.decoding.drafters import ModelDrafter
+    from viasd.decoding.verifier import Verifier
+
+    prompt = [1, 5, 6, 7, 5, 6, 7, 5]
+    every = torch.arange(tiny_drafter.config.vocab_size)
+
+    def drafted(guess_of):
+        drafter = ModelDrafter(tiny_drafter.decoder, GREEDY, None, None)
+        drafter.begin(64, Verifier(tiny.decoder, DecodeRequest(prompt, 20, GREEDY, NO_EOS), 64))
+        out = []
+        for context in (prompt, prompt + [6, 7], prompt + [6, 7, 9, 9]):  # later rounds: what was committed
+            calls = drafter.stats.calls["draft"]
+            tokens, _ = drafter.draft_ids(context[:-1], 5, first=every, guess=guess_of(context))
+            out.append((tokens, drafter.stats.calls["draft"] - calls, drafter.cache.k[:, :, : len(context) + 3].clone()))
+        return out
+
+    plain = drafted(lambda context: None)
+    first_of = {len(context): tokens[0] for context, (tokens, _, _) in zip((prompt, prompt + [6, 7], prompt + [6, 7, 9, 9]), plain)}
+    right = drafted(lambda context: first_of[len(context)])
+    wrong = drafted(lambda context: (first_of[len(context)] + 1) % 50)
+    for (tokens, passes, k), (r_tokens, r_passes, r_k), (w_tokens, w_passes, w_k) in zip(plain, right, wrong):
+        assert r_tokens == w_tokens == tokens and len(tokens) == 5
+        assert r_passes == passes - 1 and w_passes == passes
+        assert torch.equal(r_k, k) and torch.equal(w_k, k)  # the same K/V for the context and the drafts

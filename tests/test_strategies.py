@@ -113,10 +113,10 @@ def test_draft_length_follows_costs_and_acceptance():
     assert [costly.choose() for _ in range(9)] == [0] * 8 + [1]
     costly.observe(1, 0)  # the probe was rejected: the next one comes after twice as many idle rounds
     assert [costly.choose() for _ in range(17)] == [0] * 16 + [1]
-    costly.observe_drafting(seconds=0.05, drafted=1)  # 5 one-row passes a drafted token: never worth it
+    dear = DraftLength(4, steep, free_drafts=False, draft_s=0.05)  # a drafting pass: 5 one-row passes
     for _ in range(20):
-        costly.observe(1, 1)
-    assert costly.choose() == 0
+        dear.observe(1, 1)
+    assert dear.choose() == 0  # never worth it, even with every draft accepted
     with pytest.raises(ValueError, match="pass times for 1..5 rows"):
         DraftLength(4, [0.01] * 3, free_drafts=True)
 
@@ -166,23 +166,38 @@ def test_beside_others_the_policy_neither_learns_their_passes_nor_probes_where_d
     assert policy.times[0] > cheap[0]  # alone, its passes are its own: learnt
 
 
-def test_drafting_is_priced_per_pass_with_a_rounds_extra_passes_apart():
-    """A round's drafting costs its passes: one a draft plus a few more (a drafter of another
-    vocabulary drafts a token past what it keeps, and first reads the text committed since). Priced
-    per draft, a round of one draft that took 3 passes made every draft look 3 passes dear, and long
-    drafts never paid; per pass, they do."""
+def test_drafting_passes_are_priced_as_measured_alone_and_a_rounds_other_time_once_a_round():
+    """A round's drafting costs its passes, one a draft plus a few more (a drafter of another
+    vocabulary drafts a token past what it keeps), at the price of a drafting pass measured alone;
+    the rest of its time (tokenizer calls) is the round's, whatever its length, and is learnt only
+    from steady rounds: not from a request's first (what is done once) nor from a probe after idle
+    rounds (its first pass reads all that was committed meanwhile). Learnt per pass from every
+    round, such rounds priced each drafting pass twice as dear and no draft length paid again."""
     cheap = [0.01 * (1 + 0.05 * j) for j in range(5)]
-    per_pass, per_draft = DraftLength(4, cheap, False, draft_s=0.001), DraftLength(4, cheap, False, draft_s=0.001)
-    for policy in (per_pass, per_draft):
-        for _ in range(10):
-            policy.observe(4, 3)  # alpha about 0.75
+    policy = DraftLength(4, cheap, False, draft_s=0.001)  # a drafting pass: 0.1 of a verifier pass
     for _ in range(10):
-        per_pass.observe_drafting(0.003, drafted=1, passes=3)
-        per_draft.observe_drafting(0.003, drafted=1)  # passes not known: one a draft
-    assert per_pass.draft_s == pytest.approx(0.001) and per_pass.extra_passes == pytest.approx(2, abs=0.01)
-    assert per_draft.draft_s == pytest.approx(0.003, rel=0.01) and per_draft.extra_passes == 0  # (decayed from 0.001)
-    assert per_pass.choose(others=0) == 4  # 3.05 tokens for 1.2 + 6 * 0.1 passes
-    assert per_draft.choose(others=0) == 2
+        policy.observe(4, 2)  # alpha about 0.67
+    assert policy.choose(others=0) > 0
+    policy.observe_drafting(0.050, drafted=4, passes=6)  # the first round: 6 passes and 44 ms done once
+    assert policy.draft_s == 0.001 and policy.round_s == 0 and policy.extra_passes == pytest.approx(1)
+    for _ in range(4):
+        assert policy.choose(others=0) > 0
+        policy.observe_drafting(0.0065, drafted=4, passes=6)  # then 0.5 ms a round beside the passes
+    assert policy.round_s == pytest.approx(0.0005 * 15 / 16) and policy.extra_passes == pytest.approx(2, abs=0.1)
+    assert policy.choose(others=0) == 3  # (1 - 0.67^4) / 0.33 tokens for 1.15 + 5 * 0.1 + 0.05 passes
+    # a round's own time counts once, not once a draft: 3 ms a round spread over more tokens makes
+    # the longest round pay most
+    for _ in range(10):
+        policy.observe_drafting(0.006, drafted=1, passes=3)
+        policy.choose(others=0)
+    assert policy.round_s == pytest.approx(0.003, rel=0.02) and policy.choose(others=0) == 4
+    # a probe after rounds without drafts reads what was committed meanwhile: not a steady round's cost
+    for _ in range(20):
+        policy.observe(2, 0)
+    while policy.choose(others=0) == 0:
+        pass
+    policy.observe_drafting(0.030, drafted=1, passes=2)
+    assert policy.round_s == pytest.approx(0.003, rel=0.02)
 
 
 def test_drafting_costs_are_known_before_any_draft(tiny, tiny_drafter):
@@ -194,7 +209,8 @@ def test_drafting_costs_are_known_before_any_draft(tiny, tiny_drafter):
     half = SelfDrafter(tiny.decoder, LayerMask.from_layers(tiny.decoder.config.n_layers, [0, 1]), params, None, None)
     assert drafting_seconds(half, times) == pytest.approx(half.verifier_share * times[0])
     model = ModelDrafter(tiny_drafter.decoder, params, None, None)
-    assert drafting_seconds(model, times) == pass_times(tiny_drafter.decoder, 1)[0] > 0
+    assert drafting_seconds(model, times) == pass_times(tiny_drafter.decoder, 3, last_only=True)[0] > 0
+    assert drafting_seconds(model, times, k=4) == pass_times(tiny_drafter.decoder, 6, last_only=True)[0]  # graphs of up to k + 2 rows built
 
 
 def test_pass_times_are_measured_interleaved(tiny, monkeypatch):
@@ -221,7 +237,7 @@ def test_adaptive_draft_lengths_keep_every_drafter_lossless(tiny, tiny_drafter, 
     k, prompt = 4, [1, 5, 6, 7, 5, 6, 7, 5, 6, 7]
     expected = run_ar(tiny, prompt, 40)
     if steep:
-        tiny.decoder.__dict__["_pass_times"] = {k + 1: [0.01 * (1 + 1.5 * j) for j in range(k + 1)]}
+        tiny.decoder.__dict__["_pass_times"] = {(k + 1, False): [0.01 * (1 + 1.5 * j) for j in range(k + 1)]}
     try:
         for name, drafter in tiny_drafters(tiny, tiny_drafter).items():
             req = DecodeRequest(prompt, 40, GREEDY, NO_EOS)

@@ -522,7 +522,7 @@ def test_adaptive_tiered_scores_free_drafts_it_did_not_verify(tiny, monkeypatch)
     off = TierThresholds(accept=2.0, slim=2.0)
     # each row 0.7 of a pass: at the prior acceptance (0.6) no draft pays; at 0.8 one does (the costs
     # held there: measured passes of the tiny model would replace them)
-    tiny.decoder.__dict__["_pass_times"] = {k + 1: [1 + 0.7 * j for j in range(k + 1)]}
+    tiny.decoder.__dict__["_pass_times"] = {(k + 1, False): [1 + 0.7 * j for j in range(k + 1)]}
     monkeypatch.setattr(DraftLength, "observe_pass", lambda self, rows, seconds: None)
     try:
         for decode in (lambda req: speculative_decode(tiny.decoder, _Oracle(prompt, expected), req, k, adaptive=True),

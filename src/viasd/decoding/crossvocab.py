@@ -151,7 +151,8 @@ class CrossVocabDrafter(ModelDrafter):
         """Token healing (as guidance does it): the committed text's last
         drafter token is drafted again, as any token that starts with its bytes. A text that ends in
         "\n" ends in the drafter token "\n", which training text shows only before a non-space: an
-        indented line then drafts as "\n    ", which this lets the drafter choose."""
+        indented line then drafts as "\n    ", which this lets the drafter choose. Where the drafter
+        draws that token itself again, which is most often, healing costs no pass (`draft_ids`' guess)."""
         v, d = self.bridge.verifier, self.bridge.drafter
         base = v.text_bytes(context[-JUNCTION:])
         healed = d.pieces[ids[-1]] if len(ids) > 1 and ids[-1] not in d.special else b""
@@ -167,7 +168,10 @@ class CrossVocabDrafter(ModelDrafter):
             converted = self._convert(base, text_of(tokens), tokens[-1])
             return tokens[-1] in self.eos or len(converted) > k
 
-        tokens, _ = self.draft_ids(ids[:-1] if healed else ids, 2 * k + 2, enough, self._extensions(healed) if healed else None)
+        if healed:  # (its own token, most often drawn again: read in the first pass with the context)
+            tokens, _ = self.draft_ids(ids[:-1], 2 * k + 2, enough, self._extensions(healed), guess=ids[-1])
+        else:
+            tokens, _ = self.draft_ids(ids, 2 * k + 2, enough)
         ended = bool(tokens) and tokens[-1] in self.eos
         if tokens and not converted:
             converted = self._convert(base, text_of(tokens), tokens[-1])

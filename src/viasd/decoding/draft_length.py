@@ -38,13 +38,14 @@ _PROBE_MAX = 128  # ... doubling after each probe the full model rejects, up to 
 _FOLLOW = 0.3  # weight of a new pass time in T(r)
 
 
-def pass_times(decoder: Decoder, rows: int, reps: int = 3) -> list[float]:
+def pass_times(decoder: Decoder, rows: int, reps: int = 3, last_only: bool = False) -> list[float]:
     """Seconds of a forward pass of 1..rows tokens after a `_CONTEXT`-position prompt (medians, on a
-    scratch cache), measured once per decoder and row count and kept on it. Non-decreasing: a pass of
-    more rows never counts as cheaper."""
-    cached: dict[int, list[float]] = decoder.__dict__.setdefault("_pass_times", {})
-    if rows in cached:
-        return cached[rows]
+    scratch cache), measured once per decoder, row count and kind of pass (`last_only`: the last row's
+    logits only, as drafting passes ask; else every row's, as verification passes) and kept on it; the
+    first round builds each shape's graph. Non-decreasing: a pass of more rows never counts as cheaper."""
+    cached: dict[tuple[int, bool], list[float]] = decoder.__dict__.setdefault("_pass_times", {})
+    if (rows, last_only) in cached:
+        return cached[rows, last_only]
     n = max(1, min(_CONTEXT, decoder.config.max_positions - rows - 1))
     ids = torch.arange(rows + n) % min(1000, decoder.config.vocab_size)  # any tokens: the cost is the same
     cache = decoder.new_cache(n + rows)
@@ -53,15 +54,41 @@ def pass_times(decoder: Decoder, rows: int, reps: int = 3) -> list[float]:
     for i in range(reps + 1):  # row counts interleaved: drift hits all of them alike
         for r in range(1, rows + 1):
             t0 = time.perf_counter()
-            decoder.forward(ids[n : n + r], n, cache)
+            decoder.forward(ids[n : n + r], n, cache, last_only=last_only)
             if i:  # the first round builds the graphs
                 samples[r - 1].append(time.perf_counter() - t0)
             cache.rollback(n)
     times: list[float] = []
     for r in range(rows):
         times.append(max(statistics.median(samples[r]), times[-1] if times else 0.0))
-    cached[rows] = times
+    cached[rows, last_only] = times
     return times
+
+
+class PassTimer:
+    """Seconds of model work on `decoders` less the forward graphs built meanwhile: a graph is built
+    once per shape and cache length (each request's caches have their own), so a round that built
+    three (7-12 ms each) would otherwise price every later round as dear (a first round of qwen
+    1.5B's smollm2 drafter took 26 ms beyond its passes, and the policy stopped drafting).
+
+        with PassTimer(decoder) as t:
+            ...
+        t.seconds
+    """
+
+    def __init__(self, *decoders):
+        self.decoders = [d for d in decoders if d is not None]
+        self.seconds = 0.0
+
+    def _built(self) -> float:
+        return sum(getattr(d, "graph_build_s", 0.0) for d in self.decoders)
+
+    def __enter__(self) -> PassTimer:
+        self._t0, self._b0 = time.perf_counter(), self._built()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.seconds = max(0.0, time.perf_counter() - self._t0 - (self._built() - self._b0))
 
 
 def expected_tokens(alpha: float, j: int) -> float:
@@ -75,7 +102,11 @@ class DraftLength:
 
     `times[j]`: seconds of a pass of j+1 rows (`pass_times`); `free_drafts`: the drafter costs nothing
     (prompt lookup), so it can always propose and be scored on the token that follows even when the
-    round verifies no draft.
+    round verifies no draft; `draft_s`: seconds of one drafting pass, measured alone
+    (`drafting_seconds`). A round with j drafts costs the verification pass of j+1 rows, j + `extra_passes`
+    drafting passes at `draft_s`, and `round_s` of other drafting time (both learnt from the rounds:
+    a drafter of another vocabulary drafts a token past what it keeps and converts its text with two
+    tokenizers each round).
     """
 
     def __init__(self, k: int, times: list[float], free_drafts: bool, draft_s: float = 0.0):
@@ -84,9 +115,12 @@ class DraftLength:
         self.k, self.free_drafts = k, free_drafts
         self.times = list(times[: k + 1])  # [k+1] seconds of a pass of 1..k+1 rows
         self.accepted, self.rejected = _PRIOR
-        self.draft_s = draft_s  # seconds per drafting pass (decayed mean; `drafting_seconds` first)
+        self.draft_s = draft_s  # seconds per drafting pass (`drafting_seconds`: measured alone, once)
         self.extra_passes = 0.0  # drafting passes a round makes beyond one per draft (decayed mean)
+        self.round_s = 0.0  # a drafting round's time beyond its passes at draft_s (decayed mean)
         self._idle = 0  # rounds since the last verified draft
+        self._drafting = 0  # rounds with drafts so far
+        self._steady = False  # this round follows one with drafts (its drafter has little to catch up on)
         self._probe_every = _PROBE_EVERY
         self._probing = False
 
@@ -127,16 +161,17 @@ class DraftLength:
         its drafter's passes (`batching.lockstep`)."""
         if others is None:
             others = _others()
-        a, costs, pass_cost = self.alpha, self.batch_costs(others), self.draft_s / self.times[0]
-        drafting = lambda i: (i + self.extra_passes) * pass_cost if i else 0.0  # noqa: E731
+        a, costs, pass_cost, round_cost = self.alpha, self.batch_costs(others), self.draft_s / self.times[0], self.round_s / self.times[0]
+        drafting = lambda i: (i + self.extra_passes) * pass_cost + round_cost if i else 0.0  # noqa: E731
         rate = lambda alpha, i: (others + expected_tokens(alpha, i)) / (costs[i] + drafting(i))  # noqa: E731
         rates = [rate(a, i) for i in range(self.k + 1)]
         j = max(range(self.k + 1), key=lambda i: (rates[i], -i))  # ties: fewer drafts
-        self._probing = False
+        self._probing, self._steady = False, self._idle == 0 and self._drafting > 0
         if j == 0 and not self.free_drafts and self.k > 0 and self._idle >= self._probe_every:
             if max(rate(1.0, i) for i in range(1, self.k + 1)) > rates[0]:  # drafts could pay: score the drafter
                 j, self._probing = 1, True
         self._idle = 0 if j > 0 else self._idle + 1
+        self._drafting += j > 0
         return j
 
     def observe(self, drafted: int, accepted: int) -> None:
@@ -158,29 +193,38 @@ class DraftLength:
 
     def observe_drafting(self, seconds: float, drafted: int, passes: int | None = None) -> None:
         """Time spent drafting `drafted` tokens in `passes` passes of a drafter model or route (default:
-        one a draft), alone (as `observe_pass`). Priced per pass, with the passes a round makes beyond
-        one per draft apart: a drafter of another vocabulary drafts a token more than it keeps (the last
-        converted one may still grow) and its first pass reads the text committed since its last draft,
-        so a round of one draft cost 3-8 passes' time; counted per draft, a drafter probed with one
-        draft after rounds without any looked too dear ever to draft more (qwen 1.5B with smollm2:
-        0.4-0.9 of a verifier pass a draft against 0.11 a pass, and 33 tok/s against 38 at a fixed 4)."""
+        one a draft), alone (as `observe_pass`), graph builds left out (`PassTimer`). The passes are
+        priced at `draft_s`, measured alone once; the rest of the time is the round's own (`round_s`:
+        tokenizer calls, sampling). The passes a round makes beyond one per draft are learnt apart:
+        a drafter of another vocabulary drafts a token more than it keeps (the last converted one may
+        still grow). The round's own time is learnt only from rounds that follow one with drafts: a
+        request's first drafting round pays what is done once (45 ms beyond the passes of qwen 1.5B's
+        smollm2 drafter), and a probe after rounds without drafts first reads every token committed
+        meanwhile (a pass of 10-20 rows), which steady drafting never does. Learnt from every round
+        as the price of each pass, such rounds made qwen 1.5B's smollm2 drafter look 0.2 of a verifier
+        pass a pass instead of 0.1, and no draft length paid again (1.05x `ar` against 1.19x at a
+        fixed 4 on the tuning prompts)."""
         passes = drafted if passes is None else passes
         if drafted > 0 and passes > 0 and _others() == 0:
-            per_pass = seconds / passes
-            self.draft_s = 0.5 * self.draft_s + 0.5 * per_pass if self.draft_s else per_pass
             self.extra_passes = 0.5 * self.extra_passes + 0.5 * max(0, passes - drafted)
+            if self._steady:
+                self.round_s = 0.5 * self.round_s + 0.5 * max(0.0, seconds - passes * self.draft_s)
 
 
-def drafting_seconds(drafter: Drafter, verifier_times: list[float]) -> float:
-    """Seconds a drafting pass costs before any drafting is measured (a request that starts beside
+def drafting_seconds(drafter: Drafter, verifier_times: list[float], k: int = 1) -> float:
+    """Seconds of one drafting pass, before any drafting is measured (a request that starts beside
     others never measures it alone): a drafter model's one-row pass (measured once per model, as the
-    verifier's), a drafting route's share of the verifier's one-row pass, nothing for a free drafter."""
+    verifier's; its last-row passes of up to k + 2 rows, a round's first pass reading what was
+    committed since, built then too, so that no round pays for a graph), a drafting route's share of
+    the verifier's one-row pass, nothing for a free drafter."""
     if getattr(drafter, "free", False):
         return 0.0
     if (share := getattr(drafter, "verifier_share", 0.0)) > 0:
         return share * verifier_times[0]
     decoder = getattr(drafter, "decoder", None)
-    return pass_times(decoder, 1)[0] if isinstance(decoder, Decoder) and not decoder.is_encoder_decoder else 0.0
+    if not isinstance(decoder, Decoder) or decoder.is_encoder_decoder:
+        return 0.0
+    return pass_times(decoder, k + 2, last_only=True)[0]
 
 
 def _others() -> int:
@@ -207,8 +251,8 @@ def propose(drafter: Drafter, tokens: list[int], k: int, policy: DraftLength | N
         return NO_DRAFT, None
     stats = getattr(drafter, "stats", None)
     calls = stats.calls[CallKind.DRAFT] if stats is not None else None
-    t0 = time.perf_counter()
-    draft = drafter.propose(tokens, j)
+    with PassTimer(getattr(drafter, "decoder", None)) as timer:
+        draft = drafter.propose(tokens, j)
     passes = stats.calls[CallKind.DRAFT] - calls if calls is not None else None
-    policy.observe_drafting(time.perf_counter() - t0, len(draft), passes)
+    policy.observe_drafting(timer.seconds, len(draft), passes)
     return draft, None

@@ -86,32 +86,49 @@ class _AutoregressiveDrafter:
         return Draft(tokens, probs if tokens else None)
 
     def draft_ids(self, context: list[int], k: int, enough: Callable[[list[int]], bool] | None = None,
-                  first: torch.Tensor | None = None) -> tuple[list[int], torch.Tensor | None]:
+                  first: torch.Tensor | None = None, guess: int | None = None) -> tuple[list[int], torch.Tensor | None]:
         """Up to k tokens of the drafter's own vocabulary continuing `context` (its ids), and their
         q [k', V]; drafting stops early below `threshold`, or once `enough(tokens)` says so.
-        `first`: [n] the ids the first token is drawn from (token healing), None: any."""
+        `first`: [n] the ids the first token is drawn from (token healing), None: any. `guess`: the
+        first token as it will most likely be drawn (healing: the token re-drafted): read in the
+        first pass with the context, so that when it is drawn its own pass is saved (a drafting pass
+        of 1-2 rows more costs about what one row does)."""
         cache, start = self._sync(context)
         start = min(start, len(context) - 1)  # always recompute the last token to get its logits
-        feed = torch.tensor(context[start:])
+        feed = torch.tensor(context[start:] + ([] if guess is None else [guess]))
         tokens: list[int] = []
         probs: list[torch.Tensor] = []
+        ahead: torch.Tensor | None = None  # [V] the next token's logits, computed already (a right guess)
         for _ in range(k):
-            logits = self.decoder.forward(feed, start, cache, route=self.route, last_only=True, head=self.head)[0]  # [V]
-            self.stats.observe_call(CallKind.DRAFT, verifier_share=self.verifier_share, rows=feed.shape[0], model=self.owner,
-                                    bytes_read=pass_bytes(self.decoder, self.route, head=self.head))
+            if ahead is not None:
+                logits, ahead = ahead, None
+            else:
+                logits = self._pass(feed, start, cache, rows=2 if guess is not None and not tokens else 1)
+                if guess is not None and not tokens:
+                    logits, ahead = logits  # [V] at the context's last token, [V] at the guess
+                start += feed.shape[0]
             if first is not None and not tokens:
                 logits = torch.full_like(logits, float("-inf")).index_copy_(0, first, logits[first])
-            start += feed.shape[0]
             q = self.params.confidence(logits)  # [V]
             token = self.params.draw(q, self.generator)
             probs.append(q)
-            top = float(q.max())
             tokens.append(token)
-            if self.threshold is not None and top < self.threshold or enough is not None and enough(tokens):
+            if guess is not None and len(tokens) == 1 and token != guess:  # the guess' K/V and logits are of
+                start -= 1  # another token: dropped
+                cache.rollback(start)
+                ahead = None
+            if self.threshold is not None and float(q.max()) < self.threshold or enough is not None and enough(tokens):
                 break
             feed = torch.tensor([token])
         self._drafted(context, tokens)
         return tokens, torch.stack(probs) if probs else None
+
+    def _pass(self, feed: torch.Tensor, start: int, cache: KVCache, rows: int = 1) -> torch.Tensor:
+        """The logits of the last `rows` rows of a drafting pass over `feed` ([V], or [rows, V])."""
+        logits = self.decoder.forward(feed, start, cache, route=self.route, last_only=rows == 1, head=self.head)
+        self.stats.observe_call(CallKind.DRAFT, verifier_share=self.verifier_share, rows=feed.shape[0], model=self.owner,
+                                bytes_read=pass_bytes(self.decoder, self.route, head=self.head))
+        return logits[0] if rows == 1 else logits[-rows:]
 
     def _drafted(self, context: list[int], tokens: list[int]) -> None:
         pass

@@ -23,12 +23,10 @@ Two loops:
 
 from __future__ import annotations
 
-import time
-
 import torch
 
 from viasd.decoding.acceptance import SamplingParams, accept, settle
-from viasd.decoding.draft_length import DraftLength, drafting_seconds, pass_times, propose
+from viasd.decoding.draft_length import DraftLength, PassTimer, drafting_seconds, pass_times, propose
 from viasd.decoding.drafters import NO_DRAFT, Draft, Drafter
 from viasd.decoding.tiers import Tier, TierThresholds, confident_round, round_tiers
 from viasd.decoding.verifier import DecodeRequest, Verifier
@@ -140,7 +138,7 @@ class _TieredLoop:
         self.policy = None  # (first: measuring the pass costs belongs to the time to the first token, not to decoding)
         if adaptive and k > 0 and not decoder.is_encoder_decoder:
             self.policy = DraftLength(k, times := pass_times(decoder, k + 1), getattr(drafter, "free", False),
-                                      drafting_seconds(drafter, times))
+                                      drafting_seconds(drafter, times, k))
         self.v = Verifier.start(decoder, drafter, req, len(req.prompt) + req.max_new_tokens + k + 2, tiers=True,
                                 resume_layer=resume_layer(route, resume and self.slim_tiers))
         self.v.hold = correct
@@ -208,10 +206,10 @@ class _TieredLoop:
         v = self.v
         unchecked = v.tokens[min(v.cache.n_full, len(v.tokens) - 1) + 1 :] + new
         n_rows = len(unchecked) + len(draft) - i + 1
-        t0 = time.perf_counter()
-        rows = v.full(new + draft.tokens[i:], n_rows=n_rows)  # [u + k'-i+1, V]
+        with PassTimer(v.decoder) as timer:
+            rows = v.full(new + draft.tokens[i:], n_rows=n_rows)  # [u + k'-i+1, V]
         if self.policy is not None:  # the costs it chooses by follow the measured passes, as in `sd`
-            self.policy.observe_pass(n_rows, time.perf_counter() - t0)
+            self.policy.observe_pass(n_rows, timer.seconds)
         if self.params.greedy and unchecked:
             new, origin, corrected = _recheck(v, rows[: len(unchecked)], unchecked, new, origin, self.correct, self.drafted)
             if corrected:

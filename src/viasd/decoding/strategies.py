@@ -6,10 +6,8 @@ Every loop goes through a `Verifier` (passes, commits, the cache invariant) and 
 
 from __future__ import annotations
 
-import time
-
 from viasd.decoding.acceptance import DeferralRule, accept, cascade_target_probs
-from viasd.decoding.draft_length import DraftLength, drafting_seconds, pass_times, propose
+from viasd.decoding.draft_length import DraftLength, PassTimer, drafting_seconds, pass_times, propose
 from viasd.decoding.drafters import Drafter
 from viasd.decoding.verifier import DecodeRequest, Verifier
 from viasd.models.runtime import Decoder
@@ -45,17 +43,17 @@ def speculative_decode(
     policy = None  # (first: measuring the pass costs belongs to the time to the first token, not to decoding)
     if adaptive and k > 0 and not decoder.is_encoder_decoder:
         policy = DraftLength(k, times := pass_times(decoder, k + 1), getattr(drafter, "free", False),
-                             drafting_seconds(drafter, times))
+                             drafting_seconds(drafter, times, k))
     v = Verifier.start(decoder, drafter, req, len(req.prompt) + req.max_new_tokens + k + 1)
     while not v.done:
         # 1. draft up to k tokens (as many as the policy chooses); never more than the budget can use
         # (the round adds one more); a free drafter's first token past them is scored too (`peek`)
         draft, peek = propose(drafter, v.tokens, min(k, v.budget - 1), policy)
         # 2. verify the last committed token and the drafts in one full pass
-        t0 = time.perf_counter() if policy is not None else 0.0
-        logits = v.full(draft.tokens)  # [k'+1, V]
+        with PassTimer(decoder) as timer:
+            logits = v.full(draft.tokens)  # [k'+1, V]
         if policy is not None:
-            policy.observe_pass(len(draft) + 1, time.perf_counter() - t0)
+            policy.observe_pass(len(draft) + 1, timer.seconds)
         # 3. accept a prefix of the drafts, plus one recovered or bonus token
         pi = cascade_target_probs(draft.probs, logits, params, *cascade) if cascade and draft.tokens else None
         n, x = accept(draft.tokens, draft.probs, logits, params, req.generator, target_probs=pi)

@@ -22,6 +22,7 @@ alone or inside a block of drafts, which is what lets every lossless strategy eq
 from __future__ import annotations
 
 import ctypes
+import time
 from collections import OrderedDict
 from typing import TYPE_CHECKING
 
@@ -59,6 +60,7 @@ class NativeForward:
     def __init__(self, decoder: Decoder, pack: bool | str = True, attention: str | None = None):
         self.dec = decoder
         cfg = decoder.config
+        self.build_s = 0.0  # seconds spent building graphs (once per shape: `draft_length.PassTimer` leaves them out)
         # the products' weights laid out for a faster kernel where this CPU has one for them
         # (`ggml_kernels.NativeTensor.pack`: viasd's row-exact kernel, else ggml's extra buffer types;
         # pack="ggml": ggml's only; pack="row-exact": the row-exact kernel on AVX2 CPUs too); the
@@ -294,7 +296,9 @@ class NativeForward:
         key = (parts, route, first, save, id(head_linear))
         built = self._graphs.get(key)
         if built is None:
+            t0 = time.perf_counter()
             built = self._build(parts, route, first, save, head_linear)
+            self.build_s += time.perf_counter() - t0
             if sum(n for n, _, _ in parts) <= _KEEP_GRAPH_ROWS:  # a pass of very many rows (large buffers) is not kept
                 self._graphs[key] = built
                 if len(self._graphs) > _KEEP_GRAPHS:

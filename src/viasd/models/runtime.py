@@ -620,6 +620,11 @@ class Decoder:
         """Whether it runs weights in the model file's own format (ggml kernels)."""
         return isinstance(self.lm_head, QuantLinear) or any(isinstance(layer.qkv, QuantLinear) for layer in self.layers)
 
+    @property
+    def graph_build_s(self) -> float:
+        """Seconds spent building forward graphs so far (native weights; 0 otherwise)."""
+        return self._graph.build_s if self._graph is not None else 0.0
+
     def new_cache(self, max_len: int) -> KVCache:
         if max_len > self.config.max_positions:
             raise ValueError(f"sequence of {max_len} positions exceeds the model's {self.config.max_positions}")
