@@ -217,16 +217,20 @@ def _run_one(call: _Call) -> None:
 
 
 def _group_key(call: _Call) -> tuple:
-    """Calls that can share a pass have equal keys; a key starting with None runs alone."""
+    """Calls that can share a pass have equal keys; a key starting with None runs alone. A full pass
+    resumed at a layer (VIA-SD's) shares with those resumed at the same layer, and a pass storing the
+    streams entering a layer with those storing at the same one (each request reads and writes its
+    own cache's): run alone, lossless VIA-SD served 8 requests at 0.28x `ar`'s tokens/s."""
     from viasd.models.runtime import ROW_ATTENTION_MAX
 
     dec, args, kw = call.decoder, call.args, call.kwargs
     route, head, resume = kw.get("route"), kw.get("head"), kw.get("resume", False)
     tokens, start, cache = args
-    if (getattr(dec, "_graph", None) is None or resume or tokens.shape[0] > ROW_ATTENTION_MAX
-            or cache.saves_hidden(None if route is None or route.is_full else route)):
+    if getattr(dec, "_graph", None) is None or tokens.shape[0] > ROW_ATTENTION_MAX:
         return (None, id(call))
-    return (id(dec), route, id(head), padded_rows(tokens.shape[0], start, cache.k.shape[2]))
+    first = cache.resume_layer if resume else 0
+    save = cache.resume_layer if not resume and cache.saves_hidden(None if route is None or route.is_full else route) else None
+    return (id(dec), route, id(head), first, save, padded_rows(tokens.shape[0], start, cache.k.shape[2]))
 
 
 def padded_rows(n: int, start: int, max_len: int) -> int:

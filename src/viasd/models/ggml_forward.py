@@ -158,28 +158,33 @@ class NativeForward:
         are stacked.
         Every product takes all rows at once; each request's rows write and attend its own cache
         (see `Decoder.forward` for the rest). `first`, the layer it starts at (from the residual
-        streams stored in the cache's `hidden` rows at its positions; one request only); `save`, the
-        layer whose incoming stream it stores there; with no logits at all it ends at its last kept
+        streams stored in each request's cache's `hidden` rows at its positions); `save`, the layer
+        whose incoming stream it stores there; with no logits at all it ends at its last kept
         sub-layer; `head`: a reduced LM head's product instead of the full one."""
         from viasd.models.runtime import ROW_ATTENTION_MAX
 
         g, cfg, dec = lib(), self.dec.config, self.dec
         n_rows = sum(n for n, _, _ in parts)
         per_layer = 48 + 14 * len(parts)  # tensors of a layer: its ops, and per request its views, writes and caches
-        graph = gk._Graph(n_tensors=per_layer * cfg.n_layers + 64 + 4 * len(parts), n_nodes=per_layer * cfg.n_layers + 64,
+        graph = gk._Graph(n_tensors=per_layer * cfg.n_layers + 64 + 8 * len(parts), n_nodes=per_layer * cfg.n_layers + 64 + 8 * len(parts),
                           exact_attention=max(n for n, _, _ in parts) <= ROW_ATTENTION_MAX)
         ctx = graph.ctx
         ids, pos = graph.tensor(I32, n_rows), graph.tensor(I32, n_rows)
         items = []
-        for n, max_len, _ in parts:  # per request: cache rows written (its positions), masks, K/V caches
+        streams = bool(first) or save is not None
+        for n, max_len, _ in parts:  # per request: cache rows written (its positions), masks, K/V caches, stored streams
             items.append({"rows": graph.tensor(I64, n), "mask": graph.tensor(F16, max_len, n),  # 0 where a row sees a key
                           "local_mask": graph.tensor(F16, max_len, n) if cfg.sliding_window is not None else None,
                           "k": [graph.tensor(F32, cfg.head_dim, max_len, cfg.n_kv_heads) for _ in dec.layers],
-                          "v": [graph.tensor(F32, cfg.head_dim, max_len, cfg.n_kv_heads) for _ in dec.layers]})
-        hidden = graph.tensor(F32, cfg.hidden, parts[0][1]) if first or save is not None else None  # the cache's stored streams
-        leaves = {"ids": ids, "pos": pos, "items": items, "hidden": hidden}
-        if first:
-            x = g.get_rows(ctx, hidden, pos)  # [hidden, T] entering layer `first`
+                          "v": [graph.tensor(F32, cfg.head_dim, max_len, cfg.n_kv_heads) for _ in dec.layers],
+                          "hidden": graph.tensor(F32, cfg.hidden, max_len) if streams else None})
+        leaves = {"ids": ids, "pos": pos, "items": items}
+        if first:  # [hidden, T] entering layer `first`: each request's rows from its own cache
+            x, offset = None, 0
+            for item, (n, _, _) in zip(items, parts):
+                own = g.get_rows(ctx, item["hidden"], pos if len(parts) == 1 else g.view_1d(ctx, pos, n, 4 * offset))
+                x = own if x is None else g.concat(ctx, x, own, 1)
+                offset += n
         else:
             x = g.get_rows(ctx, dec.embed.table._bind(graph), ids)  # [hidden, T]
             if cfg.embed_scale is not None:
@@ -189,10 +194,14 @@ class NativeForward:
         for i, layer in enumerate(dec.layers):
             if i < first:
                 continue
-            if i == save:
-                w = g.set_rows(ctx, hidden, x, items[0]["rows"])
-                g.build_forward_expand(graph.graph, w)
-                writes.append(w)
+            if i == save:  # each request's rows of the stream entering layer i, into its own cache
+                offset = 0
+                for item, (n, _, _) in zip(items, parts):
+                    own = x if len(parts) == 1 else g.view_2d(ctx, x, cfg.hidden, n, x.contents.nb[1], offset * x.contents.nb[1])
+                    w = g.set_rows(ctx, item["hidden"], own, item["rows"])
+                    g.build_forward_expand(graph.graph, w)
+                    writes.append(w)
+                    offset += n
             if route is None or route.attn[i]:
                 theta = cfg.rope_theta if layer.rope == 0 else cfg.rope_local_theta
                 freq_scale = 1.0 / cfg.rope_factor if layer.rope == 0 else 1.0
@@ -318,8 +327,6 @@ class NativeForward:
             graph.bind(leaves["pos"], self.pos32.data_ptr() + 4 * calls[0][1] if pos is None else pos.data_ptr())
             for item, (tokens, start, cache, _) in zip(leaves["items"], calls):
                 self._bind_item(graph, item, start, start + tokens.shape[0], cache)
-            if leaves["hidden"] is not None:
-                graph.bind(leaves["hidden"], calls[0][2].hidden.data_ptr())
             if out is not None:
                 graph.bind(logits_t, out.data_ptr())
             graph.run()
@@ -336,6 +343,8 @@ class NativeForward:
         graph.bind(item["mask"], mask.data_ptr())
         if local is not None:
             graph.bind(item["local_mask"], local.data_ptr())
+        if item["hidden"] is not None:
+            graph.bind(item["hidden"], cache.hidden.data_ptr())
         k_base, v_base, stride = cache.k.data_ptr(), cache.v.data_ptr(), cache.k.stride(0) * 4
         if item.get("bound_cache") != (k_base, v_base):  # the same cache as this graph's last call: bound
             for i in range(len(item["k"])):

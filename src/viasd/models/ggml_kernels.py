@@ -153,6 +153,7 @@ class _Lib:
         self.cont = fn("ggml_cont", _T, _P, _T)
         self.swiglu_split = fn("ggml_swiglu_split", _T, _P, _T, _T)  # silu(a) * b
         self.geglu_split = fn("ggml_geglu_split", _T, _P, _T, _T)  # gelu_tanh(a) * b
+        self.view_1d = fn("ggml_view_1d", _T, _P, _T, ctypes.c_int64, ctypes.c_size_t)
         self.view_2d = fn("ggml_view_2d", _T, _P, _T, ctypes.c_int64, ctypes.c_int64, ctypes.c_size_t, ctypes.c_size_t)
         self.view_3d = fn("ggml_view_3d", _T, _P, _T, ctypes.c_int64, ctypes.c_int64, ctypes.c_int64, ctypes.c_size_t,
                           ctypes.c_size_t, ctypes.c_size_t)

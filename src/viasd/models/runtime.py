@@ -714,20 +714,25 @@ class Decoder:
     @torch.inference_mode()
     def forward_many(self, calls: list[tuple[tuple, dict]], rows: int | None = None) -> list:
         """Several requests' `forward(*args, **kwargs)` calls (native weights, one route and head, at
-        most ROW_ATTENTION_MAX rows each, none resumed or storing streams) as one pass: every product
-        over all their rows, each request's rows attending its own cache. `rows`: each call padded to
-        that many rows (its last token repeated; those rows' outputs dropped, their K/V past its
-        positions). Returns each call's result, or the exception its checks raised (the others run)."""
+        most ROW_ATTENTION_MAX rows each, all resumed at one layer or none, all storing the streams
+        entering one layer or none: `batching._group_key`) as one pass: every product over all their
+        rows, each request's rows attending its own cache (and reading or storing its own streams).
+        `rows`: each call padded to that many rows (its last token repeated; those rows' outputs
+        dropped, their K/V and streams past its positions). Returns each call's result, or the
+        exception its checks raised (the others run)."""
         results: list = [None] * len(calls)
-        runnable, route, head = [], None, None
+        runnable, route, head, first, save = [], None, None, 0, None
         for i, (args, kw) in enumerate(calls):
             tokens, start, cache = args
             n = tokens.shape[0]
+            resume = kw.get("resume", False)
             try:
-                route, end = begin_pass(self.config, cache, kw.get("route"), start, n)
+                route, end = begin_pass(self.config, cache, kw.get("route"), start, n, resume)
             except Exception as e:
                 results[i] = e
                 continue
+            first = cache.resume_layer if resume else 0
+            save = cache.resume_layer if cache.saves_hidden(route) and not resume else None
             head = kw.get("head")
             pad = (rows or n) - n
             if pad:
@@ -736,7 +741,7 @@ class Decoder:
             runnable.append((i, tokens, start, cache, want, end))
         if not runnable:
             return results
-        outs = self._graph.run([(t, s, c, w) for _, t, s, c, w, _ in runnable], route, 0, None, head)
+        outs = self._graph.run([(t, s, c, w) for _, t, s, c, w, _ in runnable], route, first, save, head)
         for (i, _, start, cache, _, end), out in zip(runnable, outs):
             cache._commit(route, start, end)
             if out is not None and self.config.final_softcap is not None:
