@@ -83,6 +83,19 @@ def test_time_cost_model_prices_each_pass_by_its_models_measured_times():
     assert m["predicted"] == pytest.approx(0.2 / 0.12) and m["measured"] == pytest.approx(0.22 / 0.13)
     assert m["time_ratio"] == pytest.approx(0.12 / 0.13)
     assert predicted_decode_s({"stats": {"passes": []}}) is None  # no pass costs recorded
+    # the decode's host time (outside model passes, measured) is a term of its own
+    sd["stats"]["decode_host_s"] = 0.01
+    assert predicted_decode_s(sd) == pytest.approx(0.13)
+    m = cost_model([ar, sd])["sd"]
+    assert m["time_ratio"] == pytest.approx(1.0) and m["host_share"] == pytest.approx(0.01 / 0.13)
+
+
+def test_decode_time_splits_into_model_passes_and_host_time(tiny):
+    from viasd.api import generate
+
+    s = generate([1, 5, 6, 7, 5, 6], tiny, strategy="pld", max_new_tokens=20, progress=False).stats.to_dict()
+    assert s["decode_pass_s"] > 0 and s["decode_host_s"] > 0
+    assert s["decode_pass_s"] + s["decode_host_s"] == pytest.approx(s["wall_s"] - s["first_token_s"], abs=2e-4)
 
 
 def test_passes_are_counted_by_rows_and_model(tiny, tiny_drafter):

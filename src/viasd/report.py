@@ -145,13 +145,15 @@ def pass_seconds(costs: dict, rows: int, bytes_read: int) -> float:
 
 
 def predicted_decode_s(record: dict) -> float | None:
-    """Seconds the record's decoding passes cost by the time cost model (None: the record has no
-    pass counts or pass costs): every pass after the first token, priced by `pass_seconds` with the
-    measured pass times of the model that ran it."""
-    costs, passes = record.get("pass_costs"), record.get("stats", {}).get("passes")
+    """Seconds the record's decoding costs by the time cost model (None: the record has no pass
+    counts or pass costs): every pass after the first token, priced by `pass_seconds` with the
+    measured pass times of the model that ran it, plus the decode's host time (`decode_host_s`: the
+    time outside model passes, measured; records from before it was kept count none)."""
+    costs, stats = record.get("pass_costs"), record.get("stats", {})
+    passes = stats.get("passes")
     if not costs or passes is None:
         return None
-    total = 0.0
+    total = stats.get("decode_host_s") or 0.0
     for model, _kind, rows, bytes_read, n in passes:
         if not costs.get(model):
             return None
@@ -170,7 +172,7 @@ def cost_model(records: list[dict]) -> dict[str, dict]:
     ar = {(r["task"], r["prompt_id"]): r for r in ok if r["method"] == BASELINE}
     out: dict[str, dict] = {}
     for method in dict.fromkeys(r["method"] for r in ok):
-        pred, meas, fit = [], [], []
+        pred, meas, fit, host = [], [], [], []
         for r in (r for r in ok if r["method"] == method):
             base = ar.get((r["task"], r["prompt_id"]))
             p, m = predicted_decode_s(r), decode_s(r)
@@ -182,9 +184,10 @@ def cost_model(records: list[dict]) -> dict[str, dict]:
                 pred.append((pb / nb) / (p / n))
                 meas.append((mb / nb) / (m / n))
                 fit.append(p / m)
+                host.append((r["stats"].get("decode_host_s") or 0.0) / m)
         if pred:
             out[method] = {"predicted": statistics.median(pred), "measured": statistics.median(meas),
-                           "time_ratio": statistics.median(fit), "prompts": len(pred)}
+                           "time_ratio": statistics.median(fit), "host_share": statistics.median(host), "prompts": len(pred)}
     return out
 
 
@@ -193,11 +196,13 @@ def cost_model_markdown(model: dict[str, dict]) -> str:
         return ""
     lines = ["", "## Time cost model", "",
              "Each decoding pass priced by the measured time of a pass of as many rows of the model that ran it "
-             "(`pass_costs` in the records), scaled by the share of that model's weight bytes it reads; medians over prompts.", "",
-             "| method | predicted decode speed-up vs ar | measured | predicted / measured | model time / measured time |",
-             "|---|---|---|---|---|"]
+             "(`pass_costs` in the records), scaled by the share of that model's weight bytes it reads, plus the decode's "
+             "host time (outside model passes: sampling, acceptance, draft conversion; measured); medians over prompts.", "",
+             "| method | predicted decode speed-up vs ar | measured | predicted / measured | model time / measured time | host share of decode time |",
+             "|---|---|---|---|---|---|"]
     for method, m in model.items():
-        lines.append(f"| {method} | {m['predicted']:.2f}x | {m['measured']:.2f}x | {m['predicted'] / m['measured']:.2f} | {m['time_ratio']:.2f} |")
+        lines.append(f"| {method} | {m['predicted']:.2f}x | {m['measured']:.2f}x | {m['predicted'] / m['measured']:.2f} | "
+                     f"{m['time_ratio']:.2f} | {m['host_share']:.2f} |")
     return "\n".join(lines) + "\n"
 
 

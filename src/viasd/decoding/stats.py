@@ -7,6 +7,7 @@ from collections import Counter
 from dataclasses import dataclass, field
 
 from viasd.decoding.tiers import Tier
+from viasd.models.runtime import forward_seconds
 
 
 @dataclass
@@ -64,7 +65,11 @@ class DecodeStats:
     # was wrong: what a slim tier can rescue)
     rescues: int = 0
     rescues_kept: int = 0
+    # decode-only seconds (after the first token) inside model passes (`runtime.forward_seconds`); the
+    # rest of the decode-only time is host time: sampling, acceptance, drafts' conversion, streaming
+    decode_pass_s: float = 0.0
     _t0: float = field(default_factory=time.perf_counter, repr=False)
+    _pass_mark: float | None = field(default=None, repr=False)
 
     def observe_call(self, name: str, n: int = 1, verifier_share: float = 0.0, bytes_read: int = 0,
                      rows: int = 0, model: str = "verifier") -> None:
@@ -114,6 +119,7 @@ class DecodeStats:
     def observe_tokens(self, n: int) -> None:
         if self.first_token_s is None and n > 0:
             self.first_token_s = time.perf_counter() - self._t0
+            self._pass_mark = forward_seconds()
         self.new_tokens += n
 
     def merge(self, other: "DecodeStats") -> "DecodeStats":
@@ -138,10 +144,13 @@ class DecodeStats:
             converted_kept=self.converted_kept + other.converted_kept,
             junction_splits=self.junction_splits + other.junction_splits,
             rescues=self.rescues + other.rescues, rescues_kept=self.rescues_kept + other.rescues_kept,
+            decode_pass_s=self.decode_pass_s + other.decode_pass_s,
         )
 
     def finish(self) -> None:
         self.wall_s = time.perf_counter() - self._t0
+        if self._pass_mark is not None:
+            self.decode_pass_s = forward_seconds() - self._pass_mark
 
     @property
     def decode_tokens_per_s(self) -> float:
@@ -160,6 +169,10 @@ class DecodeStats:
             # decode-only: the tokens after the first over the time after it (the prompt's prefill and
             # first token excluded), as llama.cpp's tg figures count
             "decode_tokens_per_s": self.decode_tokens_per_s,
+            # of the decode-only time: seconds in model passes, and the rest (host time)
+            "decode_pass_s": round(self.decode_pass_s, 4),
+            "decode_host_s": round(max(0.0, self.wall_s - self.first_token_s - self.decode_pass_s), 4)
+            if self.first_token_s is not None else None,
             # tokens committed per verification round (accepted drafts + the recovered/bonus token),
             # as vLLM and Spec-Bench count it
             "mean_accepted_length": round(self.new_tokens / self.rounds, 4) if self.rounds else 0.0,

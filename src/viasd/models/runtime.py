@@ -30,6 +30,8 @@ strategies equal `ar` token for token, and a request's tokens the same in any ba
 from __future__ import annotations
 
 import functools
+import threading
+import time
 from dataclasses import dataclass, field
 from typing import ClassVar
 
@@ -329,6 +331,15 @@ class KVCache:
             self._routed = {r: min(length, start) for r, length in self._routed.items() if r != route}
             self._routed[route] = end
             self._routed = {r: length for r, length in self._routed.items() if length > self.n_full}
+
+
+_clock = threading.local()  # per thread: seconds spent in `Decoder.forward`
+
+
+def forward_seconds() -> float:
+    """Seconds the calling thread has spent in `Decoder.forward` calls so far (model passes, waiting
+    for a batch's pass included): what a decode spends outside them is host time (`DecodeStats`)."""
+    return getattr(_clock, "s", 0.0)
 
 
 ROW_ATTENTION_MAX = 64  # passes of up to this many rows attend row by row (batch-invariant; see Decoder.forward)
@@ -654,13 +665,17 @@ class Decoder:
         stream entering that layer stores it. `head`: logits over a reduced vocabulary only (-inf
         elsewhere; see `ReducedHead`).
         """
-        if (start == 0 and route is None and not resume and (last_only or not logits) and cache.n_full == 0
-                and not cache._routed and (kept := prefix.active(self)) is not None):
-            return self._prefill(kept, tokens, cache, last_only, logits, head)
-        if (session := batching.current()) is not None:  # a request of a batch: the compute thread runs it with others
-            return session.forward(self, tokens, start, cache, route=route, last_only=last_only, resume=resume,
-                                   logits=logits, head=head)
-        return self._forward(tokens, start, cache, route, last_only, resume, logits, head)
+        t0 = time.perf_counter()
+        try:
+            if (start == 0 and route is None and not resume and (last_only or not logits) and cache.n_full == 0
+                    and not cache._routed and (kept := prefix.active(self)) is not None):
+                return self._prefill(kept, tokens, cache, last_only, logits, head)
+            if (session := batching.current()) is not None:  # a request of a batch: the compute thread runs it with others
+                return session.forward(self, tokens, start, cache, route=route, last_only=last_only, resume=resume,
+                                       logits=logits, head=head)
+            return self._forward(tokens, start, cache, route, last_only, resume, logits, head)
+        finally:
+            _clock.s = getattr(_clock, "s", 0.0) + time.perf_counter() - t0
 
     def _prefill(self, kept: PrefixCache, tokens: torch.Tensor, cache: KVCache, last_only: bool, logits: bool,
                  head: ReducedHead | None) -> torch.Tensor | None:
