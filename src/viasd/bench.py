@@ -324,15 +324,17 @@ def drop_torn_tail(out: Path) -> None:
 
 def pass_costs(model, base: GenerateConfig) -> dict | None:
     """A model's measured pass times for the time cost model (`report.cost_model`): seconds of a pass
-    of 1 .. R rows (R: the most a round of these settings verifies, + 1), and its full pass' weight
-    bytes (None for models that do not count bytes: T5)."""
+    of 1 .. R rows (R: the most a round of these settings verifies, + 1; medians of 9 rounds: with 3,
+    one slow spell priced qwen 1.5B's one-row pass at 35.7 ms where its `ar` decodes ran 30.5 ms a
+    token, and every predicted speed-up came out 17% high), and its full pass' weight bytes (None for
+    models that do not count bytes: T5)."""
     from viasd.decoding.draft_length import pass_times
 
     dec = model.decoder
     if dec.is_encoder_decoder or not hasattr(dec, "weight_bytes"):
         return None
     rows = max(base.k, base.viasd.full_block) + 2
-    return {"rows_s": [round(t, 6) for t in pass_times(dec, rows)], "full_pass_bytes": dec.weight_bytes()}
+    return {"rows_s": [round(t, 6) for t in pass_times(dec, rows, reps=9)], "full_pass_bytes": dec.weight_bytes()}
 
 
 @compute.owned
