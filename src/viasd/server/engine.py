@@ -297,16 +297,15 @@ class Worker:
                 job.first_text = time.perf_counter()
             job.post("text", rest)
         job.text = text
-        ids = result.token_ids
-        if cut is not None or stop.hit is not None:
-            job.finish_reason = "stop"
-        elif ids and ids[-1] in self.model.eos_token_ids:
-            job.finish_reason = "stop"
-        elif len(ids) >= job.settings.get("max_new_tokens", 0):
-            job.finish_reason = "length"
-        else:
-            job.finish_reason = "stop"
+        job.finish_reason = self._finish_reason(job, result.token_ids, cut is not None or stop.hit is not None)
         job.post("done")
+
+    def _finish_reason(self, job: Job, ids: list[int], stopped: bool) -> str:
+        """OpenAI's `finish_reason`: "length" when the token budget ended the answer, else "stop" (a
+        stop string, an end token, or the model's context)."""
+        if not stopped and not (ids and ids[-1] in self.model.eos_token_ids) and len(ids) >= job.settings.get("max_new_tokens", 0):
+            return "length"
+        return "stop"
 
     def shutdown(self) -> None:
         self.cancel_all()
