@@ -28,7 +28,8 @@ def test_bad_methods_tasks_and_files(tmp_path):
     for bad in ("viasd-lossless+correct", "pld+correct"):
         with pytest.raises(UsageError, match=r"\+correct applies to viasd-tiered only"):
             parse_methods(bad)
-    for bad in ("viasd-lossless+adapt", "ar+adapt", "pld+fast"):
+    assert parse_methods("viasd-lossless:model+fixed")[0][1] == {"strategy": "viasd", "mode": "lossless", "draft": "model", "adapt_k": False}
+    for bad in ("ar+adapt", "pld+fast"):
         with pytest.raises(UsageError, match=r"the modifiers are \+adapt and \+fixed"):
             parse_methods(bad)
     with pytest.raises(UsageError, match="unknown task 'spec-bench'"):

@@ -86,7 +86,7 @@ def test_greedy_output_equals_ar_with_a_drafter_of_another_vocabulary(bpe_pair, 
     prompt = v.vocabulary.encode("the quick brown fox")
     expected = run_ar(v, prompt, 30, v.eos_token_ids)
     extra = {"draft": "model", "slim_layers": (0, 1, 3)} if strategy == "viasd" else {}
-    r = generate(prompt, v, drafter=d, strategy=strategy, max_new_tokens=30, adapt_k=False if strategy == "sd" else None,
+    r = generate(prompt, v, drafter=d, strategy=strategy, max_new_tokens=30, adapt_k=False,
                  draft_conversion=conversion, progress=False, **extra)
     assert r.token_ids == expected
     assert r.config["draft_conversion"] == conversion

@@ -142,6 +142,31 @@ def test_draft_length_shrinks_as_a_batch_fills_the_cheap_rows():
     assert DraftLength(4, steep, True).batch_costs(7)[:2] == pytest.approx([1 + 0.55 * 7, 1 + 0.55 * 6 + 1.55])
 
 
+def test_lossless_viasd_prices_a_round_with_drafts_at_its_slim_and_resumed_full_pass():
+    """Lossless VIA-SD's rounds with drafts pay a slim pass and a resumed full pass of the same rows
+    (`check_share + verify_share` of a full pass); a round without drafts one full pass of one row.
+    So it drafts less than `sd` at the same acceptance, and nothing beside 7 other requests."""
+    cheap = [0.01 * (1 + 0.1 * j) for j in range(5)]
+    sd, viasd = DraftLength(4, cheap, True), DraftLength(4, cheap, True, check_share=0.8, verify_share=0.7)
+    assert viasd.batch_costs(0) == pytest.approx([1.0] + [1.5 * (1 + 0.1 * j) for j in range(1, 5)])
+    assert viasd.batch_costs(7)[:2] == pytest.approx([1 + 0.1 * 7, 1 + 0.1 * 6 + 1.5 * 1.1])
+    for policy in (sd, viasd):
+        for _ in range(10):
+            policy.observe(4, 3)  # alpha about 0.75
+    assert sd.choose(others=0) == 4 and viasd.choose(others=0) == 4  # 4.1 tokens / (1.5 * 1.4) > 1 a pass
+    for policy in (sd, viasd):
+        for _ in range(10):
+            policy.observe(1, 0)  # alpha about 0.3
+    assert sd.choose(others=0) > 0 and viasd.choose(others=0) == 0  # 1.3 / 1.1 > 1 > 1.3 / 1.65
+    for _ in range(30):
+        viasd.observe(4, 4)  # alpha about 1: a copied passage
+    assert viasd.choose(others=0) == 4 and viasd.choose(others=7) == 0
+    with pytest.raises(ValueError, match="pass shares"):
+        DraftLength(4, cheap, True, check_share=1.5)
+    with pytest.raises(ValueError, match="pass shares"):
+        DraftLength(4, cheap, True, verify_share=0.0)
+
+
 def test_beside_others_the_policy_neither_learns_their_passes_nor_probes_where_drafts_cannot_pay():
     """A pass beside other requests carries their rows and waits for their drafters: its time is not
     that of this request's rows (learnt as such, every draft length cost about the same and 8 served

@@ -14,7 +14,7 @@ from viasd import generate
 from viasd.decoding.acceptance import SamplingParams, cascade_defer, cascade_target, greedy_accept
 from viasd.decoding.draft_length import DraftLength
 from viasd.decoding.drafters import NO_DRAFT, ModelDrafter, NgramDrafter, SelfDrafter, ngram_lookup
-from viasd.decoding.multitier import viasd_lossless_decode, viasd_tiered_decode
+from viasd.decoding.multitier import lossless_policy, resume_layer, viasd_lossless_decode, viasd_tiered_decode
 from viasd.decoding.strategies import speculative_decode
 from viasd.decoding.tiers import Tier, TierThresholds, assign_tiers, confidence_signals
 from viasd.decoding.verifier import DecodeRequest
@@ -492,7 +492,9 @@ def test_adaptive_tiered_with_every_token_to_full_equals_ar(tiny, tiny_drafter, 
         assert adaptive.stats.drafted < fixed.stats.drafted
     r = generate([1, 5, 6, 7, 5, 6], tiny, strategy="viasd", mode="tiered", slim_layers=SLIM, max_new_tokens=6)
     assert r.config["adaptive_k"] is True
-    assert generate([1, 5, 6, 7, 5, 6], tiny, strategy="viasd", slim_layers=SLIM, max_new_tokens=6).config.get("adaptive_k") is None
+    assert generate([1, 5, 6, 7, 5, 6], tiny, strategy="viasd", slim_layers=SLIM, max_new_tokens=6).config["adaptive_k"] is True
+    assert generate([1, 5, 6, 7, 5, 6], tiny, strategy="viasd", slim_layers=SLIM, max_new_tokens=6,
+                    temperature=0.8, seed=1).config["adaptive_k"] is False  # sampling: --k every round, so --seed reproduces
 
 
 class _Oracle:
@@ -534,6 +536,37 @@ def test_adaptive_tiered_scores_free_drafts_it_did_not_verify(tiny, monkeypatch)
         tiny.decoder.__dict__.pop("_pass_times", None)
 
 
+def test_adaptive_lossless_viasd_drafts_only_where_its_two_passes_pay_and_always_equals_ar(tiny, tiny_drafter):
+    """Lossless VIA-SD choosing each slim round's draft length (greedy generate()'s default): a round
+    with drafts pays a slim pass and a resumed full pass, each at its share of a full pass' bytes
+    (together at least one full pass: both read the LM head, and the route keeps every layer below
+    where the full pass resumes); a round without drafts is one full pass of one row, as in `ar`.
+    Where each row costs a whole pass no draft length can pay even if every draft is kept: it decodes
+    as `ar` does, with no slim pass at all. Where rows are cheap, an always-right free drafter (scored
+    on its proposals while none is verified; the slim verifier here the whole model, so that it keeps
+    them too) earns long drafts. Either way, and with every drafter, the output equals `ar`'s."""
+    k, prompt, n = 4, [1, 5, 6, 7, 5, 6], tiny.config.n_layers
+    expected = run_ar(tiny, prompt, 40)
+    slim, whole = LayerMask.from_layers(n, SLIM), LayerMask.from_layers(n, range(n))
+    policy = lossless_policy(tiny.decoder, NgramDrafter(), slim, k, resume_layer(slim), None)
+    assert policy.check_share + policy.verify_share >= 1.0 and policy.check_share < 1.0
+    try:
+        for row_cost, drafts in ((1.0, False), (0.1, True)):
+            tiny.decoder.__dict__["_pass_times"] = {(k + 1, False): [1 + row_cost * j for j in range(k + 1)]}
+            req = DecodeRequest(prompt, 40, GREEDY)
+            assert viasd_lossless_decode(tiny.decoder, _Oracle(prompt, expected), whole, req, k, 8, adaptive=True) == expected
+            s = req.stats.to_dict()
+            if drafts:
+                assert s["drafted"] >= 20 and s["accepted"] == s["drafted"], s
+            else:
+                assert s["drafted"] == 0 and s["calls"].get("slim", 0) == 0 and s["calls"]["full"] == 40, s
+            for name, make in drafters(tiny, tiny_drafter).items():
+                req = DecodeRequest(prompt, 40, GREEDY)
+                assert viasd_lossless_decode(tiny.decoder, make(), slim, req, k, 8, adaptive=True) == expected, name
+    finally:
+        tiny.decoder.__dict__.pop("_pass_times", None)
+
+
 @pytest.mark.model
 def test_correction_mode_equals_ar_on_native_weights_after_a_long_unchecked_run():
     """Issue 26's case: every draft tier 1 (accept 0, slim 0) leaves runs of 70+ unchecked tokens for
@@ -557,9 +590,9 @@ def test_lossless_viasd_counts_the_slim_verifiers_rescues(tiny, tiny_drafter):
 
     prompt = [1, 5, 6, 7, 5, 6]
     everything = generate(prompt, tiny, drafter=tiny_drafter, strategy="viasd", draft="model", slim_layers=(0, 1, 2, 3),
-                          max_new_tokens=40, progress=False).stats
+                          max_new_tokens=40, adapt_k=False, progress=False).stats
     assert everything.rescues > 0 and everything.rescues_kept == everything.rescues
     half = generate(prompt, tiny, drafter=tiny_drafter, strategy="viasd", draft="model", slim_layers=(0, 3),
-                    max_new_tokens=40, progress=False).stats
+                    max_new_tokens=40, adapt_k=False, progress=False).stats
     assert half.rescues > 0 and half.rescues_kept < half.rescues
     assert half.to_dict()["slim_rescue_agreement"] == round(half.rescues_kept / half.rescues, 4)

@@ -354,9 +354,9 @@ def _loop_args(spec: Strategy, config: GenerateConfig, verifier: LoadedModel) ->
     cascade = (DeferralRule(config.cascade.rule), config.cascade.alpha)
     adaptive = config.drafting.adapt_k
     tiered = spec.multitier and Mode(v.mode) is Mode.TIERED
-    if adaptive is None:
-        adaptive = config.temperature == 0 and (spec.is_lossless() and not spec.multitier or tiered)
-    if spec.drafter is not None and (not spec.multitier or tiered):
+    if adaptive is None:  # greedy: every lossless strategy's output is the same at any draft length
+        adaptive = config.temperature == 0 and (spec.is_lossless(v.mode) or tiered)
+    if spec.drafter is not None:
         extra["adaptive_k"] = adaptive
     # resumed full passes equal full ones bit for bit only where every product is row-exact (native
     # weights); oneDNN's float products round a row computed alone otherwise, and with bfloat16 weights

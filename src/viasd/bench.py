@@ -74,9 +74,9 @@ def parse_methods(spec: str) -> list[tuple[str, dict]]:
                     raise UsageError(f"method {name!r}: +correct applies to viasd-tiered only")
                 settings["correct"] = True
                 continue
-            if modifier not in ("adapt", "fixed") or spec_.drafter is None or settings.get("mode") == "lossless":
+            if modifier not in ("adapt", "fixed") or spec_.drafter is None:
                 raise UsageError(f"method {name!r}: the modifiers are +adapt and +fixed (draft lengths from measured "
-                                 "costs, or always k), for sd, pld, self-sd, cascade and viasd-tiered, and +correct "
+                                 "costs, or always k), for sd, pld, self-sd, cascade and viasd-*, and +correct "
                                  "for viasd-tiered")
             settings["adapt_k"] = modifier == "adapt"
         if drafter_name:

@@ -376,10 +376,10 @@ def _add_generate(p: argparse.ArgumentParser) -> None:
     p.add_argument("--k", "-k", type=int, default=4, help="draft tokens per verification round (default: %(default)s)")
     p.add_argument("--draft-threshold", type=float, help="adaptive drafting: stop when the drafter's top probability falls below this")
     p.add_argument("--adapt-k", action=argparse.BooleanOptionalAction, default=None,
-                   help="sd / pld / self-sd / cascade / viasd tiered: --k is the most; each round verifies the number of "
-                        "drafts that commits the most tokens per measured second, down to none (default: on for sd, pld "
-                        "and self-sd under greedy decoding, where the output is the same at any draft length, and for "
-                        "greedy tiered VIA-SD; off when sampling, so that --seed reproduces the output, and for cascade)")
+                   help="sd / pld / self-sd / cascade / viasd: --k is the most; each round verifies the number of "
+                        "drafts that commits the most tokens per measured second, down to none (default: on for sd, pld, "
+                        "self-sd and viasd under greedy decoding, where a lossless strategy's output is the same at any "
+                        "draft length; off when sampling, so that --seed reproduces the output, and for cascade)")
     p.add_argument("--draft-layers", type=int, nargs="+", metavar="L", help="self drafting: verifier layers the drafting route keeps")
     p.add_argument("--draft-route", metavar="ROUTE.json", help="self-sd: drafting route from a route file (see `viasd routes show`)")
     p.add_argument("--draft-conversion", default="auto", choices=CONVERSIONS,

@@ -107,12 +107,21 @@ class DraftLength:
     drafting passes at `draft_s`, and `round_s` of other drafting time (both learnt from the rounds:
     a drafter of another vocabulary drafts a token past what it keeps and converts its text with two
     tokenizers each round).
+
+    Lossless VIA-SD verifies drafts in two passes (`multitier.viasd_lossless_decode`): a slim pass of
+    j+1 rows along the route, then a full pass that resumes where the route's whole lower layers end.
+    `check_share` and `verify_share` price them at their shares of a full pass' weight bytes
+    (`pass_bytes`); a round without drafts is one full pass of one row, as in `sd`.
     """
 
-    def __init__(self, k: int, times: list[float], free_drafts: bool, draft_s: float = 0.0):
+    def __init__(self, k: int, times: list[float], free_drafts: bool, draft_s: float = 0.0,
+                 check_share: float = 0.0, verify_share: float = 1.0):
         if len(times) < k + 1 or times[0] <= 0:
             raise ValueError(f"need positive pass times for 1..{k + 1} rows, got {times}")
+        if not (0.0 <= check_share <= 1.0 and 0.0 < verify_share <= 1.0):
+            raise ValueError(f"pass shares must lie in [0, 1] (verify: (0, 1]), got check {check_share}, verify {verify_share}")
         self.k, self.free_drafts = k, free_drafts
+        self.check_share, self.verify_share = check_share, verify_share
         self.times = list(times[: k + 1])  # [k+1] seconds of a pass of 1..k+1 rows
         self.accepted, self.rejected = _PRIOR
         self.draft_s = draft_s  # seconds per drafting pass (`drafting_seconds`: measured alone, once)
@@ -138,13 +147,15 @@ class DraftLength:
         request's row plus a pass of its own j+1 rows, since a shared pass groups calls of equal row
         buckets (`batching.padded_rows`) and reads every weight once per bucket (8 `pld` requests ran
         2-3 passes a step and served 0.75x `ar`'s tokens/s). Past the measured row counts, each row
-        at the last measured row's cost."""
+        at the last measured row's cost. A round with drafts of lossless VIA-SD pays its slim and its
+        resumed full pass instead of one full pass (`check_share + verify_share` of it)."""
         costs = self.costs
         slope = costs[-1] - costs[-2] if len(costs) > 1 else costs[0]
         rows = lambda r: costs[r - 1] if r <= len(costs) else costs[-1] + (r - len(costs)) * slope  # noqa: E731
+        own = [costs[0]] + [(self.check_share + self.verify_share) * c for c in costs[1:]]  # [k+1]
         if others == 0:
-            return costs
-        return [rows(others + 1)] + [rows(others) + costs[j] for j in range(1, self.k + 1)]
+            return own
+        return [rows(others + 1)] + [rows(others) + own[j] for j in range(1, self.k + 1)]
 
     @property
     def alpha(self) -> float:

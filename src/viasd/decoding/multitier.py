@@ -11,7 +11,8 @@ Glossary (in addition to `acceptance`'s accepted / recovered / bonus tokens)
 Two loops:
 - `viasd_lossless_decode`: drafter -> slim is speculative decoding against the slim distribution q',
   building a block distributed as q'; slim -> full is speculative decoding against p with q' as the
-  proposal. Output distribution exactly the full model's; greedy output equals `ar`.
+  proposal. Output distribution exactly the full model's; greedy output equals `ar` (at any draft
+  length, so greedy decoding chooses it from measured costs, as `sd` does).
 - `viasd_tiered_decode`: per draft position a tier from confidence signals; tiers 1 and 2 are
   committed without a full-model check; the full model is called only at a tier-3 position, and then
   processes every pending position in one pass (which also fills its KV cache). A round with no
@@ -23,13 +24,15 @@ Two loops:
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import torch
 
 from viasd.decoding.acceptance import SamplingParams, accept, settle
 from viasd.decoding.draft_length import DraftLength, PassTimer, drafting_seconds, pass_times, propose
-from viasd.decoding.drafters import NO_DRAFT, Draft, Drafter
+from viasd.decoding.drafters import Draft, Drafter
 from viasd.decoding.tiers import Tier, TierThresholds, confident_round, round_tiers
-from viasd.decoding.verifier import DecodeRequest, Verifier
+from viasd.decoding.verifier import DecodeRequest, Verifier, pass_bytes
 from viasd.models.runtime import Decoder, LayerMask, ReducedHead
 
 
@@ -41,34 +44,67 @@ def resume_layer(route: LayerMask, resume: bool = True) -> int | None:
 
 
 def viasd_lossless_decode(decoder: Decoder, drafter: Drafter, route: LayerMask, req: DecodeRequest, k: int, full_block: int = 8,
-                          resume: bool = True, head: ReducedHead | None = None) -> list[int]:
+                          resume: bool = True, head: ReducedHead | None = None, adaptive: bool = False) -> list[int]:
     """Lossless VIA-SD: blocks of up to `full_block` slim-verified tokens, each checked by one full pass
     (`resume`: which starts at the route's first incomplete layer, see `resume_layer`; `head`: the
-    slim verifier's reduced LM head, drafts cut before the first token outside it)."""
+    slim verifier's reduced LM head, drafts cut before the first token outside it; `adaptive`: each
+    slim round drafts the number that commits the most tokens per measured second, its slim and
+    resumed full pass priced at their shares of a full pass' bytes (`lossless_policy`), down to none:
+    then one full pass of one row decides a token, as in `ar`, and beside other served requests
+    that is what it does unless nearly every draft is kept)."""
+    from_layer = resume_layer(route, resume)
+    policy = lossless_policy(decoder, drafter, route, k, from_layer, head) if adaptive else None
     v = Verifier.start(decoder, drafter, req, len(req.prompt) + req.max_new_tokens + k + full_block + 2, tiers=True,
-                       resume_layer=resume_layer(route, resume))
+                       resume_layer=from_layer)
     while not v.done:
         # 1. slim stage: speculative decoding drafter -> slim builds a block distributed as q'
-        block, origin, block_q, rescue = _slim_stage(v, drafter, route, k, full_block, head)
+        s = _slim_stage(v, drafter, route, k, full_block, head, policy)
         # 2. full stage: one pass verifies the block, with q' as the proposal distribution
-        logits = v.full(block)  # [len(block)+1, V]
-        n, x = accept(block, block_q, logits, req.params, req.generator)
+        logits = v.full(s.block)  # [len(block)+1, V]
+        n, x = accept(s.block, s.block_q, logits, req.params, req.generator)
         req.stats.observe_round(0, 0)
-        req.stats.observe_full_check(len(block), n)
-        if rescue is not None and n >= rescue:  # the full model judged the slim verifier's replacement
-            req.stats.observe_rescue(n > rescue)
+        req.stats.observe_full_check(len(s.block), n)
+        if s.rescue is not None and n >= s.rescue:  # the full model judged the slim verifier's replacement
+            req.stats.observe_rescue(n > s.rescue)
+        kept_drafts = s.origin[:n].count(Tier.ACCEPT)
+        if policy is not None:  # drafts both verifiers kept, of all the block's; a free drafter's unverified proposal too
+            policy.observe(s.drafted, kept_drafts)
+            if s.peek is not None:
+                policy.observe(1, int(x == s.peek))
         # 3. commit; drafter tokens the full model rejected (or the budget cut) no longer count as accepted
-        kept = v.commit(block[:n] + [x], origin[:n] + [Tier.FULL])
-        req.stats.accepted -= origin.count(Tier.ACCEPT) - origin[: min(n, kept)].count(Tier.ACCEPT)
+        kept = v.commit(s.block[:n] + [x], s.origin[:n] + [Tier.FULL])
+        req.stats.accepted -= s.origin.count(Tier.ACCEPT) - s.origin[: min(n, kept)].count(Tier.ACCEPT)
     return v.out
 
 
+def lossless_policy(decoder: Decoder, drafter: Drafter, route: LayerMask, k: int, from_layer: int | None,
+                    head: ReducedHead | None) -> DraftLength | None:
+    """Lossless VIA-SD's draft lengths (`DraftLength`): a round with drafts pays a slim pass along
+    `route` and a full pass from `from_layer`, each at its share of a full pass' weight bytes (the
+    route's share of sub-layers where a model does not say)."""
+    if k <= 0 or decoder.is_encoder_decoder:
+        return None
+    full = pass_bytes(decoder, None)
+    check = pass_bytes(decoder, route, 0, head) / full if full else route.fraction
+    verify = pass_bytes(decoder, None, from_layer or 0) / full if full else 1.0
+    times = pass_times(decoder, k + 1)
+    return DraftLength(k, times, getattr(drafter, "free", False), drafting_seconds(drafter, times, k),
+                       check_share=min(1.0, check), verify_share=min(1.0, max(verify, 1e-3)))
+
+
+class _SlimBlock(NamedTuple):
+    block: list[int]  # the slim-verified tokens
+    origin: list[Tier]  # each one's: ACCEPT, a drafter token; SLIM, the slim verifier's recovered/bonus token
+    block_q: torch.Tensor | None  # [len(block), V] q' at each position (sampling only)
+    rescue: int | None  # where the slim verifier replaced a rejected draft (None: it did not)
+    drafted: int  # drafts proposed in the block's rounds
+    peek: int | None  # a free drafter's proposal the policy cut when the block is empty (scored on the full model's token)
+
+
 def _slim_stage(v: Verifier, drafter: Drafter, route: LayerMask, k: int, full_block: int,
-                head: ReducedHead | None = None) -> tuple[list[int], list[Tier], torch.Tensor | None, int | None]:
+                head: ReducedHead | None = None, policy: DraftLength | None = None) -> _SlimBlock:
     """Draft and slim-verify rounds until the block is full, an end token appears, or the slim
-    verifier rejects a draft. Returns the block, each token's origin (ACCEPT: a drafter token, SLIM:
-    the slim verifier's recovered/bonus token), q' at each block position ([len(block), V];
-    sampling only), and where the slim verifier replaced a rejected draft (its rescue; None: none).
+    verifier rejects a draft (`policy`: each round drafts as many as it chooses, at most k).
 
     Stopping at the first slim rejection matters: a block continued past it grows from the slim
     verifier's own token, which the full model rejects more often than a draft both agreed on, and
@@ -81,13 +117,17 @@ def _slim_stage(v: Verifier, drafter: Drafter, route: LayerMask, k: int, full_bl
     block: list[int] = []
     origin: list[Tier] = []
     block_q: list[torch.Tensor] = []
+    drafted, peek = 0, None
+    q = lambda: torch.cat(block_q) if block_q else None  # noqa: E731
     while len(block) < min(full_block, v.budget - 1):
         k_eff = min(k, v.budget - 2 - len(block))
-        draft = drafter.propose(v.tokens + block, k_eff) if k_eff > 0 else NO_DRAFT
+        draft, proposed = propose(drafter, v.tokens + block, k_eff, policy)
         if head is not None:  # the slim verifier judges no draft outside its head's vocabulary
             draft = draft.cut(next((i for i, ok in enumerate(head.contains(draft.tokens)) if not ok), len(draft)))
         if not draft.tokens:
+            peek = proposed if not block else None
             break
+        drafted += len(draft)
         slim_logits = v.slim(route, block + draft.tokens, n_rows=len(draft) + 1, head=head)  # [k'+1, V]
         n, x = accept(draft.tokens, draft.probs, slim_logits, params, v.req.generator)
         v.stats.observe_round(len(draft), n, verification=False)
@@ -97,10 +137,10 @@ def _slim_stage(v: Verifier, drafter: Drafter, route: LayerMask, k: int, full_bl
         if not params.greedy:
             block_q.append(params.probs(slim_logits[: n + 1]))
         if n < len(draft):
-            return block, origin, torch.cat(block_q) if block_q else None, len(block) - 1
+            return _SlimBlock(block, origin, q(), len(block) - 1, drafted, None)
         if any(t in v.req.eos for t in block[-n - 1 :]):
             break
-    return block, origin, torch.cat(block_q) if block_q else None, None
+    return _SlimBlock(block, origin, q(), None, drafted, peek)
 
 
 def viasd_tiered_decode(decoder: Decoder, drafter: Drafter, route: LayerMask, req: DecodeRequest, k: int,

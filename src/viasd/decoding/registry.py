@@ -42,7 +42,7 @@ class LoopArgs:
     slim: LayerMask | None = None
     thresholds: TierThresholds | None = None
     cascade: tuple[DeferralRule, float] | None = None  # (rule, alpha), used by the cascade loop
-    adaptive: bool = False  # two-tier loops and tiered VIA-SD: draft lengths from measured pass costs (decoding/draft_length.py)
+    adaptive: bool = False  # loops with a drafter (not cascades by default): draft lengths from measured pass costs (decoding/draft_length.py)
     resume: bool = True  # viasd: full passes resume where the slim route's whole lower layers end
     slim_head: ReducedHead | None = None  # viasd: the slim verifier's reduced LM head (None: the full one)
     correct: bool = False  # tiered viasd, greedy: full passes correct the tokens settled without them (multitier._recheck)
@@ -53,7 +53,7 @@ Loop = Callable[[Decoder, Drafter | None, DecodeRequest, LoopArgs], list[int]]
 
 def _viasd(decoder: Decoder, drafter: Drafter | None, req: DecodeRequest, a: LoopArgs) -> list[int]:
     if a.mode is Mode.LOSSLESS:
-        return viasd_lossless_decode(decoder, drafter, a.slim, req, a.k, a.full_block, a.resume, a.slim_head)
+        return viasd_lossless_decode(decoder, drafter, a.slim, req, a.k, a.full_block, a.resume, a.slim_head, a.adaptive)
     return viasd_tiered_decode(decoder, drafter, a.slim, req, a.k, a.thresholds, a.resume, a.slim_head, a.adaptive, a.correct)
 
 
