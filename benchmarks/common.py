@@ -4,20 +4,15 @@ from __future__ import annotations
 
 import json
 import statistics
-import subprocess
 import time
 from pathlib import Path
 
 
 def environment() -> dict:
-    """viasd's bench environment record plus the git commit of this checkout."""
+    """viasd's bench environment record (the git commit of the checkout included) and the time."""
     from viasd.bench import environment as viasd_environment
 
-    try:
-        commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, cwd=Path(__file__).parent).stdout.strip()
-    except OSError:
-        commit = ""
-    return {**viasd_environment(), "git_commit": commit, "time": time.strftime("%Y-%m-%dT%H:%M:%S%z")}
+    return {**viasd_environment(), "time": time.strftime("%Y-%m-%dT%H:%M:%S%z")}
 
 
 class Records:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import pytest
 
@@ -113,3 +114,18 @@ def test_methods_name_their_drafter_and_run_with_it(tiny, tiny_drafter, tmp_path
         assert [r["token_ids"] for r in by(m)] == [r["token_ids"] for r in by("ar")]
     assert main(["bench", "--methods", "ar,sd@smollm2-135m", "--out", str(tmp_path / "x.jsonl")]) == 2
     assert "names drafter(s) smollm2-135m that no --drafter gives" in capsys.readouterr().err
+
+
+def test_records_name_the_commit_of_the_checkout_viasd_runs_from(tmp_path, monkeypatch):
+    """Every bench record's `env` says which code produced it: the checkout's commit ("-dirty" when
+    its tracked files differ), None where viasd is not a git checkout (an installed wheel)."""
+    import subprocess
+
+    import viasd.bench as bench
+
+    head = subprocess.run(["git", "-C", str(Path(bench.__file__).parent), "rev-parse", "--short", "HEAD"], capture_output=True, text=True)
+    if head.returncode != 0:
+        pytest.skip("viasd is not running from a git checkout here")
+    assert bench.environment()["git_commit"].removesuffix("-dirty") == head.stdout.strip()
+    monkeypatch.setattr(bench, "__file__", str(tmp_path / "bench.py"))
+    assert bench.source_commit() is None

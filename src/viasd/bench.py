@@ -198,9 +198,26 @@ def environment() -> dict:
         flags = sorted(have & _SPEED_FLAGS)
     except (OSError, StopIteration):
         pass
-    return {"viasd": __version__, "python": platform.python_version(), "torch": torch.__version__,
+    return {"viasd": __version__, "git_commit": source_commit(), "python": platform.python_version(), "torch": torch.__version__,
             "transformers": transformers.__version__, "threads": torch.get_num_threads(), "cpu": cpu,
             "cpu_flags": flags, "cpu_count": os.cpu_count(), "platform": platform.platform()}
+
+
+def source_commit() -> str | None:
+    """The git commit of the checkout viasd runs from (an editable install), with "-dirty" when its
+    tracked files differ from it; None for an installed wheel or without git."""
+    import subprocess
+
+    src = Path(__file__).resolve().parent
+    try:
+        run = lambda *a: subprocess.run(["git", "-C", str(src), *a], capture_output=True, text=True, timeout=10)  # noqa: E731
+        head = run("rev-parse", "--short", "HEAD")
+        if head.returncode != 0:
+            return None
+        dirty = run("status", "--porcelain", "--untracked-files=no", "--", ".").stdout.strip()
+    except (OSError, subprocess.TimeoutExpired):
+        return None
+    return head.stdout.strip() + ("-dirty" if dirty else "")
 
 
 # the CPU features that decide which kernels run (figures from CPUs that differ here are not comparable)
