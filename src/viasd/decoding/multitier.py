@@ -66,9 +66,8 @@ def viasd_lossless_decode(decoder: Decoder, drafter: Drafter, route: LayerMask, 
         req.stats.observe_full_check(len(s.block), n)
         if s.rescue is not None and n >= s.rescue:  # the full model judged the slim verifier's replacement
             req.stats.observe_rescue(n > s.rescue)
-        kept_drafts = s.origin[:n].count(Tier.ACCEPT)
         if policy is not None:  # drafts both verifiers kept, of all the block's; a free drafter's unverified proposal too
-            policy.observe(s.drafted, kept_drafts)
+            policy.observe(s.drafted, s.origin[:n].count(Tier.ACCEPT))
             if s.peek is not None:
                 policy.observe(1, int(x == s.peek))
         # 3. commit; drafter tokens the full model rejected (or the budget cut) no longer count as accepted
@@ -81,7 +80,8 @@ def lossless_policy(decoder: Decoder, drafter: Drafter, route: LayerMask, k: int
                     head: ReducedHead | None) -> DraftLength | None:
     """Lossless VIA-SD's draft lengths (`DraftLength`): a round with drafts pays a slim pass along
     `route` and a full pass from `from_layer`, each at its share of a full pass' weight bytes (the
-    route's share of sub-layers where a model does not say)."""
+    route's share of sub-layers where a model does not say). Pass times stay as measured at the start:
+    the loop's full passes are resumed ones, which would teach T(r) a fraction of a full pass."""
     if k <= 0 or decoder.is_encoder_decoder:
         return None
     full = pass_bytes(decoder, None)
