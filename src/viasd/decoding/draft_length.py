@@ -238,6 +238,18 @@ def drafting_seconds(drafter: Drafter, verifier_times: list[float], k: int = 1) 
     return pass_times(decoder, k + 2, last_only=True)[0]
 
 
+def draft_policy(decoder: Decoder, drafter: Drafter, k: int, check_share: float = 0.0,
+                 verify_share: float = 1.0) -> DraftLength | None:
+    """The draft-length policy of a loop that verifies with `decoder` and drafts with `drafter`, its
+    costs measured now (before the first token: measuring belongs to the time to it, not to
+    decoding); None where there is nothing to choose (k = 0, an encoder-decoder). `check_share`,
+    `verify_share`: lossless VIA-SD's two passes a round (`DraftLength`)."""
+    if k <= 0 or decoder.is_encoder_decoder:
+        return None
+    times = pass_times(decoder, k + 1)
+    return DraftLength(k, times, getattr(drafter, "free", False), drafting_seconds(drafter, times, k), check_share, verify_share)
+
+
 def _others() -> int:
     """Other requests in this thread's batch session (0 outside one)."""
     session = batching.current()

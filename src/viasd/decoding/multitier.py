@@ -29,7 +29,7 @@ from typing import NamedTuple
 import torch
 
 from viasd.decoding.acceptance import SamplingParams, accept, settle
-from viasd.decoding.draft_length import DraftLength, PassTimer, drafting_seconds, pass_times, propose
+from viasd.decoding.draft_length import DraftLength, PassTimer, draft_policy, propose
 from viasd.decoding.drafters import Draft, Drafter
 from viasd.decoding.tiers import Tier, TierThresholds, confident_round, round_tiers
 from viasd.decoding.verifier import DecodeRequest, Verifier, pass_bytes
@@ -82,14 +82,10 @@ def lossless_policy(decoder: Decoder, drafter: Drafter, route: LayerMask, k: int
     `route` and a full pass from `from_layer`, each at its share of a full pass' weight bytes (the
     route's share of sub-layers where a model does not say). Pass times stay as measured at the start:
     the loop's full passes are resumed ones, which would teach T(r) a fraction of a full pass."""
-    if k <= 0 or decoder.is_encoder_decoder:
-        return None
     full = pass_bytes(decoder, None)
     check = pass_bytes(decoder, route, 0, head) / full if full else route.fraction
     verify = pass_bytes(decoder, None, from_layer or 0) / full if full else 1.0
-    times = pass_times(decoder, k + 1)
-    return DraftLength(k, times, getattr(drafter, "free", False), drafting_seconds(drafter, times, k),
-                       check_share=min(1.0, check), verify_share=min(1.0, max(verify, 1e-3)))
+    return draft_policy(decoder, drafter, k, check_share=min(1.0, check), verify_share=min(1.0, max(verify, 1e-3)))
 
 
 class _SlimBlock(NamedTuple):
@@ -175,10 +171,7 @@ class _TieredLoop:
         # thresholds above 1 switch tiers 1 and 2 off: then every position is the full model's, and a slim
         # pass could change nothing (with both off this is plain SD, at SD's cost)
         self.slim_tiers = thresholds.accept <= 1.0 or thresholds.slim <= 1.0
-        self.policy = None  # (first: measuring the pass costs belongs to the time to the first token, not to decoding)
-        if adaptive and k > 0 and not decoder.is_encoder_decoder:
-            self.policy = DraftLength(k, times := pass_times(decoder, k + 1), getattr(drafter, "free", False),
-                                      drafting_seconds(drafter, times, k))
+        self.policy = draft_policy(decoder, drafter, k) if adaptive else None
         self.v = Verifier.start(decoder, drafter, req, len(req.prompt) + req.max_new_tokens + k + 2, tiers=True,
                                 resume_layer=resume_layer(route, resume and self.slim_tiers))
         self.v.hold = correct

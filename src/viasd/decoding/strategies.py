@@ -7,7 +7,7 @@ Every loop goes through a `Verifier` (passes, commits, the cache invariant) and 
 from __future__ import annotations
 
 from viasd.decoding.acceptance import DeferralRule, accept, cascade_target_probs
-from viasd.decoding.draft_length import DraftLength, PassTimer, drafting_seconds, pass_times, propose
+from viasd.decoding.draft_length import PassTimer, draft_policy, propose
 from viasd.decoding.drafters import Drafter
 from viasd.decoding.verifier import DecodeRequest, Verifier
 from viasd.models.runtime import Decoder
@@ -40,10 +40,7 @@ def speculative_decode(
     per measured second (`draft_length.DraftLength`), down to none.
     """
     params, stats = req.params, req.stats
-    policy = None  # (first: measuring the pass costs belongs to the time to the first token, not to decoding)
-    if adaptive and k > 0 and not decoder.is_encoder_decoder:
-        policy = DraftLength(k, times := pass_times(decoder, k + 1), getattr(drafter, "free", False),
-                             drafting_seconds(drafter, times, k))
+    policy = draft_policy(decoder, drafter, k) if adaptive else None
     v = Verifier.start(decoder, drafter, req, len(req.prompt) + req.max_new_tokens + k + 1)
     while not v.done:
         # 1. draft up to k tokens (as many as the policy chooses); never more than the budget can use
