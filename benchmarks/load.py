@@ -11,7 +11,9 @@ deployment's first, 1-client cell, or a solo pass): `equal_to_alone` is the shar
 
 Before the cells, a solo phase compares one request served alone with `viasd generate` on the same
 prompt, interleaved prompt by prompt: decode-only tokens/s of each (the server's own
-`decode_tokens_per_s`, and the CLI's `--json` stats), and their ratio.
+`decode_tokens_per_s`, and the CLI's `--json` stats), and their ratio; the served request is sent
+again at once and timed too (after an idle spell and right after a decode, apart). llama-server's
+records carry how it was built (`peer_build`).
 
 Each cell is one JSONL record (run id, full configuration, environment with the CPU flags from
 /proc/cpuinfo, requests/s, generated tokens/s, time to first token and latency p50 / p95, errors);
@@ -167,6 +169,14 @@ def build_llama_server(dest: Path) -> Path:
         subprocess.run(["cmake", "--build", str(build), "-j", str(os.cpu_count() or 2), "--target", "llama-server"], check=True)
         (dest / "build-options.json").write_text(json.dumps({"source": LLAMA_CPP_PYTHON, "cmake": opts}))
     return binary
+
+
+def build_options(binary: Path) -> dict | None:
+    """How `binary` was built, where `build_llama_server` built it (its `build-options.json`), else None."""
+    try:
+        return json.loads((binary.parents[2] / "build-options.json").read_text())
+    except (IndexError, OSError, ValueError):
+        return None
 
 
 class LlamaServer(Server):
@@ -344,8 +354,8 @@ SETTLE_S = 1.5  # seconds of idle machine before each side of the solo phase
 
 def solo_phase(url: str, args, strategy: str, run_id: str, env: dict, config: dict) -> list[dict]:
     """One request served alone against `viasd generate` on the same prompt, interleaved per prompt and
-    repeated `--solo-repeats` times (generate, served, generate, served, ...): decode-only tokens/s of
-    each run, one record per pair (`repeat`). `solo_summary` compares the per-prompt medians."""
+    repeated `--solo-repeats` times (generate, served, served again at once, generate, ...): decode-only
+    tokens/s of each run, one record per repeat. `solo_summary` compares the per-prompt medians."""
     import httpx
 
     out = []
@@ -366,35 +376,57 @@ def solo_phase(url: str, args, strategy: str, run_id: str, env: dict, config: di
                 raise SystemExit(f"[load] viasd generate failed: {cli.stderr[-300:]}")
             cli_rec = json.loads(cli.stdout)
             time.sleep(SETTLE_S)
-            r = httpx.post(url + "/v1/chat/completions", json={"model": args.model, "messages": [{"role": "user", "content": prompt}],
-                                                               "max_tokens": args.max_tokens, "temperature": 0.0,
-                                                               "viasd": STRATEGIES[strategy]}, timeout=600)
-            served = r.json()
-            a, b = cli_rec["stats"]["decode_tokens_per_s"], served["viasd"]["stats"]["decode_tokens_per_s"]
+            served = _solo_request(url, args, strategy, prompt)
+            # the same request at once again, on a CPU that has just decoded: after an idle spell this
+            # machine's passes start up to 1.5x slower and take ~20 passes to reach their speed (smollm2,
+            # one row: 4.5 -> 3.0 ms), and `viasd generate`'s own pass-cost measurement (adaptive draft
+            # lengths: ~24 passes just before its decode) has run that ramp before its clock starts
+            warm = _solo_request(url, args, strategy, prompt)
+            a, b, c = (x["stats"]["decode_tokens_per_s"] for x in (cli_rec, served["viasd"], warm["viasd"]))
+            text = lambda r: r["choices"][0]["message"]["content"]  # noqa: E731
             rec = {"run_id": run_id, "phase": "solo", "strategy": strategy, "prompt": prompt, "repeat": repeat,
                    "new_tokens": served["viasd"]["stats"]["new_tokens"], "generate_decode_tokens_per_s": a,
                    "served_decode_tokens_per_s": b, "ratio": round(b / a, 4) if a and b else None,
-                   "same_text": served["choices"][0]["message"]["content"] == cli_rec["text"], "config": config, "env": env}
+                   "served_warm_decode_tokens_per_s": c, "ratio_warm": round(c / a, 4) if a and c else None,
+                   "same_text": text(served) == cli_rec["text"] and text(warm) == cli_rec["text"], "config": config, "env": env}
             out.append(rec)
-            log(f"[load] solo {strategy} #{repeat}: generate {a} tok/s, served {b} tok/s")
+            log(f"[load] solo {strategy} #{repeat}: generate {a} tok/s, served {b} tok/s, served again at once {c} tok/s")
     return out
 
 
-def solo_summary(solos: list[dict], strategy: str) -> str | None:
+def _solo_request(url: str, args, strategy: str, prompt: str) -> dict:
+    import httpx
+
+    return httpx.post(url + "/v1/chat/completions", json={"model": args.model, "messages": [{"role": "user", "content": prompt}],
+                                                          "max_tokens": args.max_tokens, "temperature": 0.0,
+                                                          "viasd": STRATEGIES[strategy]}, timeout=600).json()
+
+
+def solo_ratio(solos: list[dict], strategy: str, served: str = "served_decode_tokens_per_s") -> tuple[float, float, float] | None:
     """Served / generate decode tokens/s: per prompt, the ratio of the two sides' medians over the
-    repeats; then the median over prompts."""
+    repeats; then (median, min, max) over prompts. `served`: the field of the served side."""
     by_prompt: dict[str, list[dict]] = {}
     for r in solos:
-        if r["strategy"] == strategy and r["ratio"]:
+        if r["strategy"] == strategy and r.get(served) and r["generate_decode_tokens_per_s"]:
             by_prompt.setdefault(r["prompt"], []).append(r)
     if not by_prompt:
         return None
-    ratios = [float(np.median([r["served_decode_tokens_per_s"] for r in rs]) / np.median([r["generate_decode_tokens_per_s"] for r in rs]))
+    ratios = [float(np.median([r[served] for r in rs]) / np.median([r["generate_decode_tokens_per_s"] for r in rs]))
               for rs in by_prompt.values()]
-    same = sum(r["same_text"] for rs in by_prompt.values() for r in rs)
-    pairs = sum(len(rs) for rs in by_prompt.values())
-    return (f"solo {strategy}: served / generate decode tok/s, median over {len(ratios)} prompts of the per-prompt medians' "
-            f"ratio: {float(np.median(ratios)):.3f} (per prompt {min(ratios):.2f}-{max(ratios):.2f}); same text {same}/{pairs}")
+    return float(np.median(ratios)), min(ratios), max(ratios)
+
+
+def solo_summary(solos: list[dict], strategy: str) -> str | None:
+    """One line: the served / generate ratio (`solo_ratio`) after an idle spell and served again at once."""
+    cold, warm = solo_ratio(solos, strategy), solo_ratio(solos, strategy, "served_warm_decode_tokens_per_s")
+    if cold is None:
+        return None
+    rs = [r for r in solos if r["strategy"] == strategy]
+    line = (f"solo {strategy}: served / generate decode tok/s, median over prompts of the per-prompt medians' ratio: "
+            f"{cold[0]:.3f} (per prompt {cold[1]:.2f}-{cold[2]:.2f})")
+    if warm is not None:
+        line += f"; served again at once {warm[0]:.3f} ({warm[1]:.2f}-{warm[2]:.2f})"
+    return line + f"; same text {sum(r['same_text'] for r in rs)}/{len(rs)}"
 
 
 def _cli_flags(ext: dict) -> list[str]:
@@ -420,12 +452,13 @@ def main(argv=None) -> int:
 
     records, solos = [], []
     for deployment in (args.deployment_list if args.url is None else [args.deployment_list[0] if args.deployment_list else "external"]):
-        server, peer = None, deployment == "llama-server"
+        server, peer, peer_build = None, deployment == "llama-server", None
         if args.url is None and peer:
             from viasd.models.loading import zoo_gguf_verified
             from viasd.models.zoo import ZOO
 
             binary = Path(args.llama_server) if args.llama_server else build_llama_server(Path(args.llama_server_build))
+            peer_build = build_options(binary)
             server = LlamaServer(binary, zoo_gguf_verified(ZOO[args.model]), max(args.client_list), args.ctx, args.threads,
                                  args.startup_timeout)
             url = server.url
@@ -456,7 +489,8 @@ def main(argv=None) -> int:
                                                 args.grace, args.max_tokens, alone))
                     rec = {"run_id": run_id, "deployment": deployment, "strategy": strategy,
                            "request_viasd": None if peer else STRATEGIES[strategy], "clients": n, "duration_s": args.duration,
-                           **cell, "url": url, "server_cmd": server.cmd if server else None, "config": config, "env": env}
+                           **cell, "url": url, "server_cmd": server.cmd if server else None, "peer_build": peer_build, "config": config,
+                           "env": env}
                     write(rec)
                     records.append(rec)
                     log(f"[load]   {cell['completed']} requests, {cell['requests_per_s']} req/s, {cell['tokens_per_s']} tok/s, "
