@@ -115,7 +115,7 @@ class DraftLength:
     """
 
     def __init__(self, k: int, times: list[float], free_drafts: bool, draft_s: float = 0.0,
-                 check_share: float = 0.0, verify_share: float = 1.0):
+                 check_share: float = 0.0, verify_share: float = 1.0, learnt: list[float] | None = None):
         if len(times) < k + 1 or times[0] <= 0:
             raise ValueError(f"need positive pass times for 1..{k + 1} rows, got {times}")
         if not (0.0 <= check_share <= 1.0 and 0.0 < verify_share <= 1.0):
@@ -123,6 +123,7 @@ class DraftLength:
         self.k, self.free_drafts = k, free_drafts
         self.check_share, self.verify_share = check_share, verify_share
         self.times = list(times[: k + 1])  # [k+1] seconds of a pass of 1..k+1 rows
+        self._learnt = learnt  # where what `observe_pass` learns is kept for the model's next requests
         self.accepted, self.rejected = _PRIOR
         self.draft_s = draft_s  # seconds per drafting pass (`drafting_seconds`: measured alone, once)
         self.extra_passes = 0.0  # drafting passes a round makes beyond one per draft (decayed mean)
@@ -201,6 +202,8 @@ class DraftLength:
         about the same, so that 8 served `sd` requests drafted as if alone)."""
         if 1 <= rows <= len(self.times) and seconds > 0 and _others() == 0:
             self.times[rows - 1] = (1 - _FOLLOW) * self.times[rows - 1] + _FOLLOW * seconds
+            if self._learnt is not None and rows <= len(self._learnt):
+                self._learnt[rows - 1] = self.times[rows - 1]
 
     def observe_drafting(self, seconds: float, drafted: int, passes: int | None = None) -> None:
         """Time spent drafting `drafted` tokens in `passes` passes of a drafter model or route (default:
@@ -247,7 +250,12 @@ def draft_policy(decoder: Decoder, drafter: Drafter, k: int, check_share: float 
     if k <= 0 or decoder.is_encoder_decoder:
         return None
     times = pass_times(decoder, k + 1)
-    return DraftLength(k, times, getattr(drafter, "free", False), drafting_seconds(drafter, times, k), check_share, verify_share)
+    # what a request learns of its passes' times starts the next request's: a long-running process (a
+    # server) measures the pass costs once, and one measurement (3 passes of each row count) can be
+    # off by 10-15% a row count for good (a server's priced 3-5 rows of smollm2 at 1.27-1.45x one row
+    # where three fresh processes measured 1.14-1.35x, and its `pld` drafted shorter rounds)
+    return DraftLength(k, times, getattr(drafter, "free", False), drafting_seconds(drafter, times, k), check_share, verify_share,
+                       learnt=times)
 
 
 def _others() -> int:
