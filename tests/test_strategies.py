@@ -191,6 +191,34 @@ def test_beside_others_the_policy_neither_learns_their_passes_nor_probes_where_d
     assert policy.times[0] > cheap[0]  # alone, its passes are its own: learnt
 
 
+def test_a_requests_learnt_pass_times_start_the_models_next_request(tiny):
+    """Pass costs are measured once per model in a process; what a request alone learns of its
+    verification passes starts the next request's policy (a server kept one measurement's curve,
+    10-15% off a row count, and its `pld` drafted shorter rounds than `viasd generate`'s: 0.93x),
+    and passes beside other requests, which carry their rows, are learnt by neither."""
+    from viasd.decoding.draft_length import draft_policy
+    from viasd.models import batching
+
+    k, measured = 4, [0.01 * (1 + 0.5 * j) for j in range(5)]
+    tiny.decoder.__dict__["_pass_times"] = {(k + 1, False): list(measured)}
+    try:
+        first = draft_policy(tiny.decoder, NgramDrafter(), k)
+        assert first.times == measured
+        first.observe_pass(3, 0.05)  # 3 rows took 0.05 s, not 0.02
+        learnt = 0.7 * measured[2] + 0.3 * 0.05
+        assert first.times[2] == pytest.approx(learnt)
+        second = draft_policy(tiny.decoder, NgramDrafter(), k)
+        assert second.times == pytest.approx(measured[:2] + [learnt] + measured[3:])
+        assert second.costs[2] > DraftLength(k, measured, free_drafts=True).costs[2]
+
+        session = batching.BatchSession()
+        session.members = 1  # another request is running
+        session.member(lambda: second.observe_pass(2, 0.5))
+        assert draft_policy(tiny.decoder, NgramDrafter(), k).times[1] == measured[1]
+    finally:
+        tiny.decoder.__dict__.pop("_pass_times", None)
+
+
 def test_drafting_passes_are_priced_as_measured_alone_and_a_rounds_other_time_once_a_round():
     """A round's drafting costs its passes, one a draft plus a few more (a drafter of another
     vocabulary drafts a token past what it keeps), at the price of a drafting pass measured alone;

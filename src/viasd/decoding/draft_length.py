@@ -10,8 +10,9 @@ commits the most tokens per unit of cost. alpha is learnt as the request decodes
 model accepted (decayed, so that a copied passage raises it quickly and ordinary text lowers it).
 T(r) starts from a measurement on a short context (`pass_times`, once per model: the row counts
 interleaved, so that a slow spell of a shared machine hits them alike rather than making some row
-counts look dear for good) and follows the request's own verification passes (their attention grows
-with the context).
+counts look dear for good) and follows the verification passes of requests decoded alone (their
+attention grows with the context); what one request learns starts the next one's, so that a
+long-running process (a server) does not keep one measurement's errors.
 
 The choice changes only how fast a lossless strategy decodes, never what it outputs (greedy output
 equals `ar`'s and sampled output follows the verifier's distribution at every draft length); a seeded
