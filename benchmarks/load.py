@@ -377,10 +377,9 @@ def solo_phase(url: str, args, strategy: str, run_id: str, env: dict, config: di
             cli_rec = json.loads(cli.stdout)
             time.sleep(SETTLE_S)
             served = _solo_request(url, args, strategy, prompt)
-            # the same request at once again, on a CPU that has just decoded: after an idle spell this
-            # machine's passes start up to 1.5x slower and take ~20 passes to reach their speed (smollm2,
-            # one row: 4.5 -> 3.0 ms), and `viasd generate`'s own pass-cost measurement (adaptive draft
-            # lengths: ~24 passes just before its decode) has run that ramp before its clock starts
+            # the same request at once again, on a CPU that has just decoded: after an idle spell the
+            # 1.5B served at 0.81-0.86x `generate` (its passes 1.2x dearer) and sent again at once at 1.00x
+            # (AMX Xeon, `viasd serve` only; cause not found), so the two are told apart
             warm = _solo_request(url, args, strategy, prompt)
             a, b, c = (x["stats"]["decode_tokens_per_s"] for x in (cli_rec, served["viasd"], warm["viasd"]))
             text = lambda r: r["choices"][0]["message"]["content"]  # noqa: E731
