@@ -377,9 +377,11 @@ def solo_phase(url: str, args, strategy: str, run_id: str, env: dict, config: di
             cli_rec = json.loads(cli.stdout)
             time.sleep(SETTLE_S)
             served = _solo_request(url, args, strategy, prompt)
-            # the same request at once again, on a CPU that has just decoded: after an idle spell the
-            # 1.5B served at 0.81-0.86x `generate` (its passes 1.2x dearer) and sent again at once at 1.00x
-            # (AMX Xeon, `viasd serve` only; cause not found), so the two are told apart
+            # the same request at once again: the first follows a `viasd generate` process that loaded and
+            # ran its own copy of the model, taking the caches (480 MiB L3 on the AMX Xeon), which that
+            # process' own load had just filled for itself; the 1.5B's first served request ran its passes
+            # 1.2x dearer (0.81-0.86x `generate`), the second at 1.00x, and one after 13.5 s of idle with
+            # nothing else running as fast as the second (a probe): a server keeps its caches as it serves
             warm = _solo_request(url, args, strategy, prompt)
             a, b, c = (x["stats"]["decode_tokens_per_s"] for x in (cli_rec, served["viasd"], warm["viasd"]))
             text = lambda r: r["choices"][0]["message"]["content"]  # noqa: E731
