@@ -215,6 +215,9 @@ def test_a_requests_learnt_pass_times_start_the_models_next_request(tiny):
         session.members = 1  # another request is running
         session.member(lambda: second.observe_pass(2, 0.5))
         assert draft_policy(tiny.decoder, NgramDrafter(), k).times[1] == measured[1]
+        apart = draft_policy(tiny.decoder, NgramDrafter(), k, shared=False)  # passes that are not whole ones
+        apart.observe_pass(4, 0.001)
+        assert apart.times[3] < measured[3] and draft_policy(tiny.decoder, NgramDrafter(), k).times[3] == measured[3]
     finally:
         tiny.decoder.__dict__.pop("_pass_times", None)
 

@@ -243,11 +243,13 @@ def drafting_seconds(drafter: Drafter, verifier_times: list[float], k: int = 1) 
 
 
 def draft_policy(decoder: Decoder, drafter: Drafter, k: int, check_share: float = 0.0,
-                 verify_share: float = 1.0) -> DraftLength | None:
+                 verify_share: float = 1.0, shared: bool = True) -> DraftLength | None:
     """The draft-length policy of a loop that verifies with `decoder` and drafts with `drafter`, its
     costs measured now (before the first token: measuring belongs to the time to it, not to
     decoding); None where there is nothing to choose (k = 0, an encoder-decoder). `check_share`,
-    `verify_share`: lossless VIA-SD's two passes a round (`DraftLength`)."""
+    `verify_share`: lossless VIA-SD's two passes a round (`DraftLength`). `shared`: what the policy
+    learns of its verification passes is kept for the model's next requests (False where those passes
+    are not whole ones: a full pass resumed at a layer costs a fraction of one)."""
     if k <= 0 or decoder.is_encoder_decoder:
         return None
     times = pass_times(decoder, k + 1)
@@ -256,7 +258,7 @@ def draft_policy(decoder: Decoder, drafter: Drafter, k: int, check_share: float 
     # off by 10-15% a row count for good (a server's priced 3-5 rows of smollm2 at 1.27-1.45x one row
     # where three fresh processes measured 1.14-1.35x, and its `pld` drafted shorter rounds)
     return DraftLength(k, times, getattr(drafter, "free", False), drafting_seconds(drafter, times, k), check_share, verify_share,
-                       learnt=times)
+                       learnt=times if shared else None)
 
 
 def _others() -> int:

@@ -171,9 +171,11 @@ class _TieredLoop:
         # thresholds above 1 switch tiers 1 and 2 off: then every position is the full model's, and a slim
         # pass could change nothing (with both off this is plain SD, at SD's cost)
         self.slim_tiers = thresholds.accept <= 1.0 or thresholds.slim <= 1.0
-        self.policy = draft_policy(decoder, drafter, k) if adaptive else None
+        from_layer = resume_layer(route, resume and self.slim_tiers)
+        # (its resumed full passes cost a fraction of a full pass: not learnt for the model's other loops)
+        self.policy = draft_policy(decoder, drafter, k, shared=from_layer is None) if adaptive else None
         self.v = Verifier.start(decoder, drafter, req, len(req.prompt) + req.max_new_tokens + k + 2, tiers=True,
-                                resume_layer=resume_layer(route, resume and self.slim_tiers))
+                                resume_layer=from_layer)
         self.v.hold = correct
         self.drafted = [False] * len(self.v.out)  # [len(v.out)] whether each new token is a kept draft (correction takes some back)
 
