@@ -94,7 +94,7 @@ def free_port() -> int:
 class Server:
     """`viasd serve` in a subprocess on loopback; SIGTERM (drain) then kill when done."""
 
-    def __init__(self, model: str, replicas: int, startup_timeout: float, extra: list[str]):
+    def __init__(self, model: str, replicas: int, startup_timeout: float, extra: list[str], env: dict | None = None):
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         cmd = [sys.executable, "-m", "viasd", "serve", "--model", model, "--host", "127.0.0.1", "--port", str(self.port),
@@ -103,7 +103,7 @@ class Server:
             cmd += ["--replicas", str(replicas)]
         self.cmd = cmd
         log(f"[load] starting: {' '.join(cmd)}")
-        self.proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=sys.stderr)
+        self.proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=sys.stderr, env=env)
         self.wait_ready(startup_timeout)
 
     name = "the server"
