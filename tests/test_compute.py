@@ -84,7 +84,7 @@ def clock(monkeypatch) -> dict:
 
 
 def test_budget_follows_the_machine(clock):
-    b = ThreadBudget(cores=2)
+    b = ThreadBudget(cores=2, sampler=False)
     t0 = b._mark[0]
     assert b.threads == 2
     # a window in which this process used 1.9 core-seconds a second and nothing else ran: two threads
@@ -103,7 +103,7 @@ def test_budget_follows_the_machine(clock):
 
 
 def test_a_window_spanning_an_idle_spell_is_measured_afresh(clock):
-    b = ThreadBudget(cores=2)
+    b = ThreadBudget(cores=2, sampler=False)
     t0 = b._mark[0]
     clock["busy"] += 10.0  # another process ran for a long while, then this process' next pass comes
     assert b.update(t0 + 5.0) == 2  # not judged on that: a fresh, short window starts
@@ -115,6 +115,34 @@ def test_a_window_spanning_an_idle_spell_is_measured_afresh(clock):
     assert b.update(t0 + 5.3) == 2  # (the window is 0.5 s after the first)
     clock["busy"] += 0.5
     assert b.update(t0 + 5.8) == 1
+
+
+def test_after_an_idle_spell_the_first_pass_follows_the_spells_last_quarter_second(clock):
+    # a neighbour keeps one core busy all through this process' idle spell (a server between requests)
+    b = ThreadBudget(cores=2, sampler=False)
+    t0 = b._mark[0]
+    for i in range(1, 12):
+        clock["busy"] += 0.25
+        b.sample(t0 + 0.25 * i)
+    clock["busy"] += 0.25
+    assert b.update(t0 + 3.0) == 1 and b.others == pytest.approx(1.0)  # not every core for the first window
+    # a neighbour that decoded on both cores early in the spell and then stopped (a CLI process)
+    b = ThreadBudget(cores=2, sampler=False)
+    t0 = b._mark[0]
+    clock["busy"] += 3.0
+    b.sample(t0 + 2.0)
+    assert b.update(t0 + 2.5) == 2 and b.others == pytest.approx(0.0)  # its end says idle: both cores
+
+
+def test_only_samples_of_the_spell_itself_count(clock):
+    b = ThreadBudget(cores=2, sampler=False)
+    t0 = b._mark[0]
+    b.sample(t0 + 0.1)
+    assert not b._idle  # a pass ran 0.1 s ago: not idle, nothing noted
+    b.sample(t0 + 0.5)
+    assert b.update(t0 + 0.6) == 2  # a pass: the spell before it ends
+    clock["busy"] += 3.0  # a neighbour busy on every core since; no sample after that pass
+    assert b.update(t0 + 4.0) == 2  # nothing known of the spell's end: every core, as before the sampler
 
 
 def test_a_fixed_count_is_kept(monkeypatch):

@@ -19,8 +19,9 @@ it is only slower.)
 another process shares one of their cores (one busy neighbour: smollm2 `ar` 354 -> 63 tok/s at two
 threads). `ThreadBudget` follows what the machine gives: every `INTERVAL` seconds it reads how much
 CPU time the rest of the machine used (`/proc/stat` minus this process' own), and the graphs and
-torch then run on as many threads as there are cores left, at least one. `VIASD_THREADS=N` fixes the
-count instead.
+torch then run on as many threads as there are cores left, at least one. After an idle spell (a server
+between requests) the first pass follows the machine's load over the spell's last quarter-second,
+which a sampler thread reads while no pass runs. `VIASD_THREADS=N` fixes the count instead.
 """
 
 from __future__ import annotations
@@ -31,6 +32,7 @@ import functools
 import os
 import threading
 import time
+from collections import deque
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Callable, TypeVar
 
@@ -139,13 +141,21 @@ def _own_s() -> float:
 
 class ThreadBudget:
     """How many threads the compute thread's graphs and torch use: the cores other processes left
-    free over the last `INTERVAL` seconds (rounded, at least 1), or `fixed`."""
+    free over the last `INTERVAL` seconds (rounded, at least 1), or `fixed`.
+
+    After an idle spell (no pass for `STALE` s), the next pass follows what the rest of the machine
+    did over the spell's last `RECENT`-`2 * RECENT` s, sampled by a daemon thread while no pass runs
+    (`sample`), not over the whole spell, which may hold a neighbour's decode that has ended (load.py's
+    solo phase: a served request right after a `viasd generate` process ran at one thread) and not on
+    every core, which beside a busy neighbour runs the request's first `FIRST_INTERVAL` at a fraction
+    of one thread's speed."""
 
     INTERVAL = 0.5
-    FIRST_INTERVAL = 0.1  # the first window, and the first after an idle spell (a server between requests)
+    FIRST_INTERVAL = 0.1  # the first window, and the first after an idle spell
     STALE = 2.0
+    RECENT = 0.25
 
-    def __init__(self, cores: int | None = None, fixed: int | None = None):
+    def __init__(self, cores: int | None = None, fixed: int | None = None, sampler: bool = True):
         self.cores = cores or _cores()
         self.fixed = fixed
         self.threads = fixed or self.cores
@@ -153,13 +163,36 @@ class ThreadBudget:
         self._applied: int | None = None
         self._first = True
         self._mark = (time.monotonic(), _machine_busy_s(), _own_s())
+        self._last_update = self._mark[0]
+        self._idle: deque[tuple[float, float, float]] = deque(maxlen=4)  # (time, machine busy s, own s) while idle
+        if sampler and fixed is None:
+            threading.Thread(target=self._sampling, name="viasd-load", daemon=True).start()
+
+    def _sampling(self) -> None:
+        while True:
+            time.sleep(self.RECENT)
+            self.sample()
+
+    def sample(self, now: float | None = None) -> None:
+        """Note the machine's load counters, if no pass has run for `RECENT` s (cheap: one read of
+        /proc/stat)."""
+        now = time.monotonic() if now is None else now
+        if now - self._last_update >= self.RECENT and (busy := _machine_busy_s()) is not None:
+            self._idle.append((now, busy, _own_s()))
 
     def update(self, now: float | None = None) -> int:
         """The thread count, re-measured when a window has passed (cheap otherwise: one clock read)."""
         now = time.monotonic() if now is None else now
+        last, self._last_update = self._last_update, now
         t0, busy0, own0 = self._mark
-        if now - t0 > self.STALE and self.fixed is None:  # no pass for a while: what ran then says nothing of now
-            self._mark, self._first, self.threads = (now, _machine_busy_s(), _own_s()), True, self.cores
+        if now - t0 > self.STALE and self.fixed is None:  # no pass for a while: judge by the spell's end
+            busy, own = _machine_busy_s(), _own_s()
+            self._mark, self._first, self.threads = (now, busy, own), True, self.cores
+            recent = [m for m in self._idle if last < m[0] <= now - self.RECENT]
+            if recent and busy is not None:
+                t1, busy1, own1 = recent[-1]
+                self.others = max(0.0, (busy - busy1) - (own - own1)) / (now - t1)
+                self.threads = choose_threads(self.cores, self.others)
             return self.threads
         # (the first window is short: it runs from the library's load, so the first pass already follows the machine)
         if self.fixed is not None or now - t0 < (self.FIRST_INTERVAL if self._first else self.INTERVAL) or busy0 is None:
