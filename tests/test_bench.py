@@ -129,3 +129,21 @@ def test_records_name_the_commit_of_the_checkout_viasd_runs_from(tmp_path, monke
     assert bench.environment()["git_commit"].removesuffix("-dirty") == head.stdout.strip()
     monkeypatch.setattr(bench, "__file__", str(tmp_path / "bench.py"))
     assert bench.source_commit() is None
+
+
+def test_recorded_pass_costs_are_measured_not_the_policys_learnt_times(tiny):
+    """The cost model's pass times are measured for the record (9 rounds), never the draft-length
+    policy's table of the same row count, which requests learn into (`--k 9`: the same key)."""
+    from viasd.api import GenerateConfig
+    from viasd.bench import pass_costs
+
+    base = GenerateConfig(k=9)
+    rows = max(base.k, base.viasd.full_block) + 2
+    learnt = [9.0 + j for j in range(rows)]  # seconds no pass of the tiny model takes
+    tiny.decoder.__dict__["_pass_times"] = {(rows, False): list(learnt)}
+    try:
+        costs = pass_costs(tiny, base)
+        assert len(costs["rows_s"]) == rows and all(0 < t < 1 for t in costs["rows_s"])
+        assert tiny.decoder._pass_times == {(rows, False): learnt}  # the policy's table as it was
+    finally:
+        tiny.decoder.__dict__.pop("_pass_times", None)

@@ -343,7 +343,8 @@ def pass_costs(model, base: GenerateConfig) -> dict | None:
     """A model's measured pass times for the time cost model (`report.cost_model`): seconds of a pass
     of 1 .. R rows (R: the most a round of these settings verifies, + 1; medians of 9 rounds: with 3,
     one slow spell priced qwen 1.5B's one-row pass at 35.7 ms where its `ar` decodes ran 30.5 ms a
-    token, and every predicted speed-up came out 17% high), and its full pass' weight bytes (None for
+    token, and every predicted speed-up came out 17% high; measured here, not the draft-length policy's
+    times, which requests have learnt into), and its full pass' weight bytes (None for
     models that do not count bytes: T5)."""
     from viasd.decoding.draft_length import pass_times
 
@@ -351,7 +352,7 @@ def pass_costs(model, base: GenerateConfig) -> dict | None:
     if dec.is_encoder_decoder or not hasattr(dec, "weight_bytes"):
         return None
     rows = max(base.k, base.viasd.full_block) + 2
-    return {"rows_s": [round(t, 6) for t in pass_times(dec, rows, reps=9)], "full_pass_bytes": dec.weight_bytes()}
+    return {"rows_s": [round(t, 6) for t in pass_times(dec, rows, reps=9, keep=False)], "full_pass_bytes": dec.weight_bytes()}
 
 
 @compute.owned

@@ -39,13 +39,16 @@ _PROBE_MAX = 128  # ... doubling after each probe the full model rejects, up to 
 _FOLLOW = 0.3  # weight of a new pass time in T(r)
 
 
-def pass_times(decoder: Decoder, rows: int, reps: int = 3, last_only: bool = False) -> list[float]:
+def pass_times(decoder: Decoder, rows: int, reps: int = 3, last_only: bool = False, keep: bool = True) -> list[float]:
     """Seconds of a forward pass of 1..rows tokens after a `_CONTEXT`-position prompt (medians, on a
     scratch cache), measured once per decoder, row count and kind of pass (`last_only`: the last row's
-    logits only, as drafting passes ask; else every row's, as verification passes) and kept on it; the
-    first round builds each shape's graph. Non-decreasing: a pass of more rows never counts as cheaper."""
+    logits only, as drafting passes ask; else every row's, as verification passes) and kept on it, where
+    the draft-length policy then writes what requests learn (`DraftLength(learnt=)`); the first round
+    builds each shape's graph. Non-decreasing: a pass of more rows never counts as cheaper. `keep=False`:
+    measured now and not kept, whatever is (the benchmark's recorded costs: its own `reps`, never a
+    policy's learnt times)."""
     cached: dict[tuple[int, bool], list[float]] = decoder.__dict__.setdefault("_pass_times", {})
-    if (rows, last_only) in cached:
+    if keep and (rows, last_only) in cached:
         return cached[rows, last_only]
     n = max(1, min(_CONTEXT, decoder.config.max_positions - rows - 1))
     ids = torch.arange(rows + n) % min(1000, decoder.config.vocab_size)  # any tokens: the cost is the same
@@ -62,7 +65,8 @@ def pass_times(decoder: Decoder, rows: int, reps: int = 3, last_only: bool = Fal
     times: list[float] = []
     for r in range(rows):
         times.append(max(statistics.median(samples[r]), times[-1] if times else 0.0))
-    cached[rows, last_only] = times
+    if keep:
+        cached[rows, last_only] = times
     return times
 
 
