@@ -28,7 +28,7 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import environment  # noqa: E402
-from load import PROMPTS, Server, cpu_flags  # noqa: E402
+from load import PROMPTS, Server, chat, cpu_flags  # noqa: E402
 
 HERE = Path(__file__).resolve().parent
 BUSY = "while True: pass"  # one core kept busy
@@ -41,17 +41,6 @@ def policy_env(fixed: int | None) -> dict:
     if fixed is not None:
         env["VIASD_THREADS"] = str(fixed)
     return env
-
-
-def served(server: Server, model: str, prompt: str, n: int, strategy: str) -> dict:
-    import httpx
-
-    r = httpx.post(server.url + "/v1/chat/completions", json={"model": model, "messages": [{"role": "user", "content": prompt}],
-                                                            "max_tokens": n, "temperature": 0.0, "viasd": {"strategy": strategy}},
-                   timeout=600)
-    if r.status_code != 200:
-        raise SystemExit(f"viasd serve answered {r.status_code}: {r.text[-400:]}")
-    return r.json()["viasd"]["stats"]
 
 
 def decode(model: str, prompt: str, n: int, strategy: str, fixed: int | None) -> dict:
@@ -84,7 +73,7 @@ def main(argv=None) -> int:
         if args.served:
             for policy, fixed, _ in conditions[:2]:
                 servers[policy] = Server(args.model, 0, 600, ["--strategy", args.strategy], env=policy_env(fixed))
-                served(servers[policy], args.model, "Hello.", 16, args.strategy)  # warm: graphs built
+                chat(servers[policy].url, args.model, "Hello.", 16, {"strategy": args.strategy})  # warm: graphs built
         run_prompts(args, conditions, servers, rates, run_id, env, out)
     finally:
         for server in servers.values():
@@ -109,7 +98,7 @@ def run_prompts(args, conditions, servers: dict, rates: dict, run_id: str, env: 
             try:
                 if servers:  # the server idles, the neighbour (if any) running all along
                     time.sleep(IDLE_S)
-                    stats = served(servers[policy], args.model, prompt, args.max_tokens, args.strategy)
+                    stats = chat(servers[policy].url, args.model, prompt, args.max_tokens, {"strategy": args.strategy})["viasd"]["stats"]
                 else:
                     if hog is not None:
                         time.sleep(0.5)  # the neighbour is running before the decode starts

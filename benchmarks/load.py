@@ -356,13 +356,10 @@ def solo_phase(url: str, args, strategy: str, run_id: str, env: dict, config: di
     """One request served alone against `viasd generate` on the same prompt, interleaved per prompt and
     repeated `--solo-repeats` times (generate, served, served again at once, generate, ...): decode-only
     tokens/s of each run, one record per repeat. `solo_summary` compares the per-prompt medians."""
-    import httpx
-
     out = []
     # a server is timed warm, as it serves: its first request after start ran at 0.70x the next
     # ones (16.8 against 21.5-23.2 tok/s, qwen 1.5B); each `viasd generate` is a process of its own
-    httpx.post(url + "/v1/chat/completions", json={"model": args.model, "messages": [{"role": "user", "content": "Hello."}],
-                                                   "max_tokens": 16, "temperature": 0.0, "viasd": STRATEGIES[strategy]}, timeout=600)
+    chat(url, args.model, "Hello.", 16, STRATEGIES[strategy])
     for prompt in PROMPTS[: args.solo]:
         for repeat in range(args.solo_repeats):
             # each side starts on an idle machine: viasd sizes its thread count from the load the rest of
@@ -376,13 +373,13 @@ def solo_phase(url: str, args, strategy: str, run_id: str, env: dict, config: di
                 raise SystemExit(f"[load] viasd generate failed: {cli.stderr[-300:]}")
             cli_rec = json.loads(cli.stdout)
             time.sleep(SETTLE_S)
-            served = _solo_request(url, args, strategy, prompt)
+            served = chat(url, args.model, prompt, args.max_tokens, STRATEGIES[strategy])
             # the same request at once again: the first follows a `viasd generate` process that loaded and
             # ran its own copy of the model, taking the caches (480 MiB L3 on the AMX Xeon), which that
             # process' own load had just filled for itself; the 1.5B's first served request ran its passes
             # 1.2x dearer (0.81-0.86x `generate`), the second at 1.00x, and one after 13.5 s of idle with
             # nothing else running as fast as the second (a probe): a server keeps its caches as it serves
-            warm = _solo_request(url, args, strategy, prompt)
+            warm = chat(url, args.model, prompt, args.max_tokens, STRATEGIES[strategy])
             a, b, c = (x["stats"]["decode_tokens_per_s"] for x in (cli_rec, served["viasd"], warm["viasd"]))
             text = lambda r: r["choices"][0]["message"]["content"]  # noqa: E731
             rec = {"run_id": run_id, "phase": "solo", "strategy": strategy, "prompt": prompt, "repeat": repeat,
@@ -395,12 +392,15 @@ def solo_phase(url: str, args, strategy: str, run_id: str, env: dict, config: di
     return out
 
 
-def _solo_request(url: str, args, strategy: str, prompt: str) -> dict:
+def chat(url: str, model: str, prompt: str, max_tokens: int, ext: dict) -> dict:
+    """One greedy, non-streamed chat completion with the `viasd` extension object `ext`; its answer."""
     import httpx
 
-    return httpx.post(url + "/v1/chat/completions", json={"model": args.model, "messages": [{"role": "user", "content": prompt}],
-                                                          "max_tokens": args.max_tokens, "temperature": 0.0,
-                                                          "viasd": STRATEGIES[strategy]}, timeout=600).json()
+    r = httpx.post(url + "/v1/chat/completions", json={"model": model, "messages": [{"role": "user", "content": prompt}],
+                                                       "max_tokens": max_tokens, "temperature": 0.0, "viasd": ext}, timeout=600)
+    if r.status_code != 200:
+        raise SystemExit(f"[load] the server answered {r.status_code}: {r.text[-400:]}")
+    return r.json()
 
 
 def solo_ratio(solos: list[dict], strategy: str, served: str = "served_decode_tokens_per_s") -> tuple[float, float, float] | None:
