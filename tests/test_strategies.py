@@ -408,3 +408,28 @@ def test_generate_api_record(smollm2):
     a = generate(PROMPTS[0], smollm2, strategy="self-sd", max_new_tokens=16, temperature=0.8, seed=3)
     b = generate(PROMPTS[0], smollm2, strategy="self-sd", max_new_tokens=16, temperature=0.8, seed=3)
     assert a.token_ids == b.token_ids
+
+
+@pytest.mark.model
+def test_streamed_text_reassembles_to_the_decoded_text_for_any_round_sizes(smollm2):
+    import random
+
+    from viasd.api import TextStream
+
+    texts = ["Ünïcödé → 漢字, emoji 🙂🚀 and a combining e\u0301.", "def f(x):\n    return x  # 😀\n\n\tdone",
+             "  two leading spaces<|im_end|>and a special token in the middle", "Привет мир. مرحبا\r\n"]
+    rng = random.Random(0)
+    for text in texts:
+        ids = smollm2.tokenizer.encode(text, add_special_tokens=False)
+        for _ in range(3):  # rounds of 1-5 tokens, as speculative strategies commit them
+            pieces: list[str] = []
+            stream = TextStream(smollm2, pieces.append)
+            at = 0
+            while at < len(ids):
+                n = rng.randint(1, 5)
+                stream(ids[at : at + n])
+                at += n
+                # every emission ends on a whole character and is a prefix of the text decoded so far
+                assert smollm2.decode(ids[:at]).startswith("".join(pieces)), text
+            assert "".join(pieces) == smollm2.decode(ids) and stream.ids == ids
+    assert TextStream(smollm2, print)._steps is not None  # smollm2's fast tokenizer streams incrementally

