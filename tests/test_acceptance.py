@@ -71,3 +71,19 @@ def test_logits_to_probs_temperature_and_top_p():
     assert (nucleus[0, 2:] == 0).all() and torch.allclose(nucleus[0, :2], p[0, :2] / p[0, :2].sum())
     sharp = logits_to_probs(logits, SamplingParams(0.5))
     assert sharp[0, 0] > p[0, 0]
+
+
+def test_argmax_is_torchs_first_maximum_for_every_layout():
+    from viasd.decoding.acceptance import argmax
+
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(6, 300, generator=g)
+    x[0, 7] = x[0, 200] = x[0].max() + 1  # a tie: the first index wins
+    x[1, :] = float("-inf")
+    x[1, 5] = 0.0  # a reduced head's row
+    x[2, 150:] = float("-inf")
+    cases = [x, x[3], x.t().contiguous().t(), x[:, ::2], x.to(torch.bfloat16), x.to(torch.float64), torch.randn(2, 3, 50, generator=g)]
+    for t in cases:
+        got = argmax(t)
+        assert got.dtype == torch.int64 and got.shape == t.shape[:-1] and torch.equal(got, t.argmax(-1))
+    assert int(argmax(x[0])) == 7

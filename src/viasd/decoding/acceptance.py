@@ -16,7 +16,17 @@ from __future__ import annotations
 from dataclasses import dataclass
 from enum import StrEnum
 
+import numpy as np
 import torch
+
+
+def argmax(x: torch.Tensor) -> torch.Tensor:
+    """x [..., V] -> [...] int64: the index of each row's first maximum, as `torch.argmax(x, -1)`.
+    A float32 CPU tensor goes through numpy, 5-8x faster here (one row of smollm2's 49k logits: 50 us
+    against 7, 1% of its 4.3 ms token; qwen's 152k: 95 against 12)."""
+    if x.dtype == torch.float32 and x.device.type == "cpu" and not x.requires_grad:
+        return torch.from_numpy(np.asarray(np.argmax(x.numpy(), -1)))
+    return x.argmax(-1)
 
 
 @dataclass(frozen=True)
@@ -39,11 +49,11 @@ class SamplingParams:
 
     def draw(self, probs: torch.Tensor, generator: torch.Generator | None) -> int:
         """One token from probs [V]: the argmax when greedy, else a sample."""
-        return int(probs.argmax()) if self.greedy else sample(probs, generator)
+        return int(argmax(probs)) if self.greedy else sample(probs, generator)
 
     def next_token(self, logits: torch.Tensor, generator: torch.Generator | None) -> int:
         """The token plain decoding picks from logits [V]."""
-        return int(logits.argmax()) if self.greedy else sample(self.probs(logits), generator)
+        return int(argmax(logits)) if self.greedy else sample(self.probs(logits), generator)
 
 
 def logits_to_probs(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
@@ -52,7 +62,7 @@ def logits_to_probs(logits: torch.Tensor, params: SamplingParams) -> torch.Tenso
     logits: [..., V] -> probs [..., V] (float32, rows sum to 1). Greedy: one-hot at the argmax.
     """
     if params.greedy:
-        return torch.nn.functional.one_hot(logits.argmax(-1), logits.shape[-1]).to(torch.float32)
+        return torch.nn.functional.one_hot(argmax(logits), logits.shape[-1]).to(torch.float32)
     probs = torch.softmax(logits.float() / params.temperature, dim=-1)
     if params.top_p < 1.0:
         sorted_p, order = probs.sort(dim=-1, descending=True)
@@ -76,7 +86,7 @@ def greedy_accept(draft: torch.Tensor, target_logits: torch.Tensor) -> tuple[int
     (row k is the bonus position). Returns (n_accepted, next_token).
     """
     k = draft.shape[0]
-    target = target_logits.argmax(-1)  # [k+1]
+    target = argmax(target_logits)  # [k+1]
     mismatch = (draft != target[:k]).nonzero()
     n = int(mismatch[0]) if mismatch.numel() else k
     return n, int(target[n])
@@ -146,7 +156,7 @@ def settle(draft_token: int | None, q_row: torch.Tensor | None, p: torch.Tensor,
     p): greedy takes p's argmax; sampling keeps the draft with probability min(1, p(x)/q(x)), else
     samples the residual, and samples p where there is no draft. Lossless for that position."""
     if params.greedy:
-        return int(p.argmax())
+        return int(argmax(p))
     if draft_token is None:
         return sample(p, generator)
     q_x = float(q_row[draft_token]) if q_row is not None else 1.0
