@@ -140,6 +140,14 @@ def test_draft_length_shrinks_as_a_batch_fills_the_cheap_rows():
     assert copying.choose(others=1) == 4 and copying.choose(others=7) == 0
     # no draft: one pass of 8 rows; j drafts: 7 rows, and j+1 rows in a pass of their own
     assert DraftLength(4, steep, True).batch_costs(7)[:2] == pytest.approx([1 + 0.55 * 7, 1 + 0.55 * 6 + 1.55])
+    # times a neighbour inflated (learnt by a served request while seven others tokenized their
+    # prompts): a pass of 7 rows still never costs more than 6 rows and a pass of one, so no draft
+    # pays beside 6 others however well the drafter did
+    inflated = DraftLength(4, [0.020, 0.037, 0.068, 0.071, 0.133], free_drafts=True)
+    for _ in range(20):
+        inflated.observe(4, 3)
+    costs = inflated.batch_costs(6)
+    assert costs[0] <= min(costs[1:]) and inflated.choose(others=6) == 0
 
 
 def test_lossless_viasd_prices_a_round_with_drafts_at_its_slim_and_resumed_full_pass():

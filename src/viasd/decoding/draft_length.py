@@ -153,11 +153,21 @@ class DraftLength:
         request's row plus a pass of its own j+1 rows, since a shared pass groups calls of equal row
         buckets (`batching.padded_rows`) and reads every weight once per bucket (8 `pld` requests ran
         2-3 passes a step and served 0.75x `ar`'s tokens/s). Past the measured row counts, each row
-        at the last measured row's cost. A round with drafts of lossless VIA-SD pays its slim and its
-        resumed full pass instead of one full pass (`check_share + verify_share` of it)."""
+        at the last measured row's cost. A pass of r rows never counts as more than one of r - 1 rows
+        and a one-row pass (it could be run as those two): measured times that a neighbour's work
+        inflated (a served request learnt [20, 37, 68, 71, 133] ms for 1-5 rows of smollm2, whose row
+        takes 4 ms, as seven others tokenized their prompts) made a step's pass of 7 rows look dearer
+        than 6 rows plus a round of 2 of its own, and 8 streamed `pld` requests drafted beside each
+        other (mean accepted length 1.28, 0.84x `ar`'s tokens/s). A round with drafts of lossless
+        VIA-SD pays its slim and its resumed full pass instead of one full pass (`check_share +
+        verify_share` of it)."""
         costs = self.costs
         slope = costs[-1] - costs[-2] if len(costs) > 1 else costs[0]
-        rows = lambda r: costs[r - 1] if r <= len(costs) else costs[-1] + (r - len(costs)) * slope  # noqa: E731
+        table = [costs[0]]  # [n] a pass of 1..n rows (n: as many as the round's step may carry)
+        for r in range(2, max(others + 1, len(costs)) + 1):
+            measured = costs[r - 1] if r <= len(costs) else costs[-1] + (r - len(costs)) * slope
+            table.append(min(measured, table[-1] + costs[0]))
+        rows = lambda r: table[r - 1]  # noqa: E731
         own = [costs[0]] + [(self.check_share + self.verify_share) * c for c in costs[1:]]  # [k+1]
         if others == 0:
             return own
