@@ -880,6 +880,59 @@ def test_lossless_viasd_members_share_resumed_and_stream_storing_passes(tiny_q8,
     assert any(len(kinds) >= 2 and all(stores and not resumed for resumed, stores in kinds) for kinds in shared)
 
 
+def test_a_member_measures_pass_times_in_a_step_of_its_own(tiny_q8, monkeypatch):
+    """`pass_times` from a member (a served request starting beside others) runs its passes in one
+    step of the session's, with no other member's pass between them: through the shared steps, the
+    first request of a burst timed its passes with the others' prompts run in the same steps, and
+    kept 34-114 ms for smollm2's 1-5 rows (4.5-13 alone) for every later request of the process.
+    Its tokens are unchanged: the measurement uses a scratch cache."""
+    from viasd.decoding.draft_length import pass_times
+    from viasd.models import batching, compute
+
+    decoder = tiny_q8.decoder
+    order: list[int] = []  # the cache of each pass, in the order the compute thread ran them
+    own = decoder._forward
+    monkeypatch.setattr(decoder, "_forward", lambda tokens, start, cache, *a, **kw: (order.append(id(cache)), own(tokens, start, cache, *a, **kw))[1])
+    many = decoder.forward_many
+    monkeypatch.setattr(decoder, "forward_many", lambda calls, rows=None: ([order.append(id(args[2])) for args, _ in calls], many(calls, rows))[1])
+    monkeypatch.setattr(decoder, "_pass_times", {}, raising=False)
+    session = batching.BatchSession()
+    measuring = threading.Event()
+    kw = dict(strategy="ar", max_new_tokens=40, progress=False)
+    alone = generate([5, 6, 7], tiny_q8, **kw).token_ids
+
+    def decoding():  # a member decoding all along, its passes parked in the session
+        def run():
+            measuring.wait(30)
+            return generate([5, 6, 7], tiny_q8, **kw).token_ids
+        return session.member(run)
+
+    def measuring_member():
+        def run():
+            measuring.set()
+            deadline = time.monotonic() + 30
+            while not order and time.monotonic() < deadline:  # the other member's decode under way
+                time.sleep(0.001)
+            return pass_times(decoder, 3)
+        return session.member(run)
+
+    def compute_thread():
+        while not all(f.done() for f in futures):
+            session.step(idle_timeout=0.05)
+
+    with ThreadPoolExecutor(2) as pool:
+        futures = [pool.submit(decoding), pool.submit(measuring_member)]
+        compute.run(compute_thread)
+        tokens, times = futures[0].result(timeout=60), futures[1].result(timeout=60)
+    assert tokens == alone and len(times) == 3 and decoder._pass_times[3, False] == times
+    caches = list(dict.fromkeys(order))
+    scratch = [c for c in caches if order.count(c) == 1 + 4 * 3]  # a prompt, then 4 rounds of 1-3 rows
+    assert len(scratch) == 1, (len(caches), [order.count(c) for c in caches])
+    first = order.index(scratch[0])
+    assert order[first : first + 13] == [scratch[0]] * 13  # no other pass among them
+    assert len(order) > 13 + 1 and first > 0  # the decode ran before it (and after it: 40 tokens)
+
+
 def test_a_call_waits_for_cheaper_ones_at_most_max_defer_steps():
     from viasd.models import batching
 
@@ -914,10 +967,11 @@ def test_the_kv_budget_holds_requests_back_until_running_ones_free_it(tiny):
         first, second = pool.submit(ask), pool.submit(ask)
         wait_for(lambda: worker.running == 1 and worker.waiting == 1, "one request to run, one to wait for memory")
         assert metric(live.metrics(), "viasd_kv_cache_bytes") == one
+        assert worker.session.admitted == 2 and worker.session.members <= 1  # the running one is not alone
         worker.gate.set()
         assert first.result().choices[0].text == second.result().choices[0].text
         wait_for(lambda: worker.pending == 0, "both to finish")
-        assert metric(live.metrics(), "viasd_kv_cache_bytes") == 0
+        assert metric(live.metrics(), "viasd_kv_cache_bytes") == 0 and worker.session.admitted == 0
 
 
 def test_a_member_run_on_the_compute_thread_serves_the_members_that_join_it(tiny_q8):

@@ -223,6 +223,10 @@ def test_a_requests_learnt_pass_times_start_the_models_next_request(tiny):
         session.members = 1  # another request is running
         session.member(lambda: second.observe_pass(2, 0.5))
         assert draft_policy(tiny.decoder, NgramDrafter(), k).times[1] == measured[1]
+        admitted = batching.BatchSession()
+        admitted.admitted = 2  # the only member, but the server took in another request (starting, finishing)
+        admitted.member(lambda: second.observe_pass(2, 0.5))
+        assert draft_policy(tiny.decoder, NgramDrafter(), k).times[1] == measured[1]
         apart = draft_policy(tiny.decoder, NgramDrafter(), k, shared=False)  # passes that are not whole ones
         apart.observe_pass(4, 0.001)
         assert apart.times[3] < measured[3] and draft_policy(tiny.decoder, NgramDrafter(), k).times[3] == measured[3]
@@ -280,12 +284,12 @@ def test_drafting_costs_are_known_before_any_draft(tiny, tiny_drafter):
 def test_pass_times_are_measured_interleaved(tiny, monkeypatch):
     """Every row count is measured in every round (1, 2, 3, 1, 2, 3, ...), not one after another."""
     calls = []
-    forward = type(tiny.decoder).forward
+    forward = type(tiny.decoder)._forward
 
     def counting(self, tokens, start, cache, *args, **kwargs):
         calls.append(int(tokens.shape[0]))
         return forward(self, tokens, start, cache, *args, **kwargs)
-    monkeypatch.setattr(type(tiny.decoder), "forward", counting)
+    monkeypatch.setattr(type(tiny.decoder), "_forward", counting)
     tiny.decoder.__dict__.pop("_pass_times", None)
     try:
         times = pass_times(tiny.decoder, 3, reps=2)

@@ -50,23 +50,42 @@ def pass_times(decoder: Decoder, rows: int, reps: int = 3, last_only: bool = Fal
     cached: dict[tuple[int, bool], list[float]] = decoder.__dict__.setdefault("_pass_times", {})
     if keep and (rows, last_only) in cached:
         return cached[rows, last_only]
+    # a request served beside others measures in a step of its own (`exclusive`), not in passes shared
+    # with the others' (a burst's prompts inflated the first request's measurement 4-9x, for good)
+    session = batching.current()
+    times = session.exclusive(lambda: _measure(decoder, rows, reps, last_only)) if session is not None else \
+        _measure(decoder, rows, reps, last_only)
+    if keep:
+        cached[rows, last_only] = times
+    return times
+
+
+def _measure(decoder: Decoder, rows: int, reps: int, last_only: bool) -> list[float]:
+    """`pass_times`' passes, run here (never parked in a batch session, never through the prefix
+    cache: the scratch prompt is nobody's)."""
+    forward = getattr(decoder, "_forward", None)
     n = max(1, min(_CONTEXT, decoder.config.max_positions - rows - 1))
     ids = torch.arange(rows + n) % min(1000, decoder.config.vocab_size)  # any tokens: the cost is the same
     cache = decoder.new_cache(n + rows)
-    decoder.forward(ids[:n], 0, cache)
+
+    def run(tokens: torch.Tensor, start: int, last: bool) -> None:
+        if forward is None:
+            decoder.forward(tokens, start, cache, last_only=last)
+        else:  # (tokens, start, cache, route, last_only, resume, logits, head)
+            forward(tokens, start, cache, None, last, False, True, None)
+
+    run(ids[:n], 0, False)
     samples: list[list[float]] = [[] for _ in range(rows)]
     for i in range(reps + 1):  # row counts interleaved: drift hits all of them alike
         for r in range(1, rows + 1):
             t0 = time.perf_counter()
-            decoder.forward(ids[n : n + r], n, cache, last_only=last_only)
+            run(ids[n : n + r], n, last_only)
             if i:  # the first round builds the graphs
                 samples[r - 1].append(time.perf_counter() - t0)
             cache.rollback(n)
     times: list[float] = []
     for r in range(rows):
         times.append(max(statistics.median(samples[r]), times[-1] if times else 0.0))
-    if keep:
-        cached[rows, last_only] = times
     return times
 
 
@@ -155,8 +174,9 @@ class DraftLength:
         2-3 passes a step and served 0.75x `ar`'s tokens/s). Past the measured row counts, each row
         at the last measured row's cost. A pass of r rows never counts as more than one of r - 1 rows
         and a one-row pass (it could be run as those two): measured times that a neighbour's work
-        inflated (a served request learnt [20, 37, 68, 71, 133] ms for 1-5 rows of smollm2, whose row
-        takes 4 ms, as seven others tokenized their prompts) made a step's pass of 7 rows look dearer
+        inflated (the first request of a burst priced smollm2's 1-5 rows at [20, 37, 68, 71, 133] ms,
+        whose row takes 4 ms, timing them in steps that ran the others' prompts too; `pass_times` now
+        measures in a step of its own) made a step's pass of 7 rows look dearer
         than 6 rows plus a round of 2 of its own, and 8 streamed `pld` requests drafted beside each
         other (mean accepted length 1.28, 0.84x `ar`'s tokens/s). A round with drafts of lossless
         VIA-SD pays its slim and its resumed full pass instead of one full pass (`check_share +
@@ -215,7 +235,7 @@ class DraftLength:
         own: beside others, a pass carries their rows too and waits for their drafters (`batching`),
         and its time is not that of `rows` rows (learnt as such, it made every draft length cost
         about the same, so that 8 served `sd` requests drafted as if alone)."""
-        if 1 <= rows <= len(self.times) and seconds > 0 and _others() == 0:
+        if 1 <= rows <= len(self.times) and seconds > 0 and _alone():
             self.times[rows - 1] = (1 - _FOLLOW) * self.times[rows - 1] + _FOLLOW * seconds
             if self._learnt is not None and rows <= len(self._learnt):
                 self._learnt[rows - 1] = self.times[rows - 1]
@@ -234,7 +254,7 @@ class DraftLength:
         pass a pass instead of 0.1, and no draft length paid again (1.05x `ar` against 1.19x at a
         fixed 4 on the tuning prompts)."""
         passes = drafted if passes is None else passes
-        if drafted > 0 and passes > 0 and _others() == 0:
+        if drafted > 0 and passes > 0 and _alone():
             self.extra_passes = 0.5 * self.extra_passes + 0.5 * max(0, passes - drafted)
             if self._steady:
                 self.round_s = 0.5 * self.round_s + 0.5 * max(0.0, seconds - passes * self.draft_s)
@@ -276,9 +296,16 @@ def draft_policy(decoder: Decoder, drafter: Drafter, k: int, check_share: float 
 
 
 def _others() -> int:
-    """Other requests in this thread's batch session (0 outside one)."""
+    """Other requests in this thread's batch session, whose rows share its passes (0 outside one)."""
     session = batching.current()
     return max(0, session.members - 1) if session is not None else 0
+
+
+def _alone() -> bool:
+    """Whether this thread's passes are its own: outside a batch session, or its only request (a
+    server's requests waiting, starting or finishing beside it count: their work shares the cores)."""
+    session = batching.current()
+    return session is None or session.alone()
 
 
 def propose(drafter: Drafter, tokens: list[int], k: int, policy: DraftLength | None) -> tuple[Draft, int | None]:

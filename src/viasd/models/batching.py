@@ -24,7 +24,7 @@ from __future__ import annotations
 import threading
 import time
 from collections.abc import Callable
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, TypeVar
 
 from viasd.models import compute
 
@@ -38,6 +38,7 @@ MAX_DEFER = 16  # steps a call waits at most for cheaper models' calls (`lockste
 # default draft length (`--k` 4), so that a member drafting long rounds cannot hold the others for good
 
 _local = threading.local()
+T = TypeVar("T")
 
 
 def current() -> BatchSession | None:
@@ -62,6 +63,10 @@ class BatchSession:
         self._cv = threading.Condition()
         self._parked: list[_Call] = []
         self.members = 0
+        # requests its owner has taken in and not yet finished, members or not (a server's: waiting,
+        # starting, tokenizing, finishing): more than one, and a member's passes are not its own
+        # even while it is the only member (`alone`)
+        self.admitted = 0
         self.last_batch: tuple[int, int] = (0, 0)  # (requests, rows) of the last pass of many
         self.on_pass: Callable[[int, int], None] | None = None  # (requests, rows) of each pass
         self._inline: int | None = None  # the thread of the member run on the compute thread (`run_inline`)
@@ -102,6 +107,29 @@ class BatchSession:
             with self._cv:
                 self.members -= 1
                 self._cv.notify_all()
+
+    def alone(self) -> bool:
+        """Whether the calling member is the only request, in the session and admitted by its owner:
+        its passes' times are then its own."""
+        return max(self.members, self.admitted) <= 1
+
+    def exclusive(self, fn: Callable[[], T]) -> T:
+        """`fn()` on the compute thread in a step of its own: no member's pass runs beside it or
+        between its passes, which call the decoders' `_forward` themselves. For measuring pass times
+        from a member: through the shared steps, the first request of a burst timed its passes with
+        the others' prompts run in the same steps and priced smollm2's 1-5 rows at 34-114 ms where
+        alone they take 4.5-13, for every later request of the process."""
+        if self._inline == threading.get_ident():  # the compute thread itself: the others wait meanwhile
+            return fn()
+        call = _Call(None, (fn,), {})
+        with self._cv:
+            self._parked.append(call)
+            self._cv.notify_all()
+            while not call.done:
+                self._cv.wait()
+        if call.error is not None:
+            raise call.error
+        return call.result
 
     def wake(self) -> None:
         """End a `step` waiting for calls now (the compute thread has other work: `run_inline`)."""
@@ -151,7 +179,12 @@ class BatchSession:
                 if left <= 0:
                     break
                 self._cv.wait(left)
-            calls, self._parked = lockstep(self._parked)
+            alone = next((c for c in self._parked if c.decoder is None), None)  # `exclusive`
+            if alone is not None:
+                calls = [alone]
+                self._parked.remove(alone)
+            else:
+                calls, self._parked = lockstep(self._parked)
         try:
             self._run(calls)
         finally:
@@ -215,6 +248,9 @@ def _cost(call: _Call) -> int | None:
 
 def _run_one(call: _Call) -> None:
     try:
+        if call.decoder is None:  # `exclusive`
+            call.result = call.args[0]()
+            return
         # the pass itself (`Decoder._forward`): the member went through the prefix cache already
         call.result = getattr(call.decoder, "_forward", call.decoder.forward)(*call.args, **call.kwargs)
     except BaseException as e:  # handed to the member, raised there
@@ -229,6 +265,8 @@ def _group_key(call: _Call) -> tuple:
     from viasd.models.runtime import ROW_ATTENTION_MAX
 
     dec, args, kw = call.decoder, call.args, call.kwargs
+    if dec is None:  # `exclusive`
+        return (None, id(call))
     route, head, resume = kw.get("route"), kw.get("head"), kw.get("resume", False)
     tokens, start, cache = args
     if getattr(dec, "_graph", None) is None or tokens.shape[0] > ROW_ATTENTION_MAX:

@@ -177,6 +177,7 @@ class Worker:
             if self.waiting + self.running >= self.max_queue + self.max_batch:
                 raise QueueFull()
             self.waiting += 1
+            self.session.admitted += 1  # (its passes' times are nobody's own until it finishes)
             self.live.add(job)
             self._depth()
             start = not self._scheduling
@@ -256,6 +257,7 @@ class Worker:
             with self.lock:
                 self.kv_used -= need
                 self.running -= 1
+                self.session.admitted -= 1
                 self.live.discard(job)
                 self._depth()
                 self.lock.notify_all()
