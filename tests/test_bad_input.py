@@ -343,9 +343,11 @@ def test_route_from_dict_refuses_strings_and_keeps_ints():
     assert r.attn == (True, True, False, False)
 
 
+@pytest.mark.filterwarnings("error::UserWarning")  # no library warning on the user's terminal (an empty legend's)
 def test_bench_resume_leaves_a_file_report_reads(tiny, tmp_path, capsys):
     """A killed run's torn fragment is cut off on resume; report reads the result, and skips
-    (with a warning) lines that are not records."""
+    (with a warning) lines that are not records, with no library's warning printed (records without
+    quality scores: an empty quality-speed figure)."""
     from viasd.bench import Prompt, done_keys, run_bench
     from viasd.report import report
 

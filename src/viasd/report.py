@@ -268,13 +268,18 @@ def plots(summary: dict[tuple[str, str], dict], out: Path) -> list[Path]:
 
     fig = Figure(figsize=(6, 4))
     ax = fig.subplots()
+    plotted = 0
     for m in [BASELINE] + methods:
         s = summary.get(("overall", m), {})
         q = s.get("quality", {})
         if s.get("speedup") is not None and q:
             ax.scatter(s["speedup"], sum(q.values()) / len(q), label=m)
+            plotted += 1
     ax.set(xlabel="speed-up vs ar (median, overall)", ylabel="mean task quality (mean of metrics)", title="quality against speed")
-    ax.legend(fontsize=7)
+    if plotted:
+        ax.legend(fontsize=7)
+    else:  # (a legend of nothing: matplotlib warns on the user's terminal)
+        ax.text(0.5, 0.5, "no method has both a speed-up and quality scores", ha="center", va="center", transform=ax.transAxes)
     fig.tight_layout()
     paths.append(_save(fig, out / "quality_speed.png"))
     return paths
