@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 
 import pytest
 
@@ -75,3 +76,4 @@ def test_generate_streams_text_then_stats(capsys, smollm2):
     assert code == 0
     assert out.strip()  # the streamed text
     assert "[pld] " in err and "tok/s" in err and "mean accepted length" in err
+    assert re.search(r"tokens in [\d.]+ s \([\d.]+ tok/s; first token after [\d.]+ s, then [\d.]+ tok/s\)", err), err
