@@ -177,7 +177,7 @@ class Worker:
             if self.waiting + self.running >= self.max_queue + self.max_batch:
                 raise QueueFull()
             self.waiting += 1
-            self.session.admitted += 1  # (its passes' times are nobody's own until it finishes)
+            self.session.admitted += 1  # (until it ends, no other request's pass times are its own: `BatchSession.alone`)
             self.live.add(job)
             self._depth()
             start = not self._scheduling
