@@ -282,7 +282,9 @@ def test_drafting_costs_are_known_before_any_draft(tiny, tiny_drafter):
 
 
 def test_pass_times_are_measured_interleaved(tiny, monkeypatch):
-    """Every row count is measured in every round (1, 2, 3, 1, 2, 3, ...), not one after another."""
+    """Every row count is measured in every round (1, 2, 3, 1, 2, 3, ...), not one after another, after
+    a context taken as the scratch cache holds it (no pass computes it: 0.9 s of qwen 1.5B's 2.2 s
+    before a first token, for a cost that does not depend on what the keys hold)."""
     calls = []
     forward = type(tiny.decoder)._forward
 
@@ -295,7 +297,7 @@ def test_pass_times_are_measured_interleaved(tiny, monkeypatch):
         times = pass_times(tiny.decoder, 3, reps=2)
     finally:
         tiny.decoder.__dict__.pop("_pass_times", None)
-    assert calls[1:] == [1, 2, 3] * 3 and len(times) == 3
+    assert calls == [1, 2, 3] * 3 and len(times) == 3
 
 
 @pytest.mark.parametrize("steep", [False, True])
