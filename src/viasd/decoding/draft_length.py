@@ -61,13 +61,12 @@ def pass_times(decoder: Decoder, rows: int, reps: int = 3, last_only: bool = Fal
     # a request served beside others measures in a step of its own (`exclusive`), not in passes shared
     # with the others' (a burst's prompts inflated the first request's measurement 4-9x, for good)
     session = batching.current()
-    budget = compute.budget()
-    whole = budget.threads >= (budget.fixed or budget.cores)  # on every core it may use (the machine idle)
+    whole = _every_core()  # (kept only if measured on every core, from start to end)
     times = session.exclusive(lambda: _measure(decoder, rows, reps, last_only)) if session is not None else \
         _measure(decoder, rows, reps, last_only)
     if keep:
         cached[rows, last_only] = times
-        if key is not None and whole and budget.threads >= (budget.fixed or budget.cores):
+        if key is not None and whole and _every_core():
             store(key, times)
     return times
 
@@ -90,12 +89,17 @@ def _boot_id() -> str | None:
         return None
 
 
+def _every_core() -> bool:
+    """Whether passes run on every core the process may use now (the machine otherwise idle)."""
+    budget = compute.budget()
+    return budget.threads >= (budget.fixed or budget.cores)
+
+
 def _kernels_digest() -> str:
-    import hashlib
-    import viasd.models.rowexact as rowexact
+    from viasd.models import rowexact
 
     try:
-        return hashlib.sha256((Path(rowexact.__file__).parent / "rowexact.c").read_bytes()).hexdigest()[:16]
+        return rowexact.source_digest()[:16]
     except OSError:
         return "?"
 

@@ -121,15 +121,7 @@ class BatchSession:
         alone they take 4.5-13, for every later request of the process."""
         if self._inline == threading.get_ident():  # the compute thread itself: the others wait meanwhile
             return fn()
-        call = _Call(None, (fn,), {})
-        with self._cv:
-            self._parked.append(call)
-            self._cv.notify_all()
-            while not call.done:
-                self._cv.wait()
-        if call.error is not None:
-            raise call.error
-        return call.result
+        return self._park(_Call(None, (fn,), {}))
 
     def wake(self) -> None:
         """End a `step` waiting for calls now (the compute thread has other work: `run_inline`)."""
@@ -151,12 +143,18 @@ class BatchSession:
                 call.done = True
             while not call.done:
                 self.step(idle_timeout=0.0)
-        else:
-            with self._cv:
-                self._parked.append(call)
-                self._cv.notify_all()
-                while not call.done:
-                    self._cv.wait()
+            if call.error is not None:
+                raise call.error
+            return call.result
+        return self._park(call)
+
+    def _park(self, call: _Call):
+        """Park `call` for the compute thread and wait until it ran; its result (or its error, raised)."""
+        with self._cv:
+            self._parked.append(call)
+            self._cv.notify_all()
+            while not call.done:
+                self._cv.wait()
         if call.error is not None:
             raise call.error
         return call.result

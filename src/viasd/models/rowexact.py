@@ -31,6 +31,7 @@ gives it, each weight unpacked once for up to 16 rows (where the row-exact kerne
 from __future__ import annotations
 
 import ctypes
+import functools
 import hashlib
 import json
 import os
@@ -73,6 +74,13 @@ _FLAGS = ("-O3", "-fPIC", "-shared", "-ffp-contract=off")
 def _build_key(cc: str) -> str:
     """sha256 of what the kernel is built from: the source, the compiler, its flags, the platform."""
     return hashlib.sha256(_SOURCE.read_bytes() + cc.encode() + " ".join(_FLAGS).encode() + sys.platform.encode()).hexdigest()
+
+
+@functools.cache
+def source_digest() -> str:
+    """sha256 of the kernels' C source: what a kept measurement of their speed stands for
+    (`draft_length.pass_times`)."""
+    return hashlib.sha256(_SOURCE.read_bytes()).hexdigest()
 
 
 def _record_path(so: Path) -> Path:
