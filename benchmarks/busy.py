@@ -1,5 +1,5 @@
 """Single-request decoding beside a busy process: the thread count that follows the machine
-(`viasd.models.compute.ThreadBudget`, the default) against a fixed count of every core
+(`viasd.compute.ThreadBudget`, the default) against a fixed count of every core
 (VIASD_THREADS=<cores>, what viasd did before), idle and beside one process that keeps a core busy.
 
 Each (prompt, condition) is one `viasd generate --json` process, or with `--served` one request to a

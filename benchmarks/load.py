@@ -363,7 +363,7 @@ def solo_phase(url: str, args, strategy: str, run_id: str, env: dict, config: di
     for prompt in PROMPTS[: args.solo]:
         for repeat in range(args.solo_repeats):
             # each side starts on an idle machine: viasd sizes its thread count from the load the rest of
-            # the machine put on the cores over the last 0.5 s (models/compute.py), and the other side has
+            # the machine put on the cores over the last 0.5 s (compute.py), and the other side has
             # just been decoding flat out
             time.sleep(SETTLE_S)
             cli = subprocess.run([sys.executable, "-m", "viasd", "generate", prompt, "-m", args.model, "-q", "--json",

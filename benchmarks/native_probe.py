@@ -48,7 +48,7 @@ from viasd.models import rowexact  # noqa: E402
 from viasd.models.loading import load_model  # noqa: E402
 from viasd.models.ggml_forward import NativeForward  # noqa: E402
 from viasd.models.native import quantize  # noqa: E402
-from viasd.models.runtime import PackedLinear  # noqa: E402
+from viasd.models.layers import PackedLinear  # noqa: E402
 
 OUT = Path(__file__).parent / "results" / "native-probe.jsonl"
 Q8_0, Q4_0 = 8, 2

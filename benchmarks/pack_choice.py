@@ -43,7 +43,7 @@ def pass_ms(model, rows: int, repeats: int = 10) -> float:
 
 def main(argv=None) -> int:
     from viasd.api import generate
-    from viasd.models import compute
+    from viasd import compute
     from viasd.models.loading import load_model
 
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])

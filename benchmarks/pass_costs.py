@@ -29,7 +29,7 @@ sys.path.insert(0, str(Path(__file__).parent))
 from common import median, per_model_run  # noqa: E402
 
 from viasd.models.loading import load_model  # noqa: E402
-from viasd.models.runtime import LayerMask  # noqa: E402
+from viasd.models.kvcache import LayerMask  # noqa: E402
 from viasd.routing.route import ModelFingerprint, Route, shipped_route_path  # noqa: E402
 
 OUT = Path(__file__).parent / "results" / "pass-costs.jsonl"

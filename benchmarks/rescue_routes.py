@@ -20,7 +20,7 @@ import time
 from pathlib import Path
 
 from viasd.bench import environment
-from viasd.models import compute
+from viasd import compute
 from viasd.models.loading import load_model
 from viasd.routing.resolve import resolve_route
 from viasd.routing.search import build_calibration, drafter_misses, evaluate_route, route_costs

@@ -32,7 +32,7 @@ sys.path.insert(0, str(Path(__file__).parent))
 from common import Records, environment  # noqa: E402
 
 from viasd.models.loading import load_model  # noqa: E402
-from viasd.models.runtime import LayerMask  # noqa: E402
+from viasd.models.kvcache import LayerMask  # noqa: E402
 from viasd.routing.resolve import resolve_route  # noqa: E402
 from viasd.routing.search import build_calibration, route_costs, search_route  # noqa: E402
 

@@ -17,7 +17,7 @@ from viasd.decoding.strategies import autoregressive_decode
 from viasd.decoding.verifier import DecodeRequest
 from viasd.models import loading as loading_module
 from viasd.models.loading import LoadedModel, load_model
-from viasd.models.runtime import LayerMask
+from viasd.models.kvcache import LayerMask
 
 # pass times are measured in each test, never read from what an earlier process kept (the tests that
 # count a measurement's passes; test_pass_times_are_kept_for_the_next_processes_of_a_boot turns it on)
@@ -208,7 +208,7 @@ def native_q8(model: LoadedModel) -> LoadedModel:
     ggml graph and several requests' passes can be one (continuous batching)."""
     from viasd.models.loading import load_state_dict
     from viasd.models.native import quantize
-    from viasd.models.runtime import Decoder
+    from viasd.models.decoder import Decoder
 
     state = load_state_dict(model.path)
     decoder = Decoder.from_state_dict(model.config, state, native=quantize(state, model.config, 8), pack=True)  # 8: Q8_0

@@ -1,4 +1,4 @@
-"""The process' one compute thread (viasd.models.compute) and its thread budget."""
+"""The process' one compute thread (viasd.compute) and its thread budget."""
 
 from __future__ import annotations
 
@@ -10,8 +10,8 @@ import time
 import pytest
 
 from viasd.api import generate
-from viasd.models import compute
-from viasd.models.compute import ThreadBudget, choose_threads
+from viasd import compute
+from viasd.compute import ThreadBudget, choose_threads
 
 
 def test_generate_from_any_thread_runs_on_the_compute_thread_with_the_same_tokens(tiny):

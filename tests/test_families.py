@@ -11,7 +11,8 @@ from viasd import generate
 from viasd.decoding.drafters import ModelDrafter, NgramDrafter, SelfDrafter
 from viasd.errors import UnsupportedArchitectureError
 from viasd.models.loading import load_model
-from viasd.models.runtime import LayerMask, ModelConfig
+from viasd.models.config import ModelConfig
+from viasd.models.kvcache import LayerMask
 
 from conftest import GREEDY, reference_logits, run_ar, save_tiny_gemma
 from test_runtime import cached_logits, hf_logits
@@ -59,7 +60,7 @@ def test_the_switches_change_the_result(gemma, gemma_dir):
     from dataclasses import replace
 
     from viasd.models.loading import load_state_dict
-    from viasd.models.runtime import Decoder
+    from viasd.models.decoder import Decoder
 
     variants = {"no window": replace(gemma.config, sliding_window=None, sliding_layers=(False,) * 4)}
     if gemma.config.architecture == "gemma2":

@@ -11,7 +11,7 @@ from viasd.errors import UsageError
 from viasd.models import ggml_kernels as gk
 from viasd.models.loading import load_model
 from viasd.models.native import native_names, quantize
-from viasd.models.runtime import Decoder
+from viasd.models.decoder import Decoder
 
 from conftest import run_ar, write_tiny_gguf
 
@@ -303,7 +303,7 @@ def test_tiny_native_lossless_strategies_equal_ar(tiny_native):
 
 def test_tiny_native_cache_matches_cache_free_reference(tiny_native):
     from conftest import reference_logits
-    from viasd.models.runtime import LayerMask
+    from viasd.models.kvcache import LayerMask
 
     tokens = list(range(3, 30))
     dec = tiny_native.decoder
@@ -440,7 +440,7 @@ def test_tiny_native_reduced_head_and_resumed_pass_are_exact(tiny_native):
     the file's blocks, multiplied alone), and a full pass resumed after a slim pass equals a full pass."""
     from test_runtime import resumed_after_slim
 
-    from viasd.models.runtime import LayerMask
+    from viasd.models.kvcache import LayerMask
 
     dec = tiny_native.decoder
     vocab = list(range(1, 64, 4))
@@ -463,7 +463,7 @@ def test_tensor_index_is_read_once_then_from_the_cache(tmp_path, tiny_dir, monke
     import gguf as gguf_module
 
     from viasd.models import native as native_module
-    from viasd.models.runtime import ModelConfig
+    from viasd.models.config import ModelConfig
 
     monkeypatch.setenv("VIASD_CACHE", str(tmp_path / "cache"))
     path = write_tiny_gguf(tmp_path / "tiny.gguf", tiny_dir)
@@ -494,7 +494,7 @@ def test_a_long_pending_run_is_checked_on_the_logits_ar_computes(tiny_native):
     from viasd.decoding.acceptance import SamplingParams
     from viasd.decoding.stats import DecodeStats
     from viasd.decoding.verifier import DecodeRequest, Verifier
-    from viasd.models.runtime import ROW_ATTENTION_MAX
+    from viasd.models.kvcache import ROW_ATTENTION_MAX
 
     prompt, n = [1, 5, 6, 7], ROW_ATTENTION_MAX + 40
     seq = prompt + run_ar(tiny_native, prompt, n)

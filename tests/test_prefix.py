@@ -1,4 +1,4 @@
-"""Prompt prefix caching (models/prefix.py): what is kept and found, and that reuse changes no token."""
+"""Prompt prefix caching (execution/prefix.py): what is kept and found, and that reuse changes no token."""
 
 from __future__ import annotations
 
@@ -7,8 +7,8 @@ import pytest
 import torch
 
 from viasd.api import generate
-from viasd.models import prefix
-from viasd.models.prefix import MIN_REUSE, PrefixCache
+from viasd.execution.passes import Passes
+from viasd.execution.prefix import MIN_REUSE, PrefixCache
 
 from test_server import LiveServer, metric
 
@@ -61,7 +61,7 @@ def test_reused_prefixes_change_no_token_and_skip_their_rows(model_name, request
     decoded without it, and the shared positions are not computed again."""
     model = request.getfixturevalue(model_name)
     rows = []
-    real = type(model.decoder)._forward
+    real = type(model.decoder).forward
 
     def counting(self, tokens, start, *args, **kwargs):
         if self is model.decoder:
@@ -76,12 +76,11 @@ def test_reused_prefixes_change_no_token_and_skip_their_rows(model_name, request
         alone = [generate(p, model, drafter=drafter, max_new_tokens=12, chat=False, progress=False, **settings).token_ids
                  for p in prompts]
         kept = PrefixCache(16 << 20)
-        monkeypatch.setattr(type(model.decoder), "_forward", counting)
+        monkeypatch.setattr(type(model.decoder), "forward", counting)
         rows.clear()
-        with prefix.serving([(model.decoder, kept)]):
-            reused = [generate(p, model, drafter=drafter, max_new_tokens=12, chat=False, progress=False, **settings).token_ids
-                      for p in prompts]
-        monkeypatch.setattr(type(model.decoder), "_forward", real)
+        reused = [generate(p, model, drafter=drafter, max_new_tokens=12, chat=False, progress=False,
+                           passes=Passes(prefix=[(model.decoder, kept)]), **settings).token_ids for p in prompts]
+        monkeypatch.setattr(type(model.decoder), "forward", real)
         assert reused == alone, settings
         n = len(model.encode(base, chat=False))
         assert kept.hits == 2 and kept.reused_positions >= 2 * n - 1, (settings, kept.hits, kept.reused_positions)
@@ -92,13 +91,14 @@ def test_reused_prefixes_change_no_token_and_skip_their_rows(model_name, request
 def test_a_pass_that_wants_every_rows_logits_is_not_served_from_the_cache(tiny):
     kept = PrefixCache(1 << 20)
     ids = torch.arange(4, 20)
-    with prefix.serving([(tiny.decoder, kept)]):
-        c1 = tiny.decoder.new_cache(64)
-        tiny.decoder.forward(ids, 0, c1, last_only=True)
-        c2 = tiny.decoder.new_cache(64)
-        full = tiny.decoder.forward(ids, 0, c2)  # every row's logits: computed, not looked up
+    passes = Passes(prefix=[(tiny.decoder, kept)])
+    c1 = tiny.decoder.new_cache(64)
+    passes.forward(tiny.decoder, ids, 0, c1, last_only=True)
+    c2 = tiny.decoder.new_cache(64)
+    full = passes.forward(tiny.decoder, ids, 0, c2)  # every row's logits: computed, not looked up
     assert kept.lookups == 1 and full.shape[0] == ids.shape[0]
-    assert prefix.active(tiny.decoder) is None  # outside the block
+    tiny.decoder.forward(ids, 0, tiny.decoder.new_cache(64), last_only=True)  # the decoder alone: no cache
+    assert kept.lookups == 1
 
 
 def test_the_server_reuses_its_template_prefix_and_answers_as_without(tiny_q8):

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from viasd.models.loading import load_model
-from viasd.models.runtime import LayerMask
+from viasd.models.kvcache import LayerMask
 
 from conftest import reference_logits, save_tiny
 

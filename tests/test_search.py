@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from viasd.models.loading import load_model
-from viasd.models.runtime import LayerMask
+from viasd.models.kvcache import LayerMask
 from viasd.routing import Route
 from viasd.routing.search import build_calibration, evaluate_route, kept_from_scores, kept_within_bytes, search_route
 

@@ -773,7 +773,7 @@ def test_an_api_key_with_a_trailing_newline_still_authenticates(capsys):
 def test_concurrent_requests_share_passes_and_each_answer_equals_serving_alone(tiny_q8, tiny_drafter):
     """Mixed strategies, prompt lengths and arrival times on one batched server: every greedy answer
     equals the request decoded alone, and passes did carry rows of several requests."""
-    from viasd.models import batching
+    from viasd.execution import batching
 
     app = create_app(tiny_q8, tiny_drafter, settings=ServeSettings(served_name="tiny", max_batch=6,
                                                                 defaults={"slim_layers": (0, 1, 3)}))
@@ -796,14 +796,16 @@ def test_concurrent_requests_share_passes_and_each_answer_equals_serving_alone(t
         together = list(pool.map(ask, range(len(asks))))
     assert together == alone
     assert passes and max(passes) >= 2
-    assert batching.current() is None
+    assert app.state.worker.session.members == 0
 
 
 def test_speculative_members_draft_together_and_verify_together(tiny_q8, tiny_drafter):
     """`batching.lockstep`: while a drafter's calls are parked, the verifier's wait for them, so no
     step runs a drafter pass and a verifier pass at once (run as they came, three `sd` requests
     started apart would each pay both in most steps); each answer equals the request alone."""
-    from viasd.models import batching, compute
+    from viasd import compute
+    from viasd.execution import batching
+    from viasd.execution.passes import Passes
 
     drafter = native_q8(tiny_drafter)  # 2 layers against the verifier's 4: its passes read fewer bytes
     assert drafter.decoder.weight_bytes() < tiny_q8.decoder.weight_bytes()
@@ -821,7 +823,7 @@ def test_speculative_members_draft_together_and_verify_together(tiny_q8, tiny_dr
 
     def member(i):
         time.sleep(0.01 * i)  # started apart: not in step by chance
-        return session.member(generate, prompts[i], tiny_q8, **kw).token_ids
+        return session.member(generate, prompts[i], tiny_q8, passes=Passes(session), **kw).token_ids
 
     def compute_thread():
         while not all(f.done() for f in futures):
@@ -841,8 +843,10 @@ def test_lossless_viasd_members_share_resumed_and_stream_storing_passes(tiny_q8,
     and lower passes store the streams entering it: such passes of several requests share a pass
     (each request reading and writing its own cache's streams), and every answer equals the request
     alone. Run one by one, 8 served VIA-SD requests delivered 0.28x `ar`'s tokens/s."""
-    from viasd.models import batching, compute
-    from viasd.models.runtime import Decoder
+    from viasd import compute
+    from viasd.execution import batching
+    from viasd.execution.passes import Passes
+    from viasd.models.decoder import Decoder
 
     shared = []  # per shared pass: (resumed, stores streams) of each call
     many = Decoder.forward_many
@@ -866,7 +870,7 @@ def test_lossless_viasd_members_share_resumed_and_stream_storing_passes(tiny_q8,
 
     def member(i):
         time.sleep(0.01 * i)
-        return session.member(generate, prompts[i], tiny_q8, **kw).token_ids
+        return session.member(generate, prompts[i], tiny_q8, passes=Passes(session), **kw).token_ids
 
     def compute_thread():
         while not all(f.done() for f in futures):
@@ -887,12 +891,14 @@ def test_a_member_measures_pass_times_in_a_step_of_its_own(tiny_q8, monkeypatch)
     kept 34-114 ms for smollm2's 1-5 rows (4.5-13 alone) for every later request of the process.
     Its tokens are unchanged: the measurement uses a scratch cache."""
     from viasd.decoding.draft_length import pass_times
-    from viasd.models import batching, compute
+    from viasd import compute
+    from viasd.execution import batching
+    from viasd.execution.passes import Passes
 
     decoder = tiny_q8.decoder
     order: list[int] = []  # the cache of each pass, in the order the compute thread ran them
-    own = decoder._forward
-    monkeypatch.setattr(decoder, "_forward", lambda tokens, start, cache, *a, **kw: (order.append(id(cache)), own(tokens, start, cache, *a, **kw))[1])
+    own = decoder.forward
+    monkeypatch.setattr(decoder, "forward", lambda tokens, start, cache, *a, **kw: (order.append(id(cache)), own(tokens, start, cache, *a, **kw))[1])
     many = decoder.forward_many
     monkeypatch.setattr(decoder, "forward_many", lambda calls, rows=None: ([order.append(id(args[2])) for args, _ in calls], many(calls, rows))[1])
     monkeypatch.setattr(decoder, "_pass_times", {}, raising=False)
@@ -904,7 +910,7 @@ def test_a_member_measures_pass_times_in_a_step_of_its_own(tiny_q8, monkeypatch)
     def decoding():  # a member decoding all along, its passes parked in the session
         def run():
             measuring.wait(30)
-            return generate([5, 6, 7], tiny_q8, **kw).token_ids
+            return generate([5, 6, 7], tiny_q8, passes=Passes(session), **kw).token_ids
         return session.member(run)
 
     def measuring_member():
@@ -913,7 +919,7 @@ def test_a_member_measures_pass_times_in_a_step_of_its_own(tiny_q8, monkeypatch)
             deadline = time.monotonic() + 30
             while not order and time.monotonic() < deadline:  # the other member's decode under way
                 time.sleep(0.001)
-            return pass_times(decoder, 3)
+            return pass_times(decoder, 3, passes=Passes(session))
         return session.member(run)
 
     def compute_thread():
@@ -934,7 +940,7 @@ def test_a_member_measures_pass_times_in_a_step_of_its_own(tiny_q8, monkeypatch)
 
 
 def test_a_call_waits_for_cheaper_ones_at_most_max_defer_steps():
-    from viasd.models import batching
+    from viasd.execution import batching
 
     class Model:
         def __init__(self, nbytes):
@@ -978,7 +984,9 @@ def test_a_member_run_on_the_compute_thread_serves_the_members_that_join_it(tiny
     """`BatchSession.run_inline`: a request decoding on the compute thread itself runs its passes at
     once and, while it runs, the passes of members that join share them; every answer equals the
     request decoded alone."""
-    from viasd.models import batching, compute
+    from viasd import compute
+    from viasd.execution import batching
+    from viasd.execution.passes import Passes
 
     session = batching.BatchSession()
     passes = []
@@ -996,11 +1004,12 @@ def test_a_member_run_on_the_compute_thread_serves_the_members_that_join_it(tiny
                 joined.set()
                 time.sleep(0.05)
 
-        return generate(prompts[0], tiny_q8, strategy="ar", max_new_tokens=30, progress=False, on_text=on_text).token_ids
+        return generate(prompts[0], tiny_q8, strategy="ar", max_new_tokens=30, progress=False, on_text=on_text,
+                        passes=Passes(session)).token_ids
 
     def member(p):
         joined.wait(30)
-        return session.member(generate, p, tiny_q8, strategy="ar", max_new_tokens=30, progress=False).token_ids
+        return session.member(generate, p, tiny_q8, strategy="ar", max_new_tokens=30, progress=False, passes=Passes(session)).token_ids
 
     def compute_thread():  # as the server's scheduler: the inline request, then steps while members remain
         out = session.run_inline(first)
@@ -1015,4 +1024,4 @@ def test_a_member_run_on_the_compute_thread_serves_the_members_that_join_it(tiny
         results = [inline] + [f.result(timeout=60) for f in others]
     assert results == alone
     assert shared[0] > 0  # the joined members' rows were computed in the inline request's steps
-    assert session.members == 0 and batching.current() is None
+    assert session.members == 0

@@ -25,7 +25,7 @@ def test_cost_in_full_passes_by_bytes_read(tiny, tiny_drafter):
     """Issue 11's accounting: each call's weights read (kept sub-layers and the LM head; a drafter
     model's own weights), over the bytes of one full verifier pass."""
     from viasd import generate
-    from viasd.models.runtime import LayerMask
+    from viasd.models.kvcache import LayerMask
 
     dec, n = tiny.decoder, tiny.config.n_layers
     full = dec.weight_bytes()

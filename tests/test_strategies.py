@@ -16,7 +16,7 @@ from viasd.decoding.draft_length import DraftLength, expected_tokens, pass_times
 from viasd.decoding.drafters import Draft, ModelDrafter, NgramDrafter, SelfDrafter
 from viasd.decoding.strategies import speculative_decode
 from viasd.decoding.verifier import DecodeRequest
-from viasd.models.runtime import LayerMask
+from viasd.models.kvcache import LayerMask
 from viasd.routing.resolve import default_draft_layers
 
 from conftest import GREEDY, NO_EOS, exact_marginals, run_ar
@@ -182,12 +182,13 @@ def test_beside_others_the_policy_neither_learns_their_passes_nor_probes_where_d
     that of this request's rows (learnt as such, every draft length cost about the same and 8 served
     `sd` requests drafted as if alone). And a probe there makes every member wait for the drafter,
     so none is made where drafts could not pay even if all were accepted."""
-    from viasd.models import batching
+    from viasd.execution import batching
+    from viasd.execution.passes import Passes
 
     cheap = [0.01 * (1 + 0.1 * j) for j in range(5)]
-    policy = DraftLength(4, cheap, free_drafts=False, draft_s=0.002)  # a drafted token: 0.2 of a pass
     session = batching.BatchSession()
     session.members = 1  # another request is running
+    policy = DraftLength(4, cheap, free_drafts=False, draft_s=0.002, passes=Passes(session))  # a drafted token: 0.2 of a pass
 
     def beside_others():
         policy.observe_pass(1, 0.5)
@@ -207,7 +208,8 @@ def test_a_requests_learnt_pass_times_start_the_models_next_request(tiny):
     10-15% off a row count, and its `pld` drafted shorter rounds than `viasd generate`'s: 0.93x),
     and passes beside other requests, which carry their rows, are learnt by neither."""
     from viasd.decoding.draft_length import draft_policy
-    from viasd.models import batching
+    from viasd.execution import batching
+    from viasd.execution.passes import Passes
 
     k, measured = 4, [0.01 * (1 + 0.5 * j) for j in range(5)]
     tiny.decoder.__dict__["_pass_times"] = {(k + 1, False): list(measured)}
@@ -223,10 +225,12 @@ def test_a_requests_learnt_pass_times_start_the_models_next_request(tiny):
 
         session = batching.BatchSession()
         session.members = 1  # another request is running
+        second.passes = Passes(session)
         session.member(lambda: second.observe_pass(2, 0.5))
         assert draft_policy(tiny.decoder, NgramDrafter(), k).times[1] == measured[1]
         admitted = batching.BatchSession()
         admitted.admitted = 2  # the only member, but the server took in another request (starting, finishing)
+        second.passes = Passes(admitted)
         admitted.member(lambda: second.observe_pass(2, 0.5))
         assert draft_policy(tiny.decoder, NgramDrafter(), k).times[1] == measured[1]
         apart = draft_policy(tiny.decoder, NgramDrafter(), k, shared=False)  # passes that are not whole ones
@@ -288,12 +292,12 @@ def test_pass_times_are_measured_interleaved(tiny, monkeypatch):
     a context taken as the scratch cache holds it (no pass computes it: 0.9 s of qwen 1.5B's 2.2 s
     before a first token, for a cost that does not depend on what the keys hold)."""
     calls = []
-    forward = type(tiny.decoder)._forward
+    forward = type(tiny.decoder).forward
 
     def counting(self, tokens, start, cache, *args, **kwargs):
         calls.append(int(tokens.shape[0]))
         return forward(self, tokens, start, cache, *args, **kwargs)
-    monkeypatch.setattr(type(tiny.decoder), "_forward", counting)
+    monkeypatch.setattr(type(tiny.decoder), "forward", counting)
     tiny.decoder.__dict__.pop("_pass_times", None)
     try:
         times = pass_times(tiny.decoder, 3, reps=2)
@@ -308,7 +312,7 @@ def test_pass_times_are_kept_for_the_next_processes_of_a_boot(tiny_q8, tmp_path,
     shapes, formats, kernels and cores, on the same boot, for a day; never a stale one, another boot's,
     a damaged file's or one taken on fewer cores than the process may use; `keep=False` never reads."""
     from viasd.decoding import draft_length
-    from viasd.models import compute
+    from viasd import compute
 
     monkeypatch.setenv("VIASD_CACHE", str(tmp_path))
     monkeypatch.delenv("VIASD_NO_TIMING_CACHE")
@@ -318,8 +322,8 @@ def test_pass_times_are_kept_for_the_next_processes_of_a_boot(tiny_q8, tmp_path,
     monkeypatch.setattr(budget, "update", lambda now=None: budget.threads)
     decoder = tiny_q8.decoder
     calls = []
-    own = decoder._forward
-    monkeypatch.setattr(decoder, "_forward", lambda tokens, *a, **kw: (calls.append(int(tokens.shape[0])), own(tokens, *a, **kw))[1])
+    own = decoder.forward
+    monkeypatch.setattr(decoder, "forward", lambda tokens, *a, **kw: (calls.append(int(tokens.shape[0])), own(tokens, *a, **kw))[1])
 
     def measure(rows=3, last_only=False, keep=True):
         decoder.__dict__.pop("_pass_times", None)  # a new process: nothing kept in memory
@@ -444,7 +448,7 @@ def test_drafter_with_a_reduced_head_drafts_inside_it_and_stays_lossless(tiny, t
     prompt = [1, 2, 3, 4, 5]
     expected = run_ar(tiny, prompt, 24, NO_EOS)
     req = DecodeRequest(prompt, 24, GREEDY, NO_EOS)
-    drafter.begin(64, SimpleNamespace(stats=req.stats, tokens=prompt))  # (what a drafter model reads of a verifier)
+    drafter.begin(64, SimpleNamespace(stats=req.stats, tokens=prompt, passes=req.passes))  # (what a drafter model reads of a verifier)
     assert set(drafter.propose(prompt, 6).tokens) <= set(inside)
     out, stats = run_sd(tiny, ModelDrafter(tiny_drafter.decoder, GREEDY, None, None, head), prompt, 24, k=3, eos=NO_EOS)
     assert out == expected and stats.drafted > 0

@@ -12,7 +12,7 @@ import torch
 from viasd import generate
 from viasd.decoding.verifier import DecodeRequest, Verifier
 from viasd.models.loading import load_model
-from viasd.models.runtime import LayerMask
+from viasd.models.kvcache import LayerMask
 
 from conftest import TINY_VOCAB, reference_logits, tiny_tokenizer
 

@@ -19,7 +19,7 @@ from viasd.decoding.strategies import speculative_decode
 from viasd.decoding.tiers import Tier, TierThresholds, assign_tiers, confidence_signals
 from viasd.decoding.verifier import DecodeRequest
 from viasd.models.loading import load_model
-from viasd.models.runtime import LayerMask
+from viasd.models.kvcache import LayerMask
 from viasd.routing.resolve import default_slim_layers
 
 from conftest import GREEDY, exact_marginals, reference_logits, run_ar

@@ -5,8 +5,7 @@ from viasd.decoding.registry import STRATEGIES
 from viasd.decoding.stats import DecodeResult, DecodeStats
 from viasd.errors import UsageError, ViasdError
 from viasd.models import DEFAULT_MODEL, ZOO, LoadedModel, load_model
-
-__version__ = "0.1.0"
+from viasd.version import __version__
 __all__ = [
     "DEFAULT_MODEL",
     "STRATEGIES",

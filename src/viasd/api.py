@@ -24,8 +24,9 @@ from viasd.decoding.registry import DEFAULT_STRATEGY, STRATEGIES, DraftKind, Loo
 from viasd.decoding.stats import DecodeResult, DecodeStats
 from viasd.decoding.tiers import TierThresholds, load_thresholds, thresholds_beside
 from viasd.decoding.verifier import DecodeRequest
+from viasd.execution.passes import Passes
 from viasd.errors import InvalidArgumentError, UsageError, VocabularyMismatchError
-from viasd.models import compute
+from viasd import compute
 from viasd.models.loading import LoadedModel, load_model, same_vocabulary
 from viasd.models.vocabulary import VocabBridge
 from viasd.models.zoo import DEFAULT_MODEL
@@ -422,7 +423,7 @@ def drafts_with_model(config: GenerateConfig) -> bool:
         return True
 
 
-@compute.owned  # every decode on the process' one compute thread (models/compute.py says why)
+@compute.owned  # every decode on the process' one compute thread (compute.py says why)
 def generate(
     prompt: str | Sequence[int] | list[dict[str, str]],
     model: str | LoadedModel = DEFAULT_MODEL,
@@ -431,6 +432,7 @@ def generate(
     config: GenerateConfig | None = None,
     on_text: Callable[[str], None] | None = None,
     progress: bool = True,
+    passes: Passes | None = None,
     **settings,
 ) -> DecodeResult:
     """Generate a continuation of `prompt`: text (one user turn), a conversation as chat messages
@@ -439,6 +441,7 @@ def generate(
 
     Settings are `GenerateConfig` fields, given as `config=` or as keywords (`strategy="viasd"`,
     `mode="tiered"`, `k=4`, `temperature=0.7`, ...). `on_text` receives the text as it is produced.
+    `passes`: where the model passes run (a server's batch session and prefix caches); default: here.
     """
     if config is not None and not isinstance(config, GenerateConfig):
         raise UsageError(f"config must be a GenerateConfig, got {type(config).__name__}")
@@ -469,7 +472,7 @@ def generate(
     params = SamplingParams(config.temperature, config.top_p)
     stats = DecodeStats(prompt_tokens=len(ids))
     stream = TextStream(verifier, on_text) if on_text else None
-    req = DecodeRequest(ids, config.max_new_tokens, params, verifier.eos_token_ids, stats, generator, stream)
+    req = DecodeRequest(ids, config.max_new_tokens, params, verifier.eos_token_ids, stats, generator, stream, passes or Passes())
     args, extra = _loop_args(spec, config, verifier)
     chosen = _make_drafter(kind, verifier, drafter, config, params, generator, progress) if kind else None
     record = {"model": verifier.name, "drafter": getattr(drafter, "name", drafter), **config.settings(),

@@ -18,7 +18,7 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
-from viasd.models import compute
+from viasd import compute
 from viasd.api import GenerateConfig, generate
 from viasd.decoding.registry import BASELINE, STRATEGIES, DraftKind, Mode
 from viasd.datasets import SPEC_BENCH_CATEGORIES, human_eval, spec_bench
@@ -188,7 +188,7 @@ def environment() -> dict:
     import torch
     import transformers
 
-    from viasd import __version__
+    from viasd.version import __version__
 
     cpu, flags = platform.processor(), []
     try:

@@ -26,7 +26,7 @@ from pathlib import Path
 
 import torch
 
-from viasd.models import compute
+from viasd import compute
 from viasd.api import GenerateConfig, generate
 from viasd.decoding.registry import DraftKind, strategy
 from viasd.decoding.tiers import TierThresholds, thresholds_beside
@@ -116,9 +116,9 @@ def greedy_agreement(model: LoadedModel, prompt: list[int], out: list[int]) -> i
 
     The prompt goes through one pass, as every strategy prefills it; the output through passes of at
     most ROW_ATTENTION_MAX rows, whose rows come out as decoding computes them (batch-invariant: see
-    models/runtime.py). One long pass would not: with native weights its tiled attention rounds
+    models/decoder.py). One long pass would not: with native weights its tiled attention rounds
     differently, and near-ties flip (plain SD scored 0.979 against itself that way)."""
-    from viasd.models.runtime import ROW_ATTENTION_MAX
+    from viasd.models.kvcache import ROW_ATTENTION_MAX
 
     if not out:
         return 0

@@ -76,7 +76,7 @@ def _generate(args: argparse.Namespace) -> int:
 
 def _models(args: argparse.Namespace) -> int:
     from viasd.models.loading import cached_models, verify_cache, zoo_gguf_path
-    from viasd.models.runtime import FAMILIES, FAMILY_SUPPORT, SUPPORTED_ARCHITECTURES
+    from viasd.models.config import FAMILIES, FAMILY_SUPPORT, SUPPORTED_ARCHITECTURES
     from viasd.models.zoo import DEFAULT_MODEL, ZOO
 
     if args.verify:
@@ -474,7 +474,7 @@ COMMANDS: dict[str, tuple[str, Callable[[argparse.ArgumentParser], None], Callab
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from viasd import __version__
+    from viasd.version import __version__
 
     parser = argparse.ArgumentParser(prog="viasd", description="Multi-tier speculative decoding (VIA-SD).")
     parser.add_argument("--version", action="version", version=f"viasd {__version__}")
@@ -495,7 +495,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         if args.command == "serve":  # its HTTP loop stays here; its decodes go to the compute thread
             return args.run(args)
-        from viasd.models import compute
+        from viasd import compute
 
         return compute.run(args.run, args)  # model work on the process' one compute thread
     except ViasdError as e:

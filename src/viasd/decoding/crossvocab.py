@@ -28,7 +28,8 @@ import torch
 from viasd.decoding.acceptance import SamplingParams
 from viasd.decoding.drafters import NO_DRAFT, Draft, ModelDrafter, common_prefix
 from viasd.decoding.verifier import CallKind, Verifier, pass_bytes
-from viasd.models.runtime import Decoder, ReducedHead
+from viasd.models.decoder import Decoder
+from viasd.models.layers import ReducedHead
 from viasd.models.vocabulary import VocabBridge
 
 LOOKBEHIND = 3  # drafter tokens before the new text that are re-encoded with it (a merge across the junction)
@@ -115,7 +116,7 @@ class CrossVocabDrafter(ModelDrafter):
         self._healing: dict[bytes, torch.Tensor] = {}
 
     def begin(self, max_len: int, verifier: Verifier) -> None:
-        self.stats = verifier.stats
+        self.stats, self.passes = verifier.stats, verifier.passes
         if getattr(verifier, "source", None) is not None:
             raise ValueError("cross-vocabulary drafting needs a decoder-only verifier")
         self.context = DrafterContext(self.bridge)
@@ -124,7 +125,7 @@ class CrossVocabDrafter(ModelDrafter):
         self.cache = self.decoder.new_cache(self.capacity)
         self.cached_ids = []
         if len(prompt) > 1:  # the prompt but its last token, as ModelDrafter does (prefill work)
-            self.decoder.forward(torch.tensor(prompt[:-1]), 0, self.cache, logits=False)
+            self.passes.forward(self.decoder, torch.tensor(prompt[:-1]), 0, self.cache, logits=False)
             self.stats.observe_call(CallKind.DRAFT, bytes_read=pass_bytes(self.decoder, None, head=False))
             self.cached_ids = list(prompt[:-1])
 

@@ -31,8 +31,9 @@ import torch
 
 from viasd.decoding.drafters import NO_DRAFT, Draft, Drafter
 from viasd.decoding.verifier import CallKind
-from viasd.models import batching, compute
-from viasd.models.runtime import Decoder
+from viasd import compute
+from viasd.execution.passes import Passes
+from viasd.models.decoder import Decoder
 
 _CONTEXT = 64  # positions already in the cache when the pass costs are measured
 _PRIOR = (1.2, 0.8)  # (accepted, rejected) pseudo-counts: alpha starts at 0.6
@@ -42,7 +43,8 @@ _PROBE_MAX = 128  # ... doubling after each probe the full model rejects, up to 
 _FOLLOW = 0.3  # weight of a new pass time in T(r)
 
 
-def pass_times(decoder: Decoder, rows: int, reps: int = 3, last_only: bool = False, keep: bool = True) -> list[float]:
+def pass_times(decoder: Decoder, rows: int, reps: int = 3, last_only: bool = False, keep: bool = True,
+               passes: Passes | None = None) -> list[float]:
     """Seconds of a forward pass of 1..rows tokens after a `_CONTEXT`-position prompt (medians, on a
     scratch cache), measured once per decoder, row count and kind of pass (`last_only`: the last row's
     logits only, as drafting passes ask; else every row's, as verification passes) and kept on it, where
@@ -50,7 +52,7 @@ def pass_times(decoder: Decoder, rows: int, reps: int = 3, last_only: bool = Fal
     builds each shape's graph. Non-decreasing: a pass of more rows never counts as cheaper. `keep=False`:
     measured now and not kept, whatever is (the benchmark's recorded costs: its own `reps`, never a
     policy's learnt times). Kept measurements also go to the cache directory for the next processes of
-    this boot of the machine (`stored`)."""
+    this boot of the machine (`stored`). `passes`: the measuring request's, where it runs beside others."""
     cached: dict[tuple[int, bool], list[float]] = decoder.__dict__.setdefault("_pass_times", {})
     if keep and (rows, last_only) in cached:
         return cached[rows, last_only]
@@ -60,10 +62,8 @@ def pass_times(decoder: Decoder, rows: int, reps: int = 3, last_only: bool = Fal
         return times
     # a request served beside others measures in a step of its own (`exclusive`), not in passes shared
     # with the others' (a burst's prompts inflated the first request's measurement 4-9x, for good)
-    session = batching.current()
     whole = _every_core()  # (kept only if measured on every core, from start to end)
-    times = session.exclusive(lambda: _measure(decoder, rows, reps, last_only)) if session is not None else \
-        _measure(decoder, rows, reps, last_only)
+    times = (passes or Passes()).exclusive(lambda: _measure(decoder, rows, reps, last_only))
     if keep:
         cached[rows, last_only] = times
         if key is not None and whole and _every_core():
@@ -109,14 +109,14 @@ def _store_key(decoder: Decoder, rows: int, last_only: bool) -> str | None:
     kept (`VIASD_NO_TIMING_CACHE`, no boot id, a decoder without a native graph)."""
     import hashlib
 
-    import viasd
+    from viasd.version import __version__
 
     graph = getattr(decoder, "_graph", None)
     boot = _boot_id()
     if os.environ.get("VIASD_NO_TIMING_CACHE", "").strip() not in ("", "0") or boot is None or graph is None:
         return None
     budget = compute.budget()
-    what = (boot, viasd.__version__, _kernels_digest(), type(decoder).__name__, repr(decoder.config),
+    what = (boot, __version__, _kernels_digest(), type(decoder).__name__, repr(decoder.config),
             decoder.weight_bytes(), sorted(graph.packed.items()), graph.attention, str(decoder.dtype),
             budget.fixed or budget.cores, rows, last_only)
     return hashlib.sha256(repr(what).encode()).hexdigest()
@@ -167,18 +167,15 @@ def store(key: str, times: list[float]) -> None:
 def _measure(decoder: Decoder, rows: int, reps: int, last_only: bool) -> list[float]:
     """`pass_times`' passes, run here (never parked in a batch session, never through the prefix
     cache: the scratch prompt is nobody's)."""
-    forward = getattr(decoder, "_forward", None)
+    direct = isinstance(decoder, Decoder)
     n = max(1, min(_CONTEXT, decoder.config.max_positions - rows - 1))
     ids = torch.arange(rows + n) % min(1000, decoder.config.vocab_size)  # any tokens: the cost is the same
     cache = decoder.new_cache(n + rows)
 
     def run(tokens: torch.Tensor, start: int, last: bool) -> None:
-        if forward is None:
-            decoder.forward(tokens, start, cache, last_only=last)
-        else:  # (tokens, start, cache, route, last_only, resume, logits, head)
-            forward(tokens, start, cache, None, last, False, True, None)
+        decoder.forward(tokens, start, cache, last_only=last)
 
-    if forward is None:
+    if not direct:
         run(ids[:n], 0, False)
     else:  # the context's positions as they are (zeros): a pass costs the same whatever its keys hold,
         cache._commit(None, 0, n)  # and computing them took qwen 1.5B 0.9 s of its 2.2 s before a first token
@@ -246,7 +243,8 @@ class DraftLength:
     """
 
     def __init__(self, k: int, times: list[float], free_drafts: bool, draft_s: float = 0.0,
-                 check_share: float = 0.0, verify_share: float = 1.0, learnt: list[float] | None = None):
+                 check_share: float = 0.0, verify_share: float = 1.0, learnt: list[float] | None = None,
+                 passes: Passes | None = None):
         if len(times) < k + 1 or times[0] <= 0:
             raise ValueError(f"need positive pass times for 1..{k + 1} rows, got {times}")
         if not (0.0 <= check_share <= 1.0 and 0.0 < verify_share <= 1.0):
@@ -255,6 +253,7 @@ class DraftLength:
         self.check_share, self.verify_share = check_share, verify_share
         self.times = list(times[: k + 1])  # [k+1] seconds of a pass of 1..k+1 rows
         self._learnt = learnt  # where what `observe_pass` learns is kept for the model's next requests
+        self.passes = passes or Passes()  # the request's: whether its passes are its own, beside how many others
         self.accepted, self.rejected = _PRIOR
         self.draft_s = draft_s  # seconds per drafting pass (`drafting_seconds`: measured alone, once)
         self.extra_passes = 0.0  # drafting passes a round makes beyond one per draft (decayed mean)
@@ -306,7 +305,7 @@ class DraftLength:
 
     def choose(self, others: int | None = None) -> int:
         """Drafts for the next round. Served beside `others` other requests (default: the other
-        members of this thread's batch session, a row each), the round's passes carry their rows too
+        members of the request's batch session, a row each), the round's passes carry their rows too
         (`batch_costs`): the draft length that commits the most tokens of all of them per unit of
         their time, so that speculation shrinks to none beside others unless nearly every draft is
         accepted (alone: this request's tokens per unit of its own passes' time). A drafter that costs is probed now and then after rounds
@@ -314,7 +313,7 @@ class DraftLength:
         could not pay even if every one were accepted: a probe beside others makes them all wait for
         its drafter's passes (`batching.lockstep`)."""
         if others is None:
-            others = _others()
+            others = self.passes.others()
         a, costs, pass_cost, round_cost = self.alpha, self.batch_costs(others), self.draft_s / self.times[0], self.round_s / self.times[0]
         drafting = lambda i: (i + self.extra_passes) * pass_cost + round_cost if i else 0.0  # noqa: E731
         rate = lambda alpha, i: (others + expected_tokens(alpha, i)) / (costs[i] + drafting(i))  # noqa: E731
@@ -342,7 +341,7 @@ class DraftLength:
         own: beside others, a pass carries their rows too and waits for their drafters (`batching`),
         and its time is not that of `rows` rows (learnt as such, it made every draft length cost
         about the same, so that 8 served `sd` requests drafted as if alone)."""
-        if 1 <= rows <= len(self.times) and seconds > 0 and _alone():
+        if 1 <= rows <= len(self.times) and seconds > 0 and self.passes.alone():
             self.times[rows - 1] = (1 - _FOLLOW) * self.times[rows - 1] + _FOLLOW * seconds
             if self._learnt is not None and rows <= len(self._learnt):
                 self._learnt[rows - 1] = self.times[rows - 1]
@@ -361,13 +360,13 @@ class DraftLength:
         pass a pass instead of 0.1, and no draft length paid again (1.05x `ar` against 1.19x at a
         fixed 4 on the tuning prompts)."""
         passes = drafted if passes is None else passes
-        if drafted > 0 and passes > 0 and _alone():
+        if drafted > 0 and passes > 0 and self.passes.alone():
             self.extra_passes = 0.5 * self.extra_passes + 0.5 * max(0, passes - drafted)
             if self._steady:
                 self.round_s = 0.5 * self.round_s + 0.5 * max(0.0, seconds - passes * self.draft_s)
 
 
-def drafting_seconds(drafter: Drafter, verifier_times: list[float], k: int = 1) -> float:
+def drafting_seconds(drafter: Drafter, verifier_times: list[float], k: int = 1, passes: Passes | None = None) -> float:
     """Seconds of one drafting pass, before any drafting is measured (a request that starts beside
     others never measures it alone): a drafter model's one-row pass (measured once per model, as the
     verifier's; its last-row passes of up to k + 2 rows, a round's first pass reading what was
@@ -380,11 +379,11 @@ def drafting_seconds(drafter: Drafter, verifier_times: list[float], k: int = 1) 
     decoder = getattr(drafter, "decoder", None)
     if not isinstance(decoder, Decoder) or decoder.is_encoder_decoder:
         return 0.0
-    return pass_times(decoder, k + 2, last_only=True)[0]
+    return pass_times(decoder, k + 2, last_only=True, passes=passes)[0]
 
 
 def draft_policy(decoder: Decoder, drafter: Drafter, k: int, check_share: float = 0.0,
-                 verify_share: float = 1.0, shared: bool = True) -> DraftLength | None:
+                 verify_share: float = 1.0, shared: bool = True, passes: Passes | None = None) -> DraftLength | None:
     """The draft-length policy of a loop that verifies with `decoder` and drafts with `drafter`, its
     costs measured now (before the first token: measuring belongs to the time to it, not to
     decoding); None where there is nothing to choose (k = 0, an encoder-decoder). `check_share`,
@@ -393,26 +392,13 @@ def draft_policy(decoder: Decoder, drafter: Drafter, k: int, check_share: float 
     are not whole ones: a full pass resumed at a layer costs a fraction of one)."""
     if k <= 0 or decoder.is_encoder_decoder:
         return None
-    times = pass_times(decoder, k + 1)
+    times = pass_times(decoder, k + 1, passes=passes)
     # what a request learns of its passes' times starts the next request's: a long-running process (a
     # server) measures the pass costs once, and one measurement (3 passes of each row count) can be
     # off by 10-15% a row count for good (a server's priced 3-5 rows of smollm2 at 1.27-1.45x one row
     # where three fresh processes measured 1.14-1.35x, and its `pld` drafted shorter rounds)
-    return DraftLength(k, times, getattr(drafter, "free", False), drafting_seconds(drafter, times, k), check_share, verify_share,
-                       learnt=times if shared else None)
-
-
-def _others() -> int:
-    """Other requests in this thread's batch session, whose rows share its passes (0 outside one)."""
-    session = batching.current()
-    return max(0, session.members - 1) if session is not None else 0
-
-
-def _alone() -> bool:
-    """Whether this thread's passes are its own: outside a batch session, or its only request (a
-    server's requests waiting, starting or finishing beside it count: their work shares the cores)."""
-    session = batching.current()
-    return session is None or session.alone()
+    return DraftLength(k, times, getattr(drafter, "free", False), drafting_seconds(drafter, times, k, passes), check_share,
+                       verify_share, learnt=times if shared else None, passes=passes)
 
 
 def propose(drafter: Drafter, tokens: list[int], k: int, policy: DraftLength | None) -> tuple[Draft, int | None]:

@@ -19,7 +19,10 @@ import torch
 from viasd.decoding.acceptance import SamplingParams
 from viasd.decoding.stats import DecodeStats
 from viasd.decoding.verifier import CallKind, Verifier, pass_bytes
-from viasd.models.runtime import Decoder, KVCache, LayerMask, ReducedHead
+from viasd.execution.passes import Passes
+from viasd.models.decoder import Decoder
+from viasd.models.kvcache import KVCache, LayerMask
+from viasd.models.layers import ReducedHead
 
 
 @dataclass
@@ -69,6 +72,7 @@ class _AutoregressiveDrafter:
         self.generator = generator
         self.threshold = threshold
         self.stats = DecodeStats()
+        self.passes = Passes()
 
     route: LayerMask | None = None
     head: ReducedHead | None = None  # a drafting route's reduced LM head
@@ -79,7 +83,7 @@ class _AutoregressiveDrafter:
         raise NotImplementedError
 
     def begin(self, max_len: int, verifier: Verifier) -> None:
-        self.stats = verifier.stats
+        self.stats, self.passes = verifier.stats, verifier.passes
 
     def propose(self, context: list[int], k: int) -> Draft:
         tokens, probs = self.draft_ids(context, k)
@@ -125,7 +129,7 @@ class _AutoregressiveDrafter:
 
     def _pass(self, feed: torch.Tensor, start: int, cache: KVCache, rows: int = 1) -> torch.Tensor:
         """The logits of the last `rows` rows of a drafting pass over `feed` ([V], or [rows, V])."""
-        logits = self.decoder.forward(feed, start, cache, route=self.route, last_only=rows == 1, head=self.head)
+        logits = self.passes.forward(self.decoder, feed, start, cache, route=self.route, last_only=rows == 1, head=self.head)
         self.stats.observe_call(CallKind.DRAFT, verifier_share=self.verifier_share, rows=feed.shape[0], model=self.owner,
                                 bytes_read=pass_bytes(self.decoder, self.route, head=self.head))
         return logits[0] if rows == 1 else logits[-rows:]
@@ -159,7 +163,7 @@ class ModelDrafter(_AutoregressiveDrafter):
         # 1000-token RAG prompt on qwen 0.5B) and made drafting look dear to the draft-length policy.
         prompt = verifier.tokens[:-1]
         if prompt:
-            self.decoder.forward(torch.tensor(prompt), 0, self.cache, logits=False)  # K/V only, no head
+            self.passes.forward(self.decoder, torch.tensor(prompt), 0, self.cache, logits=False)  # K/V only, no head
             self.stats.observe_call(CallKind.DRAFT, verifier_share=self.verifier_share,
                                     bytes_read=pass_bytes(self.decoder, None, head=False))
             self.cached_ids = list(prompt)

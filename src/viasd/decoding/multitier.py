@@ -33,7 +33,10 @@ from viasd.decoding.draft_length import DraftLength, PassTimer, draft_policy, pr
 from viasd.decoding.drafters import Draft, Drafter
 from viasd.decoding.tiers import Tier, TierThresholds, confident_round, round_tiers
 from viasd.decoding.verifier import DecodeRequest, Verifier, pass_bytes
-from viasd.models.runtime import Decoder, LayerMask, ReducedHead
+from viasd.execution.passes import Passes
+from viasd.models.decoder import Decoder
+from viasd.models.kvcache import LayerMask
+from viasd.models.layers import ReducedHead
 
 
 def resume_layer(route: LayerMask, resume: bool = True) -> int | None:
@@ -53,7 +56,7 @@ def viasd_lossless_decode(decoder: Decoder, drafter: Drafter, route: LayerMask, 
     then one full pass of one row decides a token, as in `ar`, and beside other served requests
     that is what it does unless nearly every draft is kept)."""
     from_layer = resume_layer(route, resume)
-    policy = lossless_policy(decoder, drafter, route, k, from_layer, head) if adaptive else None
+    policy = lossless_policy(decoder, drafter, route, k, from_layer, head, req.passes) if adaptive else None
     v = Verifier.start(decoder, drafter, req, len(req.prompt) + req.max_new_tokens + k + full_block + 2, tiers=True,
                        resume_layer=from_layer)
     while not v.done:
@@ -77,7 +80,7 @@ def viasd_lossless_decode(decoder: Decoder, drafter: Drafter, route: LayerMask, 
 
 
 def lossless_policy(decoder: Decoder, drafter: Drafter, route: LayerMask, k: int, from_layer: int | None,
-                    head: ReducedHead | None) -> DraftLength | None:
+                    head: ReducedHead | None, passes: Passes | None = None) -> DraftLength | None:
     """Lossless VIA-SD's draft lengths (`DraftLength`): a round with drafts pays a slim pass along
     `route` and a full pass from `from_layer`, each at its share of a full pass' weight bytes (the
     route's share of sub-layers where a model does not say). Pass times stay as measured at the start:
@@ -85,7 +88,8 @@ def lossless_policy(decoder: Decoder, drafter: Drafter, route: LayerMask, k: int
     full = pass_bytes(decoder, None)
     check = pass_bytes(decoder, route, 0, head) / full if full else route.fraction
     verify = pass_bytes(decoder, None, from_layer or 0) / full if full else 1.0
-    return draft_policy(decoder, drafter, k, check_share=min(1.0, check), verify_share=min(1.0, max(verify, 1e-3)))
+    return draft_policy(decoder, drafter, k, check_share=min(1.0, check), verify_share=min(1.0, max(verify, 1e-3)),
+                        passes=passes)
 
 
 class _SlimBlock(NamedTuple):
@@ -173,7 +177,7 @@ class _TieredLoop:
         self.slim_tiers = thresholds.accept <= 1.0 or thresholds.slim <= 1.0
         from_layer = resume_layer(route, resume and self.slim_tiers)
         # (its resumed full passes cost a fraction of a full pass: not learnt for the model's other loops)
-        self.policy = draft_policy(decoder, drafter, k, shared=from_layer is None) if adaptive else None
+        self.policy = draft_policy(decoder, drafter, k, shared=from_layer is None, passes=req.passes) if adaptive else None
         self.v = Verifier.start(decoder, drafter, req, len(req.prompt) + req.max_new_tokens + k + 2, tiers=True,
                                 resume_layer=from_layer)
         self.v.hold = correct

@@ -17,7 +17,9 @@ from viasd.decoding.strategies import autoregressive_decode, speculative_decode
 from viasd.decoding.tiers import TierThresholds
 from viasd.decoding.verifier import DecodeRequest
 from viasd.errors import UsageError
-from viasd.models.runtime import Decoder, LayerMask, ReducedHead
+from viasd.models.decoder import Decoder
+from viasd.models.kvcache import LayerMask
+from viasd.models.layers import ReducedHead
 
 
 class DraftKind(StrEnum):

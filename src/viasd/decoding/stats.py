@@ -4,10 +4,10 @@ from __future__ import annotations
 
 import time
 from collections import Counter
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from viasd.decoding.tiers import Tier
-from viasd.models.runtime import forward_seconds
 
 
 @dataclass
@@ -65,9 +65,11 @@ class DecodeStats:
     # was wrong: what a slim tier can rescue)
     rescues: int = 0
     rescues_kept: int = 0
-    # decode-only seconds (after the first token) inside model passes (`runtime.forward_seconds`); the
-    # rest of the decode-only time is host time: sampling, acceptance, drafts' conversion, streaming
+    # decode-only seconds (after the first token) inside model passes (`pass_seconds`: the request's
+    # `Passes.seconds`); the rest of the decode-only time is host time: sampling, acceptance, drafts'
+    # conversion, streaming
     decode_pass_s: float = 0.0
+    pass_seconds: Callable[[], float] | None = field(default=None, repr=False, compare=False)
     _t0: float = field(default_factory=time.perf_counter, repr=False)
     _pass_mark: float | None = field(default=None, repr=False)
 
@@ -119,7 +121,7 @@ class DecodeStats:
     def observe_tokens(self, n: int) -> None:
         if self.first_token_s is None and n > 0:
             self.first_token_s = time.perf_counter() - self._t0
-            self._pass_mark = forward_seconds()
+            self._pass_mark = self.pass_seconds() if self.pass_seconds is not None else None
         self.new_tokens += n
 
     def merge(self, other: "DecodeStats") -> "DecodeStats":
@@ -150,7 +152,7 @@ class DecodeStats:
     def finish(self) -> None:
         self.wall_s = time.perf_counter() - self._t0
         if self._pass_mark is not None:
-            self.decode_pass_s = forward_seconds() - self._pass_mark
+            self.decode_pass_s = self.pass_seconds() - self._pass_mark
 
     @property
     def decode_tokens_per_s(self) -> float:

@@ -10,7 +10,7 @@ from viasd.decoding.acceptance import DeferralRule, accept, cascade_target_probs
 from viasd.decoding.draft_length import PassTimer, draft_policy, propose
 from viasd.decoding.drafters import Drafter
 from viasd.decoding.verifier import DecodeRequest, Verifier
-from viasd.models.runtime import Decoder
+from viasd.models.decoder import Decoder
 
 
 def autoregressive_decode(decoder: Decoder, req: DecodeRequest) -> list[int]:
@@ -40,7 +40,7 @@ def speculative_decode(
     per measured second (`draft_length.DraftLength`), down to none.
     """
     params, stats = req.params, req.stats
-    policy = draft_policy(decoder, drafter, k) if adaptive else None
+    policy = draft_policy(decoder, drafter, k, passes=req.passes) if adaptive else None
     v = Verifier.start(decoder, drafter, req, len(req.prompt) + req.max_new_tokens + k + 1)
     while not v.done:
         # 1. draft up to k tokens (as many as the policy chooses); never more than the budget can use

@@ -4,7 +4,7 @@ The cache invariant, stated once and kept here: after each `commit`, the verifie
 every committed token but the last (whose logits the next pass computes together with whatever
 comes after it). In tiered VIA-SD the full model may lag further behind: positions n_full ..
 len(tokens)-1 are then *pending* and the next full pass processes them first.
-`models.runtime.KVCache` enforces which positions a routed pass may write (never below n_full).
+`models.kvcache.KVCache` enforces which positions a routed pass may write (never below n_full).
 
 An encoder-decoder verifier (T5) reads the prompt as its *source*: `prefill` encodes it once (the
 cross-attention K/V go into the cache) and the committed tokens start with the decoder's start
@@ -23,7 +23,10 @@ import torch
 from viasd.decoding.acceptance import SamplingParams
 from viasd.decoding.stats import DecodeStats
 from viasd.decoding.tiers import Tier
-from viasd.models.runtime import Decoder, KVCache, LayerMask, ReducedHead
+from viasd.execution.passes import Passes
+from viasd.models.decoder import Decoder
+from viasd.models.kvcache import KVCache, LayerMask
+from viasd.models.layers import ReducedHead
 
 if TYPE_CHECKING:
     from viasd.decoding.drafters import Drafter
@@ -49,6 +52,11 @@ class DecodeRequest:
     stats: DecodeStats = field(default_factory=DecodeStats)
     generator: torch.Generator | None = None
     on_tokens: Callable[[list[int]], None] | None = None  # called with each batch of newly committed ids
+    passes: Passes = field(default_factory=Passes)  # how its model passes run (a server's batch, prefix caches)
+
+    def __post_init__(self) -> None:
+        if self.stats.pass_seconds is None:
+            self.stats.pass_seconds = lambda: self.passes.seconds
 
 
 def pass_bytes(decoder, route: LayerMask | None, from_layer: int = 0, head: bool | ReducedHead | None = True) -> int:
@@ -63,7 +71,7 @@ class Verifier:
     """Decoder, KV cache, committed tokens and statistics of one request."""
 
     def __init__(self, decoder: Decoder, req: DecodeRequest, max_len: int, resume_layer: int | None = None):
-        self.decoder, self.req, self.stats = decoder, req, req.stats
+        self.decoder, self.req, self.stats, self.passes = decoder, req, req.stats, req.passes
         self.stats.full_pass_bytes = pass_bytes(decoder, None)
         self.cache: KVCache = decoder.new_cache(max_len)
         if resume_layer is not None and not decoder.is_encoder_decoder:
@@ -90,7 +98,7 @@ class Verifier:
         keeping every layer below it already processed (`full`).
 
         Every strategy starts the same way, so every lossless one runs the prompt through exactly the
-        passes `ar` runs: with batch-invariant passes (see `models.runtime`) their outputs are then equal
+        passes `ar` runs: with batch-invariant passes (see `models.decoder`) their outputs are then equal
         token for token, not merely equal up to rounding."""
         verifier = cls(decoder, req, max_len, resume_layer)
         if drafter is not None:
@@ -117,7 +125,7 @@ class Verifier:
             self.stats.observe_call(CallKind.FULL, verifier_share=1.0)
         if not self.tokens:
             return None
-        logits = self.decoder.forward(torch.tensor(self.tokens), 0, self.cache, last_only=True)
+        logits = self.passes.forward(self.decoder, torch.tensor(self.tokens), 0, self.cache, last_only=True)
         self.stats.observe_call(CallKind.FULL, verifier_share=1.0, bytes_read=pass_bytes(self.decoder, None))
         return logits[0]
 
@@ -138,7 +146,7 @@ class Verifier:
         if cache.n_exact < end:
             lower = LayerMask.lower(self.decoder.config.n_layers, m)
             seq = self.tokens + ahead
-            self.decoder.forward(torch.tensor(seq[cache.n_exact :]), cache.n_exact, cache, route=lower, logits=False)
+            self.passes.forward(self.decoder, torch.tensor(seq[cache.n_exact :]), cache.n_exact, cache, route=lower, logits=False)
             self.stats.observe_call(CallKind.LOWER, verifier_share=lower.fraction, bytes_read=pass_bytes(self.decoder, lower, head=False),
                                     rows=end - cache.n_exact)
         return self._pass(None, start, ahead, n_rows, CallKind.FULL, resume=True)
@@ -158,7 +166,7 @@ class Verifier:
     def _pass(self, route: LayerMask | None, start: int, ahead: list[int], n_rows: int, kind: CallKind,
               resume: bool = False, head: ReducedHead | None = None) -> torch.Tensor:
         seq = self.tokens + ahead
-        logits = self.decoder.forward(torch.tensor(seq[start:]), start, self.cache, route=route, resume=resume, head=head)  # [len - start, V]
+        logits = self.passes.forward(self.decoder, torch.tensor(seq[start:]), start, self.cache, route=route, resume=resume, head=head)  # [len - start, V]
         first = self.cache.resume_layer if resume else 0
         share = (1.0 if route is None else route.fraction) - (first / self.decoder.config.n_layers)
         self.stats.observe_call(kind, verifier_share=share, bytes_read=pass_bytes(self.decoder, route, first, head), rows=len(seq) - start)

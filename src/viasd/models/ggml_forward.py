@@ -1,6 +1,6 @@
 """The forward pass of a decoder with native weights, as one ggml graph.
 
-The same pass as `runtime.Decoder.forward` (the same family switches, routes and KV-cache invariant,
+The same pass as `decoder.Decoder.forward` (the same family switches, routes and KV-cache invariant,
 which `Decoder.forward` checks before and records after calling this), built with ggml's ops so that a
 decoding step is one call into C instead of some twenty torch ops a layer: embedding lookup (and
 Gemma's scale), per layer the norm, the Q/K/V products (+ bias), Q/K norms, RoPE, the writes of K and
@@ -31,9 +31,10 @@ import torch
 from viasd.models import ggml_kernels as gk
 from viasd.models import rowexact
 from viasd.models.ggml_kernels import F32, I32, QuantLinear, lib
+from viasd.models.kvcache import ROW_ATTENTION_MAX, KVCache, LayerMask
 
-if TYPE_CHECKING:
-    from viasd.models.runtime import Decoder, KVCache, LayerMask
+if TYPE_CHECKING:  # annotations only: the decoder builds its graph from here
+    from viasd.models.decoder import Decoder
 
 F16, I64 = 1, 27
 _ROPE_NEOX = 2  # rotate-half RoPE, as transformers applies it to every family here
@@ -161,8 +162,6 @@ class NativeForward:
         streams stored in each request's cache's `hidden` rows at its positions); `save`, the layer
         whose incoming stream it stores there; with no logits at all it ends at its last kept
         sub-layer; `head`: a reduced LM head's product instead of the full one."""
-        from viasd.models.runtime import ROW_ATTENTION_MAX
-
         g, cfg, dec = lib(), self.dec.config, self.dec
         n_rows = sum(n for n, _, _ in parts)
         per_layer = 48 + 14 * len(parts)  # tensors of a layer: its ops, and per request its views, writes and caches

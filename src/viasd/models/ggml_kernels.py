@@ -28,64 +28,17 @@ from pathlib import Path
 
 import torch
 
+from viasd import compute
 from viasd.errors import ViasdError
-from viasd.models import compute, rowexact
+from viasd.models import rowexact
+from viasd.models.ggml_abi import (BF16, F16, F32, GGML_MAX_DIMS, GGML_MAX_N_THREADS, GGML_MAX_NAME, GGML_MAX_OP_PARAMS,  # noqa: F401
+                                   GGML_MAX_SRC, I32, _OBJECT_SIZE, _CPlan, _InitParams, _Tensor, _ThreadpoolParams)
 
-# enum ggml_type values the loader may meet (the GGUF's tensor types use the same numbers)
-F32, F16, BF16, I32 = 0, 1, 30, 26
-GGML_MAX_DIMS, GGML_MAX_SRC, GGML_MAX_OP_PARAMS, GGML_MAX_NAME, GGML_MAX_N_THREADS = 4, 10, 64, 64, 512
-_OBJECT_SIZE = 32  # sizeof(struct ggml_object)
 KEEP_GRAPH_ROWS = 64  # graphs for up to this many rows are kept; longer (prefill) ones are built per call
 
 
 class NativeWeightsUnavailable(ViasdError):
     """The ggml kernels cannot be loaded here (package missing or built for another CPU)."""
-
-
-class _Tensor(ctypes.Structure):  # struct ggml_tensor (ggml.h of ggml-py 0.10.1)
-    _fields_ = [
-        ("type", ctypes.c_int),
-        ("buffer", ctypes.c_void_p),
-        ("ne", ctypes.c_int64 * GGML_MAX_DIMS),
-        ("nb", ctypes.c_size_t * GGML_MAX_DIMS),
-        ("op", ctypes.c_int),
-        ("op_params", ctypes.c_int32 * (GGML_MAX_OP_PARAMS // 4)),
-        ("flags", ctypes.c_int32),
-        ("src", ctypes.c_void_p * GGML_MAX_SRC),
-        ("view_src", ctypes.c_void_p),
-        ("view_offs", ctypes.c_size_t),
-        ("data", ctypes.c_void_p),
-        ("name", ctypes.c_char * GGML_MAX_NAME),
-        ("extra", ctypes.c_void_p),
-        ("padding", ctypes.c_char * 8),
-    ]
-
-
-class _InitParams(ctypes.Structure):
-    _fields_ = [("mem_size", ctypes.c_size_t), ("mem_buffer", ctypes.c_void_p), ("no_alloc", ctypes.c_bool)]
-
-
-class _CPlan(ctypes.Structure):
-    _fields_ = [
-        ("work_size", ctypes.c_size_t),
-        ("work_data", ctypes.c_void_p),
-        ("n_threads", ctypes.c_int),
-        ("threadpool", ctypes.c_void_p),
-        ("abort_callback", ctypes.c_void_p),
-        ("abort_callback_data", ctypes.c_void_p),
-        ("use_ref", ctypes.c_bool),
-    ]
-
-
-class _ThreadpoolParams(ctypes.Structure):
-    _fields_ = [
-        ("cpumask", ctypes.c_bool * GGML_MAX_N_THREADS),
-        ("n_threads", ctypes.c_int),
-        ("prio", ctypes.c_int),
-        ("poll", ctypes.c_uint32),
-        ("strict_cpu", ctypes.c_bool),
-        ("paused", ctypes.c_bool),
-    ]
 
 
 _T = ctypes.POINTER(_Tensor)

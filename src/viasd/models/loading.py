@@ -40,49 +40,15 @@ from viasd.errors import (
     UnsupportedArchitectureError,
     UsageError,
 )
-from viasd.models import compute
+from viasd import compute
+from viasd.models.cache import _log, _progress, cache_dir, file_key, sha256_file  # noqa: F401 (cache_dir: the package's name for it)
 from viasd.models.native import NATIVE_ARCHITECTURES, read_native
-from viasd.models.runtime import SUPPORTED_ARCHITECTURES, Decoder, ModelConfig
+from viasd.models.config import SUPPORTED_ARCHITECTURES, ModelConfig
+from viasd.models.decoder import Decoder
 from viasd.models.vocabulary import Vocabulary, vocabulary_of
 from viasd.models.zoo import ZOO, ZooEntry
 
 _META = "viasd-model.json"
-
-
-def cache_dir() -> Path:
-    """`$VIASD_CACHE`, else `$XDG_CACHE_HOME/viasd`, else `~/.cache/viasd`."""
-    if os.environ.get("VIASD_CACHE"):
-        return Path(os.environ["VIASD_CACHE"]).expanduser()
-    base = os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache"
-    return Path(base) / "viasd"
-
-
-def _log(msg: str) -> None:
-    print(msg, file=sys.stderr, flush=True)
-
-
-def sha256_file(path: Path, progress: bool = False) -> str:
-    h = hashlib.sha256()
-    size = path.stat().st_size
-    with open(path, "rb") as f, _progress(size, f"sha256 {path.name}", progress) as bar:
-        while chunk := f.read(1 << 22):
-            h.update(chunk)
-            bar.update(len(chunk))
-    return h.hexdigest()
-
-
-def file_key(path: Path) -> list[int]:
-    """(size, mtime_ns, inode) of a file: what a full sha256 check is recorded against. A file whose
-    key is unchanged since its last full check is not hashed again (a warm load stays fast); any write
-    to it, or a replacement, changes the key and so brings the full check back."""
-    st = path.stat()
-    return [st.st_size, st.st_mtime_ns, st.st_ino]
-
-
-def _progress(total: int, desc: str, enabled: bool):
-    from tqdm import tqdm
-
-    return tqdm(total=total, desc=desc, unit="B", unit_scale=True, disable=not enabled, file=sys.stderr, leave=False)
 
 
 # --------------------------------------------------------------------------------------------- zoo
@@ -531,7 +497,7 @@ def load_state_dict(path: Path, skip: "set[str] | frozenset[str]" = frozenset())
     return state
 
 
-@compute.owned  # the load's torch work on the thread that will decode (models/compute.py)
+@compute.owned  # the load's torch work on the thread that will decode (compute.py)
 def load_model(
     source: str,
     dtype: torch.dtype | None = None,

@@ -26,7 +26,7 @@ import torch
 
 from viasd.errors import CorruptFileError, CorruptGGUFError
 from viasd.models import ggml_kernels as gk
-from viasd.models.runtime import ModelConfig
+from viasd.models.config import ModelConfig
 from viasd.validation import atomic_write_text
 
 # the GGUF architecture name of each transformers model_type the runtime reads natively
@@ -153,7 +153,7 @@ def tensor_index(path: Path) -> dict[str, tuple[int, tuple[int, ...], int, int]]
     The index records a checksum of its content and of the key it was built for: one that does not
     match (or is damaged in any way) is rebuilt from the file. Every index, read or fresh, is checked
     for sizes that match each tensor's type and shape, data within the file and no overlaps."""
-    from viasd.models.loading import cache_dir, file_key
+    from viasd.models.cache import cache_dir, file_key
 
     key = file_key(path)
     resolved = str(path.resolve())
@@ -185,7 +185,7 @@ def tensor_index(path: Path) -> dict[str, tuple[int, tuple[int, ...], int, int]]
 
 def _replace_hint(path: Path) -> str:
     """For a zoo download: how to replace it."""
-    from viasd.models.loading import cache_dir
+    from viasd.models.cache import cache_dir
 
     try:
         if path.resolve().is_relative_to((cache_dir() / "downloads").resolve()):

@@ -92,7 +92,7 @@ def kernel_damage(so: Path, build_key: str | None = None) -> str | None:
     when it was built: the .so's sha256 and the build key of the source and flags it came from) is
     missing or unreadable, was made for another build, or its sha256 differs (truncated, garbled or
     replaced). `build_key`: the current build's (else the one the file name carries)."""
-    from viasd.models.loading import sha256_file
+    from viasd.models.cache import sha256_file
 
     try:
         rec = json.loads(_record_path(so).read_text(encoding="utf-8"))
@@ -119,7 +119,7 @@ def _compile() -> Path:
     kernel that cannot be rebuilt, is a one-line `CorruptCacheError` (never a silent switch to
     ggml's kernels, which would change the output)."""
     from viasd.errors import CorruptCacheError
-    from viasd.models.loading import cache_dir, sha256_file
+    from viasd.models.cache import cache_dir, sha256_file
     from viasd.validation import atomic_write_text
 
     kernels = cache_dir() / "kernels"
@@ -166,7 +166,7 @@ def lib() -> ctypes.CDLL | None:
             except OSError as e:
                 _lib_error = str(e)
                 return None
-            from viasd.models.ggml_kernels import _Tensor
+            from viasd.models.ggml_abi import _Tensor
 
             cdll.rx_set_layout(ctypes.c_size_t(_Tensor.ne.offset), ctypes.c_size_t(_Tensor.nb.offset),
                                ctypes.c_size_t(_Tensor.src.offset), ctypes.c_size_t(_Tensor.data.offset))

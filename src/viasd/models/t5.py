@@ -22,33 +22,11 @@ import torch
 import torch.nn.functional as F
 
 from viasd.errors import UnsupportedArchitectureError
-from viasd.models.runtime import KVCache, LayerMask, ModelConfig, PackedLinear, _rms_norm, begin_pass
+from viasd.models.config import ModelConfig, t5_config
+from viasd.models.kvcache import KVCache, LayerMask, begin_pass
+from viasd.models.layers import PackedLinear, _rms_norm
 
 T5_ARCHITECTURES = ("t5",)
-
-
-def t5_config(hf) -> ModelConfig:
-    """`ModelConfig` of a T5's decoder side (n_layers = decoder layers)."""
-    act = hf.dense_act_fn
-    if act not in ("relu", "gelu_new", "gelu_pytorch_tanh"):
-        raise UnsupportedArchitectureError(f"unsupported t5 feed-forward activation {act!r}")
-    return ModelConfig(
-        architecture=hf.model_type,
-        n_layers=hf.num_decoder_layers,
-        hidden=hf.d_model,
-        n_heads=hf.num_heads,
-        n_kv_heads=hf.num_heads,
-        head_dim=hf.d_kv,
-        intermediate=hf.d_ff,
-        vocab_size=hf.vocab_size,
-        rope_theta=0.0,  # relative position bias instead
-        rms_eps=float(hf.layer_norm_epsilon),
-        qkv_bias=False,
-        tied_embeddings=bool(getattr(hf, "scale_decoder_outputs", hf.tie_word_embeddings)),
-        max_positions=1 << 16,  # relative positions: no table bounds the length
-        family="t5",
-        activation=("gated_" if hf.is_gated_act else "") + ("relu" if act == "relu" else "gelu_tanh"),
-    )
 
 
 class Seq2SeqCache(KVCache):

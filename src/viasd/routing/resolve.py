@@ -7,12 +7,12 @@ from pathlib import Path
 from typing import TYPE_CHECKING, NamedTuple
 
 from viasd.errors import UsageError
-from viasd.models.runtime import LayerMask
+from viasd.models.kvcache import LayerMask
 from viasd.routing.route import ModelFingerprint, Route, RouteError, shipped_route, shipped_route_path
 
 if TYPE_CHECKING:
     from viasd.models.loading import LoadedModel
-    from viasd.models.runtime import ReducedHead
+    from viasd.models.layers import ReducedHead
 
 
 def default_draft_layers(n_layers: int) -> tuple[int, ...]:

@@ -12,7 +12,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 from viasd.errors import MalformedFileError
-from viasd.models.runtime import LayerMask
+from viasd.models.kvcache import LayerMask
 from viasd.validation import atomic_write_text, dumps_strict, read_json
 
 FORMAT = "viasd-route/1"

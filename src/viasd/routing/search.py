@@ -25,10 +25,10 @@ from pathlib import Path
 
 import torch
 
-from viasd.models import compute
+from viasd import compute
 from viasd.errors import UsageError
 from viasd.models.loading import LoadedModel, cache_dir, same_vocabulary
-from viasd.models.runtime import LayerMask
+from viasd.models.kvcache import LayerMask
 from viasd.routing.route import ModelFingerprint, Route
 from viasd.validation import atomic_write_bytes, check_choice, check_float, check_int, check_seed, check_writable_file, lock_beside
 

@@ -1,6 +1,6 @@
 """The decode worker: one model in memory; up to `max_batch` requests decoding at once, each in a
 thread of its own running `viasd.generate`, their forward passes stacked into shared passes on the
-process' compute thread (`viasd.models.batching`); a bounded FIFO of admitted requests behind them.
+process' compute thread (`viasd.execution.batching`); a bounded FIFO of admitted requests behind them.
 
 The HTTP side (app.py) runs on the asyncio loop; a request becomes a `Job` whose events (text pieces,
 then done / cancelled / error) the worker posts back to the loop. Stop strings and cancellation go
@@ -21,10 +21,10 @@ from dataclasses import dataclass, field
 from viasd.api import GenerateConfig, StopGeneration, drafts_with_model, generate
 from viasd.decoding.stats import DecodeResult
 from viasd.errors import ViasdError
-from viasd.models import compute
-from viasd.models.batching import BatchSession
-from viasd.models import prefix
-from viasd.models.prefix import PrefixCache
+from viasd import compute
+from viasd.execution.batching import BatchSession
+from viasd.execution.passes import Passes
+from viasd.execution.prefix import PrefixCache
 
 
 class StopText:
@@ -143,14 +143,14 @@ def kv_bytes(model, positions: int) -> int:
 
 class Worker:
     """Runs up to `max_batch` requests at once, their forward passes batched on the compute thread
-    (`models.batching`), and admits up to `max_queue` more waiting in order behind them; a request
+    (`execution.batching`), and admits up to `max_queue` more waiting in order behind them; a request
     waits too while the KV caches of the running ones leave less than it needs of `kv_budget`."""
 
     def __init__(self, model, drafter=None, max_queue: int = 64, on_depth=None, max_batch: int = 8,
                  kv_budget: int | None = None, prefix_cache: int = 0):
         self.model, self.drafter, self.max_queue, self.max_batch = model, drafter, max_queue, max_batch
         # prompts' K/V reused across requests (a chat template's system prompt: 24 of qwen's ~40
-        # prompt tokens here), `prefix_cache` bytes for each model; results unchanged (models/prefix.py)
+        # prompt tokens here), `prefix_cache` bytes for each model; results unchanged (execution/prefix.py)
         self.prefix_caches = [(m.decoder, PrefixCache(prefix_cache)) for m in (model, drafter) if m is not None and prefix_cache]
         self.kv_budget = default_kv_budget() if kv_budget is None else kv_budget
         self.kv_used = 0
@@ -280,8 +280,8 @@ class Worker:
                 raise StopGeneration()
 
         drafter = self.drafter if self.drafter is not None and drafts_with_model(GenerateConfig.from_settings(**job.settings)) else None
-        with prefix.serving(self.prefix_caches):
-            result = generate(job.prompt, self.model, drafter=drafter, on_text=on_text, progress=False, **job.settings)
+        passes = Passes(self.session, self.prefix_caches)  # its passes batched with the others', through the prefix caches
+        result = generate(job.prompt, self.model, drafter=drafter, on_text=on_text, progress=False, passes=passes, **job.settings)
         job.result = result
         if cancelled:
             job.post("cancelled")

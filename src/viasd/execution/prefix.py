@@ -10,38 +10,16 @@ positions' own logits are not kept. A cache that keeps residual streams for resu
 (`KVCache.enable_resume`, VIA-SD) reuses entries kept at the same layer, streams included.
 
 Off by default (a benchmark's prompts would share their template's prefill, and their timings with
-it): a cache serves the decoders it is given to, on the threads inside `serving(...)`; `viasd serve`
-runs every request that way (`--prefix-cache-mb`).
+it): a request's passes go through the caches its `execution.passes.Passes` is given; `viasd serve`
+gives every request its models' caches (`--prefix-cache-mb`).
 """
 
 from __future__ import annotations
 
-import contextlib
-import contextvars
 import threading
 from collections import OrderedDict
-from collections.abc import Iterator
 
 import torch
-
-_caches: contextvars.ContextVar[dict | None] = contextvars.ContextVar("viasd_prefix_caches", default=None)
-
-
-@contextlib.contextmanager
-def serving(caches: list[tuple[object, "PrefixCache"]]) -> Iterator[None]:
-    """Within the block (this thread's context, and the compute thread's work it submits),
-    `Decoder.forward` of each decoder of `caches` ((decoder, PrefixCache) pairs) goes through its cache."""
-    token = _caches.set({id(d): c for d, c in caches})
-    try:
-        yield
-    finally:
-        _caches.reset(token)
-
-
-def active(decoder) -> "PrefixCache | None":
-    """The prefix cache `decoder` uses in this context, if any."""
-    caches = _caches.get()
-    return caches.get(id(decoder)) if caches else None
 
 MIN_REUSE = 4  # positions: shorter shared prefixes are computed again (the copy is not worth it)
 

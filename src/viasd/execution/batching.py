@@ -2,13 +2,13 @@
 shared passes on the compute thread.
 
 Each request runs its own, unchanged decoding loop (any strategy: `ar`, `pld`, `sd`, VIA-SD) in a
-thread of its own that is a *member* of a `BatchSession`. A member's `Decoder.forward` calls do not
-compute: they park in the session. The compute thread (`step`) waits until every member is parked
+thread of its own that is a *member* of a `BatchSession`. A member's passes (`execution.passes.Passes`
+with the session) do not compute: they park in the session. The compute thread (`step`) waits until every member is parked
 (or `MAX_WAIT_S` has passed with some parked), then runs all parked calls at once: calls of one
 decoder along one route with one head become one pass (`Decoder.forward_many`: every product over
 all their rows, each request's rows attending its own cache), the rest run one by one. Members do
 only their loops' light work (acceptance, sampling, text) between passes, on one torch thread each,
-so that the OpenMP teams stay with the compute thread (`models/compute.py` says why).
+so that the OpenMP teams stay with the compute thread (`compute.py` says why).
 
 Speculative members run in lockstep (`lockstep`): while a cheaper model's calls are parked (a
 drafter's, a slim route's), the dearer ones wait for them, so that every member drafts in the same
@@ -26,10 +26,11 @@ import time
 from collections.abc import Callable
 from typing import TYPE_CHECKING, TypeVar
 
-from viasd.models import compute
+from viasd import compute
+from viasd.models.kvcache import ROW_ATTENTION_MAX
 
 if TYPE_CHECKING:
-    from viasd.models.runtime import Decoder
+    from viasd.models.decoder import Decoder
 
 MAX_WAIT_S = 0.005  # a pass waits at most this long for members still busy elsewhere (8 smollm2 clients:
 # 160 tok/s and TTFT p50 0.49 s against 145-148 and 0.9-1.2 s at 50 ms; 1 ms: 144, 0.22 s)
@@ -37,13 +38,7 @@ MAX_WAIT_S = 0.005  # a pass waits at most this long for members still busy else
 MAX_DEFER = 16  # steps a call waits at most for cheaper models' calls (`lockstep`): four times the
 # default draft length (`--k` 4), so that a member drafting long rounds cannot hold the others for good
 
-_local = threading.local()
 T = TypeVar("T")
-
-
-def current() -> BatchSession | None:
-    """The session of the calling thread, if it is a member."""
-    return getattr(_local, "session", None)
 
 
 class _Call:
@@ -74,20 +69,18 @@ class BatchSession:
 
     # ------------------------------------------------------------------ members
     def member(self, fn: Callable, *args, **kwargs):
-        """Run `fn` in the calling thread as a member: its forward calls go through the session."""
+        """Run `fn` in the calling thread as a member (its passes parked here: `Passes(session=self)`)."""
         import torch
 
         torch.set_num_threads(1)  # a member's own torch work is small: no OpenMP team of its own
         with self._cv:
             self.members += 1
             self._cv.notify_all()
-        _local.session = self
         compute.enter_member()
         try:
             return fn(*args, **kwargs)
         finally:
             compute.leave_member()
-            _local.session = None
             with self._cv:
                 self.members -= 1
                 self._cv.notify_all()
@@ -99,11 +92,11 @@ class BatchSession:
         thread of its own it ran at 0.92-0.96x). Other members are served while it waits in a pass."""
         with self._cv:
             self.members += 1
-        _local.session, self._inline = self, threading.get_ident()
+        self._inline = threading.get_ident()
         try:
             return fn(*args, **kwargs)
         finally:
-            _local.session, self._inline = None, None
+            self._inline = None
             with self._cv:
                 self.members -= 1
                 self._cv.notify_all()
@@ -115,7 +108,7 @@ class BatchSession:
 
     def exclusive(self, fn: Callable[[], T]) -> T:
         """`fn()` on the compute thread in a step of its own: no member's pass runs beside it or
-        between its passes, which call the decoders' `_forward` themselves. For measuring pass times
+        between its passes, which call the decoders' `forward` themselves. For measuring pass times
         from a member: through the shared steps, the first request of a burst timed its passes with
         the others' prompts run in the same steps and priced smollm2's 1-5 rows at 34-114 ms where
         alone they take 4.5-13, for every later request of the process."""
@@ -249,8 +242,7 @@ def _run_one(call: _Call) -> None:
         if call.decoder is None:  # `exclusive`
             call.result = call.args[0]()
             return
-        # the pass itself (`Decoder._forward`): the member went through the prefix cache already
-        call.result = getattr(call.decoder, "_forward", call.decoder.forward)(*call.args, **call.kwargs)
+        call.result = call.decoder.forward(*call.args, **call.kwargs)
     except BaseException as e:  # handed to the member, raised there
         call.error = e
 
@@ -260,8 +252,6 @@ def _group_key(call: _Call) -> tuple:
     resumed at a layer (VIA-SD's) shares with those resumed at the same layer, and a pass storing the
     streams entering a layer with those storing at the same one (each request reads and writes its
     own cache's): run alone, lossless VIA-SD served 8 requests at 0.28x `ar`'s tokens/s."""
-    from viasd.models.runtime import ROW_ATTENTION_MAX
-
     dec, args, kw = call.decoder, call.args, call.kwargs
     if dec is None:  # `exclusive`
         return (None, id(call))
@@ -282,7 +272,5 @@ def padded_rows(n: int, start: int, max_len: int) -> int:
     strategies: 10-20 ms each); the padding rows' outputs are dropped and their K/V lie past the
     request's positions, never read. Prompts pad to a multiple of 8, not to a power of two: each
     padding row costs what a real one does (a 40-token prompt padded to 64 cost 1.6x its rows)."""
-    from viasd.models.runtime import ROW_ATTENTION_MAX
-
     b = 1 << max(0, n - 1).bit_length() if n <= 8 else -(-n // 8) * 8
     return b if b <= ROW_ATTENTION_MAX and start + b <= max_len else n

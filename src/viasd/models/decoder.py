@@ -1,0 +1,359 @@
+"""A lean decoder forward pass for the Llama family (llama / SmolLM2, qwen2, mistral) and the Gemma
+family (gemma2, gemma3), with routes.
+
+Routes and the KV cache's invariant: `models/kvcache.py`. The decoder computes passes and nothing
+else: batching, prefix caching and pass timing wrap it from above (`viasd.execution`).
+
+The forward pass is written once; architectures differ only in `ModelConfig` fields, read once at
+construction (QKV bias for qwen2; for Gemma: embedding scale sqrt(hidden), RMSNorm weights (1 + w)
+folded in when the weights are loaded, norms after attention and MLP as well as before, gated tanh-GeLU,
+query/key norms (gemma3), attention and final logit soft-capping (gemma2), sliding-window layers
+interleaved with global ones, each kind with its own RoPE base, and `query_pre_attn_scalar`).
+The Llama path runs none of the Gemma code: each switch is a constant of the model.
+
+Weights in the model file's own format (`native`, the default for a GGUF) run the same pass as one
+ggml graph (`models/ggml_forward.py`); `Decoder.forward` still checks the route and the cache
+invariant around it. The torch code below is the float path (float32, the reference; bfloat16).
+Every row attends row by row in both, in passes of at most ROW_ATTENTION_MAX rows (longer ones are
+split), so that a row's result does not depend on the other rows of its pass (what makes lossless
+strategies equal `ar` token for token, and a request's tokens the same in any batch).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import ClassVar
+
+import torch
+import torch.nn.functional as F
+
+from viasd.errors import UnsupportedArchitectureError
+from viasd.models import ggml_forward
+from viasd.models.config import ModelConfig
+from viasd.models.ggml_kernels import NativeTensor, QuantEmbedding, QuantLinear
+from viasd.models.kvcache import ROW_ATTENTION_MAX, KVCache, LayerMask, begin_pass
+from viasd.models.layers import (Embedding, Linear, PackedLinear, ReducedHead, _attention, _Layer, _rms_norm, _rope_table,
+                                 _rotate_half, _softcap)
+
+
+@dataclass
+class Decoder:
+    """Weights of one model and its forward pass. Holds no per-request state (that is the KVCache)."""
+
+    is_encoder_decoder: ClassVar[bool] = False  # see models/t5.py for the encoder-decoder one
+    config: ModelConfig
+    embed: Embedding | QuantEmbedding  # ids [T] -> [T, hidden]
+    layers: list[_Layer]
+    norm: torch.Tensor  # [hidden]
+    lm_head: Linear  # hidden -> vocab
+    dtype: torch.dtype
+    device: torch.device
+    _cos: torch.Tensor = field(repr=False)  # [n_tables, max_positions, head_dim]: global, then local RoPE
+    _sin: torch.Tensor = field(repr=False)
+    _graph: "ggml_forward.NativeForward | None" = field(default=None, repr=False)  # native weights: the pass as a ggml graph
+    _head_weight: torch.Tensor | None = field(default=None, repr=False)  # float weights: the head unpacked (reduced heads)
+
+    @classmethod
+    def from_state_dict(
+        cls,
+        config: ModelConfig,
+        state: dict[str, torch.Tensor],
+        dtype: torch.dtype = torch.float32,
+        device: str | torch.device = "cpu",
+        pack: bool | str = True,
+        native: dict[str, NativeTensor] | None = None,
+    ) -> "Decoder":
+        """Build from transformers-named weights (`model.layers.{i}.self_attn.q_proj.weight`, ...).
+
+        `pack=False` keeps plain `F.linear` (MKL) products: slower here, bit-closer to transformers.
+        `native`: weights in the model file's own (quantized) format, by the same names; those it holds
+        are multiplied and looked up by ggml's kernels (models/ggml_kernels.py), the rest come from `state`.
+        """
+        device = torch.device(device)
+        native = native or {}
+        if native and (device.type != "cpu" or dtype != torch.float32):
+            raise ValueError("native weights run on the CPU with float32 activations")
+
+        def linear(names: list[str], bias: torch.Tensor | None = None) -> Linear:
+            if all(n in native for n in names):
+                return QuantLinear([native[n] for n in names], bias)
+            return PackedLinear(torch.cat([get(n) for n in names]), bias, pack)
+
+        gemma = config.family == "gemma"
+        if gemma and "model.embed_tokens.weight" not in state:  # a multimodal Gemma 3 checkpoint: its text model
+            state = {("model." + k[len("model.language_model."):] if k.startswith("model.language_model.") else k): w
+                     for k, w in state.items()}
+
+        def get(name: str) -> torch.Tensor:
+            if name not in state:
+                raise UnsupportedArchitectureError(f"checkpoint lacks tensor {name!r} expected for {config.architecture}")
+            return state[name].to(device=device, dtype=dtype)
+
+        def norm(name: str) -> torch.Tensor:
+            # Gemma's RMSNorm multiplies by (1 + w): folded into the weight once, here
+            if not gemma:
+                return get(name)
+            get(name)  # (a missing tensor: the clear error)
+            return (state[name].to(device=device, dtype=torch.float32) + 1.0).to(dtype)
+
+        layers = []
+        for i in range(config.n_layers):
+            p = f"model.layers.{i}."
+            qkv_b = torch.cat([get(p + f"self_attn.{n}_proj.bias") for n in "qkv"]) if config.qkv_bias else None
+            sliding = bool(config.sliding_layers and config.sliding_layers[i])
+            layers.append(
+                _Layer(
+                    attn_norm=norm(p + "input_layernorm.weight"),
+                    qkv=linear([p + f"self_attn.{n}_proj.weight" for n in "qkv"], qkv_b),
+                    o=linear([p + "self_attn.o_proj.weight"]),
+                    # Llama names its pre-MLP norm post_attention_layernorm; Gemma has both
+                    mlp_norm=norm(p + ("pre_feedforward_layernorm.weight" if config.sandwich_norms else "post_attention_layernorm.weight")),
+                    gate_up=linear([p + "mlp.gate_proj.weight", p + "mlp.up_proj.weight"]),
+                    down=linear([p + "mlp.down_proj.weight"]),
+                    post_attn_norm=norm(p + "post_attention_layernorm.weight") if config.sandwich_norms else None,
+                    post_mlp_norm=norm(p + "post_feedforward_layernorm.weight") if config.sandwich_norms else None,
+                    q_norm=norm(p + "self_attn.q_norm.weight") if config.qk_norm else None,
+                    k_norm=norm(p + "self_attn.k_norm.weight") if config.qk_norm else None,
+                    sliding=sliding,
+                    rope=1 if sliding and config.rope_local_theta is not None else 0,
+                )
+            )
+        head = "model.embed_tokens.weight" if config.tied_embeddings or "lm_head.weight" not in state else "lm_head.weight"
+        if "model.embed_tokens.weight" in native:
+            embed = QuantEmbedding(native["model.embed_tokens.weight"])
+        else:
+            embed = Embedding(get("model.embed_tokens.weight"))
+        tables = [_rope_table(config.rope_theta, config.rope_factor, config.head_dim, config.max_positions)]
+        if any(layer.rope == 1 for layer in layers):
+            tables.append(_rope_table(config.rope_local_theta, 1.0, config.head_dim, config.max_positions))
+        angles = torch.stack(tables)  # [n_tables, max_positions, head_dim]
+        decoder = cls(
+            config=config,
+            embed=embed,
+            layers=layers,
+            norm=norm("model.norm.weight"),
+            lm_head=linear([head]),
+            _head_weight=None if head in native else get(head),
+            dtype=dtype,
+            device=device,
+            _cos=angles.cos().to(device=device, dtype=dtype),
+            _sin=angles.sin().to(device=device, dtype=dtype),
+        )
+        if native and ggml_forward.supports(decoder):
+            decoder._graph = ggml_forward.NativeForward(decoder, pack=pack)  # the whole pass as one ggml graph
+        return decoder
+
+    def weight_bytes(self, route: LayerMask | None = None, from_layer: int = 0, head: "bool | ReducedHead" = True) -> int:
+        """Bytes of weights a pass along `route` reads (None: the full model): each kept sub-layer's
+        products from layer `from_layer` on (a resumed pass) and the LM head (`head`: True the full
+        one, a `ReducedHead`, or False: none); norms and the embedding rows of a pass are negligible.
+        In the weights' stored format: a native model's file blocks, a float model's floats. What a
+        pass costs one token when decoding is bound by weight bandwidth (issue 11's cost accounting)."""
+        key = (route if route is not None and not route.is_full else None, from_layer, head if isinstance(head, bool) else len(head))
+        cached = self.__dict__.setdefault("_weight_bytes", {})
+        if key not in cached:
+            size = lambda lin: lin.nbytes if isinstance(lin, QuantLinear) else (  # noqa: E731
+                lin.out_features * lin.in_features * torch.empty((), dtype=self.dtype).element_size())
+            mask = key[0]
+            total = 0 if head is False else size(self.lm_head if head is True else head.linear)
+            for i, layer in enumerate(self.layers[from_layer:], start=from_layer):
+                if mask is None or mask.attn[i]:
+                    total += size(layer.qkv) + size(layer.o)
+                if mask is None or mask.mlp[i]:
+                    total += size(layer.gate_up) + size(layer.down)
+            cached[key] = total
+        return cached[key]
+
+    def reduced_head(self, ids) -> ReducedHead:
+        """The LM head over token ids `ids` (kept per id set: built once, packed like the full head)."""
+        key = ids if isinstance(ids, tuple) else tuple(int(i) for i in ids)  # (a route's vocabulary: a tuple already)
+        heads = self.__dict__.setdefault("_reduced_heads", {})
+        if key not in heads:
+            vocab = self.lm_head.out_features
+            index = torch.tensor(key, dtype=torch.long)
+            if not key or any(a >= b for a, b in zip(key, key[1:])) or key[0] < 0 or key[-1] >= vocab:
+                raise ValueError(f"a reduced head needs ascending, distinct token ids in [0, {vocab})")
+            if isinstance(self.lm_head, QuantLinear):
+                parts, offset = [], 0
+                for part in self.lm_head.parts:  # each part's own rows among the ids, in order
+                    inside = index[(index >= offset) & (index < offset + part.rows)] - offset
+                    if inside.numel():
+                        parts.append(part.rows_at(inside))
+                    offset += part.rows
+                linear = QuantLinear(parts, None)
+                if self._graph is not None:
+                    self._graph.pack_parts(linear, count=False)
+            else:
+                linear = PackedLinear(self._head_weight.index_select(0, index).contiguous(), None)
+            heads[key] = ReducedHead(index, linear, vocab)
+        return heads[key]
+
+    @property
+    def native(self) -> bool:
+        """Whether it runs weights in the model file's own format (ggml kernels)."""
+        return isinstance(self.lm_head, QuantLinear) or any(isinstance(layer.qkv, QuantLinear) for layer in self.layers)
+
+    @property
+    def graph_build_s(self) -> float:
+        """Seconds spent building forward graphs so far (native weights; 0 otherwise)."""
+        return self._graph.build_s if self._graph is not None else 0.0
+
+    def new_cache(self, max_len: int) -> KVCache:
+        if max_len > self.config.max_positions:
+            raise ValueError(f"sequence of {max_len} positions exceeds the model's {self.config.max_positions}")
+        if self._graph is not None:  # rounded up: graphs are built per cache length
+            max_len = ggml_forward.cache_length(max_len, self.config.max_positions)
+        return KVCache(self.config, max_len, self.dtype, self.device)
+
+    @torch.inference_mode()
+    def forward(
+        self,
+        tokens: torch.Tensor,
+        start: int,
+        cache: KVCache,
+        route: LayerMask | None = None,
+        last_only: bool = False,
+        resume: bool = False,
+        logits: bool = True,
+        head: ReducedHead | None = None,
+    ) -> torch.Tensor | None:
+        """Logits for `tokens` at positions start .. start+T-1, reading and writing `cache`.
+
+        tokens: [T] int64. Returns [T, vocab] float32 logits ([1, vocab] with `last_only`; None
+        without `logits`: no head, the pass only fills the cache). A routed pass runs only the
+        sub-layers `route` keeps and writes K/V only for its kept attention layers; see
+        `models/kvcache.py` for the n_full invariant. `resume` (a full pass): start at the cache's resume layer
+        from the residual streams stored there (`KVCache.enable_resume`); a pass that computes the
+        stream entering that layer stores it. `head`: logits over a reduced vocabulary only (-inf
+        elsewhere; see `ReducedHead`).
+        """
+        n_tokens = tokens.shape[0]
+        route, end = begin_pass(self.config, cache, route, start, n_tokens, resume)
+        first = cache.resume_layer if resume else 0
+        save = cache.resume_layer if cache.saves_hidden(route) and not resume else None
+        # No pass attends more than ROW_ATTENTION_MAX rows at once: longer ones (a prompt, tiered mode's
+        # pending run) go in chunks, each attending row by row, so that every row comes out as it does
+        # decoded alone or in any batch (a long pending run checked in one tiled pass made correction
+        # mode differ from `ar`). One logical pass: the cache records it once, at the end.
+        outs = []
+        for a in range(start, end, ROW_ATTENTION_MAX):
+            b = min(a + ROW_ATTENTION_MAX, end)
+            out = self._rows(tokens[a - start : b - start], a, cache, route, last_only, first, save,
+                             logits and (not last_only or b == end), head)
+            if out is not None:
+                outs.append(out)
+        cache._commit(route, start, end)
+        if not outs:
+            return None
+        out = outs[0] if len(outs) == 1 else torch.cat(outs)
+        if self.config.final_softcap is not None:
+            out = _softcap(out, self.config.final_softcap)
+        return out if head is None else head.expand(out)
+
+    @torch.inference_mode()
+    def forward_many(self, calls: list[tuple[tuple, dict]], rows: int | None = None) -> list:
+        """Several requests' `forward(*args, **kwargs)` calls (native weights, one route and head, at
+        most ROW_ATTENTION_MAX rows each, all resumed at one layer or none, all storing the streams
+        entering one layer or none: `batching._group_key`) as one pass: every product over all their
+        rows, each request's rows attending its own cache (and reading or storing its own streams).
+        `rows`: each call padded to that many rows (its last token repeated; those rows' outputs
+        dropped, their K/V and streams past its positions). Returns each call's result, or the
+        exception its checks raised (the others run)."""
+        results: list = [None] * len(calls)
+        runnable, route, head, first, save = [], None, None, 0, None
+        for i, (args, kw) in enumerate(calls):
+            tokens, start, cache = args
+            n = tokens.shape[0]
+            resume = kw.get("resume", False)
+            try:
+                route, end = begin_pass(self.config, cache, kw.get("route"), start, n, resume)
+            except Exception as e:
+                results[i] = e
+                continue
+            first = cache.resume_layer if resume else 0
+            save = cache.resume_layer if cache.saves_hidden(route) and not resume else None
+            head = kw.get("head")
+            pad = (rows or n) - n
+            if pad:
+                tokens = torch.cat([tokens, tokens[-1:].expand(pad)])
+            want = (0, 0) if not kw.get("logits", True) else (n - 1, 1) if kw.get("last_only") else (0, n)  # its own rows only
+            runnable.append((i, tokens, start, cache, want, end))
+        if not runnable:
+            return results
+        outs = self._graph.run([(t, s, c, w) for _, t, s, c, w, _ in runnable], route, first, save, head)
+        for (i, _, start, cache, _, end), out in zip(runnable, outs):
+            cache._commit(route, start, end)
+            if out is not None and self.config.final_softcap is not None:
+                out = _softcap(out, self.config.final_softcap)
+            results[i] = out if out is None or head is None else head.expand(out)
+        return results
+
+    def _rows(self, tokens: torch.Tensor, start: int, cache: KVCache, route: LayerMask | None, last_only: bool,
+              first: int, save: int | None, logits: bool, head: ReducedHead | None) -> torch.Tensor | None:
+        """One chunk of `forward` (at most ROW_ATTENTION_MAX rows; the cache's bookkeeping is the caller's):
+        raw logits [T, V] ([1, V] with `last_only`, [T, N] over a reduced head), or None."""
+        n_tokens = tokens.shape[0]
+        end = start + n_tokens
+        cfg = self.config
+        if self._graph is not None:
+            return self._graph(tokens, start, cache, route, last_only, first, save, logits, head)
+
+        if first:  # a resumed pass
+            x = cache.hidden[start:end].clone()  # [T, hidden] entering layer `first`
+        else:
+            x = self.embed(tokens)  # [T, hidden]
+            if cfg.embed_scale is not None:
+                x = x * cfg.embed_scale
+        # per RoPE table (global, local): [T, 1, head_dim]
+        ropes = [(self._cos[t, start:end, None, :], self._sin[t, start:end, None, :]) for t in range(self._cos.shape[0])]
+        # Attention is batch-invariant: each query row attends alone to exactly the keys it sees, so a
+        # row's result does not depend on which other rows share its pass (a drafted block or a single
+        # token: the same kernel on the same data).
+        window = cfg.sliding_window or 0
+        scale = cfg.attn_scale if cfg.attn_scale is not None else cfg.head_dim ** -0.5
+        gqa = cfg.n_heads != cfg.n_kv_heads
+        nq, nkv, hd = cfg.n_heads * cfg.head_dim, cfg.n_kv_heads * cfg.head_dim, cfg.head_dim
+        for i, layer in enumerate(self.layers[first:], start=first):
+            if i == save:
+                cache.hidden[start:end] = x
+                if not logits and route is not None and not any(route.attn[i:]) and not any(route.mlp[i:]):
+                    break  # nothing past here is kept, and no head
+            if route is None or route.attn[i]:
+                h = _rms_norm(x, layer.attn_norm, cfg.rms_eps)
+                qkv = layer.qkv(h)  # [T, nq + 2 nkv]
+                q = qkv[:, :nq].view(n_tokens, cfg.n_heads, hd)
+                k = qkv[:, nq : nq + nkv].view(n_tokens, cfg.n_kv_heads, hd)
+                v = qkv[:, nq + nkv :].view(n_tokens, cfg.n_kv_heads, hd)
+                if layer.q_norm is not None:
+                    q = _rms_norm(q, layer.q_norm, cfg.rms_eps)
+                    k = _rms_norm(k, layer.k_norm, cfg.rms_eps)
+                cos, sin = ropes[layer.rope]
+                q = q * cos + _rotate_half(q) * sin
+                k = k * cos + _rotate_half(k) * sin
+                cache.k[i, :, start:end] = k.transpose(0, 1)
+                cache.v[i, :, start:end] = v.transpose(0, 1)
+                qh = q.transpose(0, 1)[None]  # [1, n_heads, T, hd]
+                rows = []
+                for j in range(n_tokens):  # position p = start + j sees keys lo .. p
+                    p = start + j
+                    lo = max(0, p - window + 1) if layer.sliding else 0
+                    rows.append(_attention(qh[:, :, j : j + 1], cache.k[i, None, :, lo : p + 1], cache.v[i, None, :, lo : p + 1],
+                                           None, scale, cfg.attn_softcap, gqa))  # [1, n_heads, 1, hd]
+                attn = rows[0] if n_tokens == 1 else torch.cat(rows, dim=2)  # [1, n_heads, T, hd]
+                a = layer.o(attn[0].transpose(0, 1).reshape(n_tokens, nq))
+                if layer.post_attn_norm is not None:
+                    a = _rms_norm(a, layer.post_attn_norm, cfg.rms_eps)
+                x = x + a
+            if route is None or route.mlp[i]:
+                h = _rms_norm(x, layer.mlp_norm, cfg.rms_eps)
+                gate, up = layer.gate_up(h).chunk(2, dim=-1)
+                gate = F.silu(gate) if cfg.activation == "silu" else F.gelu(gate, approximate="tanh")
+                m_out = layer.down(gate * up)
+                if layer.post_mlp_norm is not None:
+                    m_out = _rms_norm(m_out, layer.post_mlp_norm, cfg.rms_eps)
+                x = x + m_out
+        if not logits:
+            return None
+        if last_only:
+            x = x[-1:]
+        return (self.lm_head if head is None else head.linear)(_rms_norm(x, self.norm, cfg.rms_eps)).float()

@@ -1,0 +1,154 @@
+"""The package's import structure: layers, written once here, and no import cycle anywhere in src/.
+
+A module may import modules of its own package or of a lower layer, never of a higher one nor of
+another package of its own layer. Imports inside functions count; those under `if TYPE_CHECKING:`
+(annotations only) count for the layer order but not for cycles.
+"""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+SRC = Path(__file__).resolve().parents[1] / "src"
+
+# bottom to top; a name stands for a module and everything under it
+LAYERS: list[list[str]] = [
+    ["viasd.errors", "viasd.version", "viasd.datasets"],
+    ["viasd.validation"],
+    ["viasd.compute"],
+    ["viasd.models"],  # computes passes: knows nothing of batching, prefix caching, timing or serving
+    ["viasd.execution"],  # how a request's passes run: batch session, prefix cache, pass clock
+    ["viasd.decoding", "viasd.routing"],  # the loops; routes and their search
+    ["viasd.settings"],  # one declaration per request setting
+    ["viasd.api"],  # generate()
+    ["viasd"],  # the package's own names (this entry is the package's __init__ alone)
+    ["viasd.quality"],
+    ["viasd.bench", "viasd.calibrate"],
+    ["viasd.report"],
+    ["viasd.server"],
+    ["viasd.cli"],
+    ["viasd.__main__"],
+]
+
+
+def _modules() -> dict[str, Path]:
+    out = {}
+    for path in SRC.rglob("*.py"):
+        parts = list(path.relative_to(SRC).with_suffix("").parts)
+        if parts[-1] == "__init__":
+            parts.pop()
+        out[".".join(parts)] = path
+    return out
+
+
+def _type_checking(node: ast.If) -> bool:
+    t = node.test
+    return (isinstance(t, ast.Name) and t.id == "TYPE_CHECKING") or (isinstance(t, ast.Attribute) and t.attr == "TYPE_CHECKING")
+
+
+def _imports(name: str, path: Path, modules: dict[str, Path]) -> list[tuple[str, bool]]:
+    """(imported module, only under TYPE_CHECKING) for every import of viasd's own modules."""
+    package = name if path.name == "__init__.py" else name.rpartition(".")[0]
+    found: list[tuple[str, bool]] = []
+
+    def visit(node: ast.AST, typing_only: bool) -> None:
+        for child in ast.iter_child_nodes(node):
+            if isinstance(child, ast.If) and _type_checking(child):
+                for sub in child.body:
+                    visit_one(sub, True)
+                for sub in child.orelse:
+                    visit_one(sub, typing_only)
+            else:
+                visit_one(child, typing_only)
+
+    def visit_one(node: ast.AST, typing_only: bool) -> None:
+        if isinstance(node, ast.Import):
+            found.extend((a.name, typing_only) for a in node.names if a.name in modules)
+        elif isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            if node.level:
+                base = ".".join(package.split(".")[: len(package.split(".")) - node.level + 1] + ([base] if base else []))
+            for a in node.names:  # `from pkg import module` imports the module, not the package's __init__
+                target = f"{base}.{a.name}" if f"{base}.{a.name}" in modules else base
+                if target in modules:
+                    found.append((target, typing_only))
+        visit(node, typing_only)
+
+    visit(ast.parse(path.read_text()), False)
+    return [(t, typing_only) for t, typing_only in found if t != name]
+
+
+def _layer(name: str) -> tuple[int, str]:
+    """(layer index, the entry it falls under): the longest entry that is the module or a package above it."""
+    best = None
+    for i, entries in enumerate(LAYERS):
+        for entry in entries:
+            covers = name == entry or (name.startswith(entry + ".") and entry != "viasd")
+            if covers and (best is None or len(entry) > len(best[1])):
+                best = (i, entry)
+    assert best is not None, f"{name} is in no layer: add it to LAYERS"
+    return best
+
+
+def _graph() -> dict[str, list[tuple[str, bool]]]:
+    modules = _modules()
+    return {name: _imports(name, path, modules) for name, path in modules.items()}
+
+
+def test_every_import_points_down_the_layers():
+    wrong = []
+    for name, imports in _graph().items():
+        layer, entry = _layer(name)
+        for target, _ in imports:
+            their, their_entry = _layer(target)
+            if their > layer or (their == layer and their_entry != entry):
+                wrong.append(f"{name} imports {target}")
+    assert not wrong, "imports that point up or sideways:\n" + "\n".join(sorted(wrong))
+
+
+def test_no_import_cycle():
+    graph = {name: sorted({t for t, typing_only in imports if not typing_only}) for name, imports in _graph().items()}
+    cycles, state = [], {}
+
+    def walk(node: str, path: list[str]) -> None:
+        state[node] = "open"
+        for nxt in graph.get(node, []):
+            if state.get(nxt) == "open":
+                cycles.append(" -> ".join(path[path.index(nxt):] + [node, nxt]) if nxt in path else f"{node} -> {nxt}")
+            elif nxt not in state:
+                walk(nxt, path + [node])
+        state[node] = "done"
+
+    for name in sorted(graph):
+        if name not in state:
+            walk(name, [])
+    assert not cycles, "import cycles:\n" + "\n".join(cycles)
+
+
+def test_the_checks_see_a_cycle_and_an_upward_import(tmp_path, monkeypatch):
+    """The two checks above, on a made-up package with both faults: they fail there."""
+    pkg = tmp_path / "viasd"
+    (pkg / "models").mkdir(parents=True)
+    (pkg / "__init__.py").write_text("")
+    (pkg / "models" / "__init__.py").write_text("")
+    (pkg / "models" / "a.py").write_text("from viasd.models import b\nfrom viasd.server import app\n")
+    (pkg / "models" / "b.py").write_text("def f():\n    from viasd.models.a import x\n")
+    (pkg / "server").mkdir()
+    (pkg / "server" / "__init__.py").write_text("")
+    (pkg / "server" / "app.py").write_text("")
+    monkeypatch.setattr(__import__(__name__, fromlist=["SRC"]), "SRC", tmp_path)
+    graph = _graph()
+    assert ("viasd.server.app", False) in graph["viasd.models.a"] and ("viasd.models.a", False) in graph["viasd.models.b"]
+    try:
+        test_no_import_cycle()
+    except AssertionError as e:
+        assert "viasd.models.a -> viasd.models.b -> viasd.models.a" in str(e)
+    else:
+        raise AssertionError("the cycle check passed a cycle")
+    try:
+        test_every_import_points_down_the_layers()
+    except AssertionError as e:
+        assert "viasd.models.a imports viasd.server.app" in str(e)
+    else:
+        raise AssertionError("the layer check passed an upward import")
