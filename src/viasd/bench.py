@@ -379,10 +379,7 @@ def _run_bench(model, drafter, methods, prompts, out, base, progress) -> int:
     # one id per invocation: a resumed file holds several runs, which a comparison must not mix
     run_id = time.strftime("%Y%m%dT%H%M%S") + "-" + os.urandom(3).hex()
     drafters = drafter if isinstance(drafter, dict) else {drafter.name: drafter} if drafter is not None else {}
-    chosen, available, settings_of = {}, {}, {}
-    for name, settings in methods:  # methods that cannot run here are reported, not faked
-        chosen[name], available[name] = _drafter_of(settings, drafters)
-        settings_of[name] = {k: v for k, v in settings.items() if k != "drafter"}
+    chosen, available, settings_of = _methods_here(methods, drafters)
     # warm-up, every method once: first calls build graphs, and --adapt-k measures its pass costs once per model
     for name, _ in methods:
         if not available[name]:
@@ -406,18 +403,7 @@ def _run_bench(model, drafter, methods, prompts, out, base, progress) -> int:
                 record["unavailable"] = available[name]
             else:
                 config = base.replace(**settings, chat=prompt.chat if prompt.chat is not None else base.chat)
-                r = generate(prompt.text, model, drafter=drafter, config=config, progress=False)
-                stats = r.stats
-                if prompt.follow_up is not None:  # the second turn answers after the model's own first answer
-                    turn1 = r
-                    conversation = [{"role": "user", "content": prompt.text}, {"role": "assistant", "content": turn1.text},
-                                    {"role": "user", "content": prompt.follow_up}]
-                    r = generate(conversation, model, drafter=drafter, config=config, progress=False)
-                    stats = turn1.stats.merge(r.stats)
-                    record.update(turns=[{"text": t.text, "token_ids": t.token_ids, "stats": t.stats.to_dict()} for t in (turn1, r)])
-                text = humaneval_completion(r.text) if prompt.task == "human_eval" else r.text
-                record.update(text=text, token_ids=r.token_ids, stats=stats.to_dict(), config=r.config,
-                              quality=score(prompt.task, r.text, prompt.reference, prompt.problem, prompt.metric))
+                record.update(_decode(prompt, model, drafter, config))
                 tps = record["stats"]["tokens_per_s"]
                 if name == BASELINE:
                     ar_speed[(prompt.task, prompt.id)] = tps
@@ -431,3 +417,32 @@ def _run_bench(model, drafter, methods, prompts, out, base, progress) -> int:
             bar.update(1)
     bar.close()
     return written
+
+
+def _methods_here(methods, drafters: dict) -> tuple[dict, dict, dict]:
+    """Per method name: its drafter, why it cannot run here (None: it can; such methods are
+    reported, not faked), and its settings without the drafter's name."""
+    chosen, available, settings_of = {}, {}, {}
+    for name, settings in methods:
+        chosen[name], available[name] = _drafter_of(settings, drafters)
+        settings_of[name] = {k: v for k, v in settings.items() if k != "drafter"}
+    return chosen, available, settings_of
+
+
+def _decode(prompt: Prompt, model, drafter, config: GenerateConfig) -> dict:
+    """A record's fields for one decode of `prompt` (both turns of a two-turn prompt): text, tokens,
+    stats, config and quality."""
+    record = {}
+    r = generate(prompt.text, model, drafter=drafter, config=config, progress=False)
+    stats = r.stats
+    if prompt.follow_up is not None:  # the second turn answers after the model's own first answer
+        turn1 = r
+        conversation = [{"role": "user", "content": prompt.text}, {"role": "assistant", "content": turn1.text},
+                        {"role": "user", "content": prompt.follow_up}]
+        r = generate(conversation, model, drafter=drafter, config=config, progress=False)
+        stats = turn1.stats.merge(r.stats)
+        record.update(turns=[{"text": t.text, "token_ids": t.token_ids, "stats": t.stats.to_dict()} for t in (turn1, r)])
+    text = humaneval_completion(r.text) if prompt.task == "human_eval" else r.text
+    record.update(text=text, token_ids=r.token_ids, stats=stats.to_dict(), config=r.config,
+                  quality=score(prompt.task, r.text, prompt.reference, prompt.problem, prompt.metric))
+    return record

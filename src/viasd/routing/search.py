@@ -1,7 +1,7 @@
 """DIMR route search: random search, then Bayesian optimisation (Optuna TPE), over layer masks under
 a compute budget, minimising a KL-type cost between the full model and the routed model.
 
-Calibration: Spec-Bench dev prompts (question_id % 5 == 0; the rest stay for evaluation) continued
+Calibration (calibration.py): Spec-Bench dev prompts (question_id % 5 == 0; the rest stay for evaluation) continued
 greedily by the full model to `seq_len` tokens. The full model's next-token distributions on the
 continuation are cached once (top-k log-probs + the remaining mass), so a trial costs one routed,
 teacher-forced pass per sequence: the prompt's K/V comes from the full model (n_full = prompt
@@ -13,116 +13,29 @@ Cost with top-k: KL between the distributions coarsened to {top-k tokens of p, e
 
 from __future__ import annotations
 
-import hashlib
-import io
 import os
 import sys
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
-from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
 
 from viasd import compute
 from viasd.errors import UsageError
-from viasd.models.loading import LoadedModel, cache_dir, same_vocabulary
 from viasd.models.kvcache import LayerMask
+from viasd.models.loading import LoadedModel, same_vocabulary
+from viasd.routing.calibration import Calibration, build_calibration, dev_prompts, greedy_continuation  # noqa: F401 (re-exported)
 from viasd.routing.route import ModelFingerprint, Route
-from viasd.validation import atomic_write_bytes, check_choice, check_float, check_int, check_seed, check_writable_file, lock_beside
+from viasd.routing.vocab import calibration_vocab, coverage
+from viasd.validation import check_choice, check_float, check_int, check_seed, check_writable_file, lock_beside
 
 COSTS = ("kl", "reverse_kl", "tv")
 # the same costs over the positions where a drafter's greedy token is wrong (`drafter_misses`): the
 # slim verifier's job when it rescues a weak drafter (search_route(..., misses=...))
 RESCUE_COSTS = tuple(f"{c}_where_drafter_wrong" for c in COSTS)
 BUDGET_UNITS = ("layers", "bytes")  # what --budget is a share of: the layers, or a full pass' weight bytes
-
-
-@dataclass
-class Calibration:
-    sequences: list[torch.Tensor]  # each [L] prompt + full-model continuation
-    prompt_lens: list[int]
-    topk_logp: list[torch.Tensor]  # each [L - P, k] full model's log-probs of its top-k tokens, predicting tokens P..L-1
-    topk_idx: list[torch.Tensor]  # each [L - P, k]
-    description: str
-    # per sequence, a KV cache holding the full model's prompt (filled on first use, not saved)
-    _prompt_caches: dict = field(default_factory=dict, repr=False)
-    # per sequence, [L - P] bool: positions where a drafter's greedy token is not the full model's
-    # (`drafter_misses`; None: no drafter given); the costs are then also taken over those
-    misses: list[torch.Tensor] | None = None
-
-
-def dev_prompts(model: LoadedModel, n: int) -> list[list[int]]:
-    """The first n Spec-Bench dev-split prompts (question_id % 5 == 0), chat-formatted when possible."""
-    from viasd.datasets import spec_bench
-
-    rows = [r for r in spec_bench() if r["question_id"] % 5 == 0][:n]
-    return [model.encode(r["turns"][0]) for r in rows]
-
-
-def build_calibration(model: LoadedModel, n_seqs: int = 16, seq_len: int = 128, top_k: int = 64,
-                      progress: bool = True, prompts: list[list[int]] | None = None) -> Calibration:
-    """Calibration set for `model`, cached on disk by model fingerprint and settings."""
-    from tqdm import tqdm
-
-    check_int("--calib-len", seq_len, 4, model.config.max_positions)
-    fp = ModelFingerprint.of(model)
-    prompts = prompts if prompts is not None else dev_prompts(model, n_seqs)
-    key = hashlib.sha256(repr((fp, prompts, seq_len, top_k)).encode()).hexdigest()[:16]
-    path = cache_dir() / "calibration" / f"{key}.pt"
-    if path.exists():
-        cached = _load_calibration(path)
-        if cached is not None:
-            return cached
-    seqs, plens, logps, idxs = [], [], [], []
-    for ids in tqdm(prompts, desc="calibration (full model)", disable=not progress, file=sys.stderr):
-        ids = ids[: seq_len // 2]  # keep room for a continuation
-        cont = greedy_continuation(model.decoder, ids, seq_len - len(ids))
-        seq = torch.tensor(ids + cont)
-        cache = model.decoder.new_cache(len(seq))
-        logits = model.decoder.forward(seq[:-1], 0, cache)[len(ids) - 1 :]  # predicting tokens P..L-1
-        logp, idx = torch.log_softmax(logits, -1).topk(top_k, dim=-1)
-        seqs.append(seq), plens.append(len(ids)), logps.append(logp), idxs.append(idx)
-    calib = Calibration(seqs, plens, logps, idxs, f"{len(seqs)} Spec-Bench dev sequences of {seq_len} tokens, top-{top_k}")
-    buf = io.BytesIO()
-    torch.save({k: v for k, v in calib.__dict__.items() if not k.startswith("_")}, buf)
-    atomic_write_bytes(path, buf.getvalue())
-    return calib
-
-
-def greedy_continuation(decoder, ids: list[int], n: int) -> list[int]:
-    """The full model's n greedy tokens after `ids`, by the passes `ar` makes (the prompt, then one
-    token a pass), with no end token: the calibration text. (Here rather than through the decoding
-    loops, which lie above routing.)"""
-    cache = decoder.new_cache(len(ids) + n + 1)
-    logits = decoder.forward(torch.tensor(ids), 0, cache, last_only=True)[0]  # [V]
-    out: list[int] = []
-    while len(out) < n:
-        out.append(int(logits.argmax()))
-        if len(out) < n:
-            logits = decoder.forward(torch.tensor(out[-1:]), len(ids) + len(out) - 1, cache)[0]
-    return out
-
-
-def _load_calibration(path) -> Calibration | None:
-    """A cached calibration set, or None (and the file removed) when it is unreadable or malformed."""
-    try:
-        data = torch.load(path, weights_only=True)
-        calib = Calibration(**data)
-        n = len(calib.sequences)
-        if not (n and all(len(x) == n for x in (calib.prompt_lens, calib.topk_logp, calib.topk_idx))
-                and all(isinstance(t, torch.Tensor) for t in calib.sequences + calib.topk_logp + calib.topk_idx)
-                and isinstance(calib.description, str)):
-            raise ValueError("fields of the wrong shape")
-        return calib
-    except Exception as e:  # torch.load raises many types on a damaged file
-        print(f"viasd: calibration cache {path} is unreadable ({type(e).__name__}); rebuilding it", file=sys.stderr)
-        try:
-            path.unlink()
-        except OSError:
-            pass
-        return None
 
 
 def check_settings(budget, trials, n_random, seed, calib_seqs, calib_len, cost) -> None:
@@ -358,10 +271,30 @@ def search_route(
     with the share of calibration positions whose full-model top-1 token it holds.
     `rescue_of`: the drafter whose misses `calib.misses` holds (a `RESCUE_COSTS` cost weighs them; the
     study's name says which drafter)."""
-    import optuna
-    from optuna.trial import TrialState
-    from tqdm import tqdm
+    _check_search(model, budget, trials, n_random, seed, cost, budget_unit)
+    if isinstance(storage, str):
+        storage = open_storage(storage)
+    n = model.config.n_layers
+    n_keep = max(1, round(budget * n))
+    pinned = _pinned_layers(n, n_keep, prefix, pin_ends, budget_unit)
+    calib = calib or build_calibration(model, progress=progress)
+    if cost in RESCUE_COSTS and calib.misses is None:
+        raise UsageError(f"cost {cost!r} needs a drafter whose misses it weighs (--rescue-drafter)")
+    # the reduced head's vocabulary depends on the calibration only, not on the route
+    vocab = calibration_vocab(model, head_vocab, calib) if head_vocab is not None else None
+    select, unit = _selector(model, budget, budget_unit, n_keep, pinned, vocab)
+    free = [i for i in range(n) if i not in pinned]
+    fp = ModelFingerprint.of(model)
+    name = (f"dimr-{fp.source}-{fp.n_layers}-b{budget}{unit}-{cost}-s{seed}-pin{int(pin_ends)}"
+            f"{f'-prefix{prefix}' if prefix else ''}{f'-rescue-{rescue_of}' if rescue_of else ''}-{calib.description}")
+    study, t0 = _run_study(model, calib, name, storage, trials, n_random, seed, free, select, cost, f"DIMR budget {budget}", progress)
+    search = {"method": "DIMR: random warm start + Optuna TPE", "seed": seed, "trials": None, "random_trials": n_random,
+              "pinned": pinned, "budget_unit": budget_unit, "calibration": calib.description, "rescue_of": rescue_of,
+              "time_s": None, "this_run_s": None, "study": name}
+    return _best_route(model, fp, study, calib, vocab, cost, budget, search, t0)
 
+
+def _check_search(model: LoadedModel, budget, trials, n_random, seed, cost, budget_unit) -> None:
     if cost not in COSTS + RESCUE_COSTS:
         raise UsageError(f"unknown cost {cost!r}: choose from {', '.join(COSTS + RESCUE_COSTS)}")
     if not 0 < budget <= 1:
@@ -373,44 +306,44 @@ def search_route(
                          "model's decoder route as layers (--slim-layers, --draft-layers) or a route file")
     check_settings(budget, trials, n_random, seed, 1, 4, cost)
     check_choice("--budget-unit", budget_unit, BUDGET_UNITS)
-    if isinstance(storage, str):
-        storage = open_storage(storage)
-    n = model.config.n_layers
-    vocab, n_keep = None, max(1, round(budget * n))
+
+
+def _pinned_layers(n: int, n_keep: int, prefix: int, pin_ends: bool, budget_unit: str) -> list[int]:
+    """The layers every route keeps: the first and last (`pin_ends`) and the resumable prefix."""
     if budget_unit == "layers":
         if not 0 <= prefix < n or prefix > n_keep:
             raise UsageError(f"--prefix must be in 0 .. {min(n - 1, n_keep)} (the budget keeps {n_keep} of {n} layers), got {prefix}")
-        pinned = sorted(({0, n - 1} if pin_ends and n_keep >= 2 else set()) | set(range(prefix)))[:n_keep]
-    else:
-        if not 0 <= prefix < n:
-            raise UsageError(f"--prefix must be in 0 .. {n - 1}, got {prefix}")
-        pinned = sorted(({0, n - 1} if pin_ends else set()) | set(range(prefix)))
-    calib = calib or build_calibration(model, progress=progress)
-    if cost in RESCUE_COSTS and calib.misses is None:
-        raise UsageError(f"cost {cost!r} needs a drafter whose misses it weighs (--rescue-drafter)")
-    if head_vocab is not None:  # it depends on the calibration only, not on the route
-        from viasd.routing.vocab import calibration_vocab
+        return sorted(({0, n - 1} if pin_ends and n_keep >= 2 else set()) | set(range(prefix)))[:n_keep]
+    if not 0 <= prefix < n:
+        raise UsageError(f"--prefix must be in 0 .. {n - 1}, got {prefix}")
+    return sorted(({0, n - 1} if pin_ends else set()) | set(range(prefix)))
 
-        vocab = calibration_vocab(model, head_vocab, calib)
+
+def _selector(model: LoadedModel, budget: float, budget_unit: str, n_keep: int, pinned: list[int], vocab):
+    """How a trial's layer scores become the kept layers under the budget, and the study name's unit tag."""
     if budget_unit == "layers":
-        select = lambda scores: kept_from_scores(scores, n_keep, pinned)  # noqa: E731
-        unit = ""
-    else:
-        dec = model.decoder
-        sizes = [dec.weight_bytes(LayerMask.from_layers(n, [i]), head=False) for i in range(n)]
-        full = dec.weight_bytes()
-        head_bytes = dec.weight_bytes(LayerMask.from_layers(n, []), head=dec.reduced_head(vocab) if vocab else True)
-        capacity = budget * full - head_bytes
-        if sum(sizes[i] for i in pinned) > capacity:
-            raise UsageError(f"a budget of {budget} of a full pass' {full / 2**20:.1f} MB cannot hold the LM head "
-                             f"({head_bytes / 2**20:.1f} MB) and the pinned layers {pinned} "
-                             f"({sum(sizes[i] for i in pinned) / 2**20:.1f} MB)")
-        select = lambda scores: kept_within_bytes(scores, pinned, sizes, capacity)  # noqa: E731
-        unit = f"-bytes-v{len(vocab) if vocab else 'full'}"
-    free = [i for i in range(n) if i not in pinned]
-    fp = ModelFingerprint.of(model)
-    name = (f"dimr-{fp.source}-{fp.n_layers}-b{budget}{unit}-{cost}-s{seed}-pin{int(pin_ends)}"
-            f"{f'-prefix{prefix}' if prefix else ''}{f'-rescue-{rescue_of}' if rescue_of else ''}-{calib.description}")
+        return (lambda scores: kept_from_scores(scores, n_keep, pinned)), ""
+    dec, n = model.decoder, model.config.n_layers
+    sizes = [dec.weight_bytes(LayerMask.from_layers(n, [i]), head=False) for i in range(n)]
+    full = dec.weight_bytes()
+    head_bytes = dec.weight_bytes(LayerMask.from_layers(n, []), head=dec.reduced_head(vocab) if vocab else True)
+    capacity = budget * full - head_bytes
+    if sum(sizes[i] for i in pinned) > capacity:
+        raise UsageError(f"a budget of {budget} of a full pass' {full / 2**20:.1f} MB cannot hold the LM head "
+                         f"({head_bytes / 2**20:.1f} MB) and the pinned layers {pinned} "
+                         f"({sum(sizes[i] for i in pinned) / 2**20:.1f} MB)")
+    return (lambda scores: kept_within_bytes(scores, pinned, sizes, capacity)), f"-bytes-v{len(vocab) if vocab else 'full'}"
+
+
+def _run_study(model: LoadedModel, calib: Calibration, name: str, storage, trials: int, n_random: int, seed: int,
+               free: list[int], select, cost: str, desc: str, progress: bool):
+    """Create or resume the Optuna study `name` and run it to `trials` complete trials; returns the study
+    and when this run's trials began (time.perf_counter())."""
+    import optuna
+    from optuna.trial import TrialState
+    from tqdm import tqdm
+
+    n = model.config.n_layers
     with _optuna_verbosity(optuna.logging.WARNING):  # the caller's logging setting is restored after
         sampler = optuna.samplers.TPESampler(n_startup_trials=n_random, seed=seed, multivariate=True)
         study = optuna.create_study(study_name=name, storage=storage, direction="minimize", sampler=sampler, load_if_exists=True)
@@ -421,7 +354,7 @@ def search_route(
             tuple(t.user_attrs["kept"]): t.user_attrs["metrics"] for t in study.get_trials(deepcopy=False, states=(TrialState.COMPLETE,))
         }
         t0 = time.perf_counter()
-        bar = tqdm(total=trials, initial=done, desc=f"DIMR budget {budget}", disable=not progress, file=sys.stderr)
+        bar = tqdm(total=trials, initial=done, desc=desc, disable=not progress, file=sys.stderr)
 
         def objective(trial: "optuna.Trial") -> float:
             scores = {i: trial.suggest_float(f"layer_{i}", 0.0, 1.0) for i in free}
@@ -440,23 +373,23 @@ def search_route(
         if trials > done:
             study.optimize(objective, n_trials=trials - done, callbacks=[report])
     bar.close()
+    return study, t0
+
+
+def _best_route(model: LoadedModel, fp: ModelFingerprint, study, calib: Calibration, vocab, cost: str, budget: float,
+                search: dict, t0: float) -> Route:
+    """The study's best trial as a Route: its metrics and costs, and `search` (how it was found) with its times."""
+    from optuna.trial import TrialState
+
     complete = study.get_trials(deepcopy=False, states=(TrialState.COMPLETE,))
     study_s = sum((t.datetime_complete - t.datetime_start).total_seconds() for t in complete)
     best = study.best_trial
+    kept = best.user_attrs["kept"]
     metrics = {**best.user_attrs["metrics"], "cost": cost}
     if vocab is not None:
-        from viasd.routing.vocab import coverage
-
         metrics["vocab_size"] = len(vocab)
         metrics["vocab_top1_coverage_calibration"] = coverage(vocab, torch.cat([idx[:, 0] for idx in calib.topk_idx]).tolist())
-    metrics.update({k: round(v, 4) for k, v in route_costs(model, LayerMask.from_layers(n, best.user_attrs["kept"]), vocab).items()})
-    return Route.from_layers(
-        fp,
-        best.user_attrs["kept"],
-        budget=budget,
-        vocab=vocab,
-        metrics=metrics,
-        search={"method": "DIMR: random warm start + Optuna TPE", "seed": seed, "trials": len(complete),
-                "random_trials": n_random, "pinned": pinned, "budget_unit": budget_unit, "calibration": calib.description,
-                "rescue_of": rescue_of, "time_s": round(study_s, 1), "this_run_s": round(time.perf_counter() - t0, 1), "study": name},
-    )
+    mask = LayerMask.from_layers(model.config.n_layers, kept)
+    metrics.update({k: round(v, 4) for k, v in route_costs(model, mask, vocab).items()})
+    search.update(trials=len(complete), time_s=round(study_s, 1), this_run_s=round(time.perf_counter() - t0, 1))
+    return Route.from_layers(fp, kept, budget=budget, vocab=vocab, metrics=metrics, search=search)

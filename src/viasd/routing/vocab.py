@@ -46,7 +46,7 @@ def corpus_counts(sequences: Iterable[torch.Tensor | list[int]]) -> Counter:
 
 def calibration_vocab(model, n: int, calib=None) -> tuple[int, ...]:
     """The reduced vocabulary for `model` from its DIMR calibration corpus (built if not given)."""
-    from viasd.routing.search import build_calibration, dev_prompts
+    from viasd.routing.calibration import build_calibration, dev_prompts
 
     calib = calib or build_calibration(model, progress=False)
     counts = corpus_counts(list(calib.sequences) + dev_prompts(model, 10_000))

@@ -27,7 +27,7 @@ def _require_ray():
 
 def build_replica_app(model_name: str, drafter_name: str | None, settings, weights: str = "native", device: str = "cpu"):
     """Runs on each replica when it starts: load the model, build the app."""
-    from viasd.server.run import build_app
+    from viasd.server.app import build_app
 
     return build_app(model_name, drafter_name, settings, weights=weights, device=device, progress=False)
 

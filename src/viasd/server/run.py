@@ -106,7 +106,7 @@ def check_args(args: argparse.Namespace) -> dict:
 
 
 def serve_command(args: argparse.Namespace) -> int:
-    from viasd.server.app import ServeSettings
+    from viasd.server.app import ServeSettings, build_app
 
     defaults = check_args(args)
     settings = ServeSettings(defaults=defaults, served_name=args.served_model_name or args.model, max_queue=args.max_queue,
@@ -120,15 +120,6 @@ def serve_command(args: argparse.Namespace) -> int:
     app = build_app(args.model, args.drafter, settings, weights=args.weights, device=args.device, progress=not args.quiet)
     run_uvicorn(app, args.host, args.port, args.drain_timeout, args.log_level)
     return 0
-
-
-def build_app(model_name: str, drafter_name: str | None, settings, weights: str = "native", device: str = "cpu", progress: bool = False):
-    from viasd.models.loading import load_model
-    from viasd.server.app import create_app
-
-    model = load_model(model_name, weights=weights, device=device, progress=progress)
-    drafter = load_model(drafter_name, weights=weights, device=device, progress=progress) if drafter_name else None
-    return create_app(model, drafter, settings)
 
 
 def run_uvicorn(app, host: str, port: int, drain_timeout: float = 30.0, log_level: str = "warning", sock=None) -> None:

@@ -1,0 +1,87 @@
+"""A request's body to a validated request and the decode settings it asks for (every refusal an
+APIError with OpenAI's status and code)."""
+
+from __future__ import annotations
+
+import json
+
+from fastapi import Request
+from pydantic import ValidationError
+from starlette.requests import ClientDisconnect
+
+from viasd.api import GenerateConfig
+from viasd.errors import UsageError
+from viasd.server.errors import APIError, validation_error
+
+
+async def read_body(request: Request, max_body: int) -> bytes:
+    """The whole body, refused (413) as soon as it grows over `max_body` bytes."""
+    body = bytearray()
+    try:
+        async for chunk in request.stream():
+            body += chunk
+            if len(body) > max_body:
+                raise APIError(413, f"request body over the {max_body}-byte limit", code="request_too_large")
+    except ClientDisconnect:  # the client closed before sending its whole body: nobody to answer
+        raise APIError(499, "the client closed the connection before sending the whole request body",
+                       code="client_closed") from None
+    return bytes(body)
+
+
+async def read_json(request: Request, max_body: int):
+    body = await read_body(request, max_body)
+    try:
+        text = body.decode("utf-8")
+    except UnicodeDecodeError as e:
+        raise APIError(400, f"request body is not valid UTF-8 (byte {e.start})", code="invalid_encoding") from None
+    try:
+        data = json.loads(text)
+    except (ValueError, RecursionError) as e:
+        raise APIError(400, f"request body is not valid JSON: {e}"[:300], code="invalid_json") from None
+    if "\\u" in text:  # escapes may spell lone surrogates ("\\ud800"): not text, and not encodable
+        try:
+            json.dumps(data, ensure_ascii=False).encode("utf-8")
+        except UnicodeEncodeError:
+            raise APIError(400, "request body contains a lone UTF-16 surrogate escape (not valid Unicode text)",
+                           code="invalid_encoding") from None
+    return data
+
+
+def parse(cls, data, served: str):
+    """`data` as a request of schema `cls` for the model `served`."""
+    if not isinstance(data, dict):
+        raise APIError(422, "request body must be a JSON object", code="invalid_type")
+    try:
+        req = cls.model_validate(data)
+    except ValidationError as e:
+        raise validation_error(e) from None
+    if req.model != served:
+        raise APIError(404, f"the model {req.model!r} does not exist here; this server has {served!r}",
+                       param="model", code="model_not_found")
+    bad = req.unsupported()
+    if bad:
+        raise APIError(400, f"{bad} is not supported by this server" + (" (only n=1)" if bad == "n" else ""),
+                       param=bad, code="unsupported_parameter")
+    return req
+
+
+def config_for(req, max_tokens: int | None, defaults: dict, max_positions: int) -> dict:
+    """The generate settings of one request: the server's defaults, then what the request sets."""
+    s = dict(defaults)
+    if req.viasd is not None:
+        s.update(req.viasd.settings())
+    for name in ("temperature", "top_p", "seed"):
+        if getattr(req, name) is not None:
+            s[name] = getattr(req, name)
+    if max_tokens is not None:
+        if max_tokens > max_positions:
+            raise APIError(400, f"max_tokens ({max_tokens}) exceeds the model's context of "
+                                f"{max_positions} positions", param="max_tokens", code="context_length_exceeded")
+        s["max_new_tokens"] = max_tokens
+    known = set(GenerateConfig.setting_names())
+    s = {k: v for k, v in s.items() if k in known}
+    try:
+        GenerateConfig.from_settings(**{**s, "chat": None}).validate()
+    except UsageError as e:
+        raise APIError(400, str(e), param="viasd", code="invalid_value") from None
+    return s

@@ -1,0 +1,90 @@
+"""POST /v1/completions and /v1/chat/completions: a request checked, queued for the worker, and
+answered whole or as a stream."""
+
+from __future__ import annotations
+
+import asyncio
+
+from fastapi import APIRouter, Request
+
+from viasd.server.engine import Draining, Job, QueueFull
+from viasd.server.errors import APIError
+from viasd.server.parsing import config_for, parse, read_json
+from viasd.server.responses import Reply
+from viasd.server.schemas import ChatCompletionRequest, CompletionRequest
+from viasd.server.streaming import answer_stream
+
+router = APIRouter()
+
+
+@router.post("/v1/completions")
+async def completions(request: Request):
+    state = request.app.state
+    req = parse(CompletionRequest, await read_json(request, state.settings.max_body_bytes), state.served)
+    prompt, vocab_size = req.prompt, state.model.config.vocab_size
+    if isinstance(prompt, list):
+        bad = [t for t in prompt if t >= vocab_size]
+        if bad:
+            raise APIError(400, f"token id {bad[0]} out of range: the vocabulary has {vocab_size} ids",
+                           param="prompt", code="invalid_value")
+    elif not prompt.strip():
+        raise APIError(400, "the prompt is empty", param="prompt", code="invalid_value")
+    return await run(request, "completions", req, prompt, req.max_tokens, chat=False)
+
+
+@router.post("/v1/chat/completions")
+async def chat_completions(request: Request):
+    state = request.app.state
+    req = parse(ChatCompletionRequest, await read_json(request, state.settings.max_body_bytes), state.served)
+    if not state.model.has_chat_template:
+        raise APIError(400, f"{state.served} has no chat template: use /v1/completions", code="no_chat_template")
+    messages = [m.as_engine() for m in req.messages]
+    if messages[-1]["role"] != "user":
+        raise APIError(400, "the last message must be a user message for the model to answer",
+                       param="messages", code="invalid_value")
+    return await run(request, "chat", req, messages, req.limit(), chat=True)
+
+
+async def run(request: Request, endpoint: str, req, prompt, max_tokens: int | None, chat: bool):
+    """Queue the decode of `prompt`, then answer: the whole text, or a stream of it."""
+    state = request.app.state
+    settings = config_for(req, max_tokens, state.defaults, state.model.config.max_positions)
+    settings["chat"] = chat
+    job = Job(prompt, settings, req.stops(), asyncio.get_running_loop(), stream=bool(req.stream))
+    submit(state.worker, job)
+    watcher = asyncio.create_task(watch_disconnect(request, job))
+    reply = Reply(job, endpoint, chat, state.served, state.metrics, watcher)
+    if req.stream:
+        return await answer_stream(reply, bool(req.stream_options and req.stream_options.include_usage))
+    return await answer_whole(reply)
+
+
+def submit(worker, job: Job) -> None:
+    try:
+        worker.submit(job)
+    except QueueFull:
+        raise APIError(503, f"the server is busy: {worker.max_queue} requests already wait; retry later",
+                       "server_error", code="queue_full", headers={"Retry-After": "1"}) from None
+    except Draining:
+        raise APIError(503, "the server is shutting down", "server_error", code="shutting_down") from None
+
+
+async def watch_disconnect(request: Request, job: Job) -> None:
+    while True:
+        message = await request.receive()
+        if message["type"] == "http.disconnect":
+            job.stop("client")
+            return
+
+
+async def answer_whole(reply: Reply):
+    try:
+        event = await reply.job.next_event()
+    except asyncio.CancelledError:  # the handler itself was cancelled: stop the decode, account for it
+        reply.abandon()
+        raise
+    ended = reply.ended_early(event)
+    if ended is not None:
+        return ended
+    reply.finish(200)
+    return reply.body()

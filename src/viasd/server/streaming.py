@@ -1,0 +1,69 @@
+"""Server-sent events of a streamed answer: the chunks as the text comes, then the last chunk (its
+finish reason, the `viasd` record, the usage when asked) or the error that ended it, then `[DONE]`."""
+
+from __future__ import annotations
+
+import json
+
+from fastapi.responses import Response, StreamingResponse
+
+from viasd.server.errors import ended_by_server, engine_error, error_body
+from viasd.server.responses import Reply, record
+
+_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
+
+
+def sse(data: dict | str) -> bytes:
+    return f"data: {data if isinstance(data, str) else json.dumps(data, ensure_ascii=False)}\n\n".encode()
+
+
+async def answer_stream(reply: Reply, include_usage: bool) -> Response:
+    """Wait for the first event, so that errors before any text get a status code; then stream."""
+    first = await reply.job.next_event()
+    ended = reply.ended_early(first)
+    if ended is not None:
+        return ended
+    return StreamingResponse(events(reply, first, include_usage), media_type="text/event-stream", headers=_HEADERS)
+
+
+async def events(reply: Reply, event: tuple, include_usage: bool):
+    done = False
+    try:
+        if reply.chat:
+            yield sse(reply.chunk("", first_chunk=True))
+        while True:
+            kind = event[0]
+            if kind == "text":
+                yield sse(reply.chunk(event[1]))
+            elif kind in ("done", "error", "cancelled"):
+                done = True
+                for data in last_events(reply, event, include_usage):
+                    yield sse(data)
+                return
+            event = await reply.job.next_event()
+    finally:
+        if not done:  # the client went away (or the server stops): end the decode within a round
+            reply.abandon()
+
+
+def last_events(reply: Reply, event: tuple, include_usage: bool) -> list:
+    """What ends the stream for its last event (done, error or cancelled), the request accounted for."""
+    job = reply.job
+    if event[0] == "done":
+        reply.finish(200)
+        last = reply.chunk(None, job.finish_reason)
+        last["viasd"] = record(job)
+        return [last, reply.usage_chunk(), "[DONE]"] if include_usage else [last, "[DONE]"]
+    if event[0] == "error":
+        e = engine_error(event[1])
+        reply.finish(e.status)
+        reply.count(e.status)  # headers already said 200
+    elif job.cancel_reason not in ("shutdown", "stalled"):  # cancelled by the client: nobody to tell
+        reply.finish(499)
+        return []
+    else:
+        e = ended_by_server(job)  # the reader may still be there: say why the stream ends
+        reply.finish(e.status)
+        if e.status != 499:
+            reply.count(e.status)  # headers already said 200
+    return [error_body(e.message, e.type, e.param, e.code), "[DONE]"]
