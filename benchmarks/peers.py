@@ -7,7 +7,7 @@ viasd-lossless:pld, ...) with its default weights (native: the same file's block
 the same prompt token ids (the viasd tokenizer's chat template), interleaved per prompt, greedy.
 
     python benchmarks/peers.py -m smollm2-135m --tasks spec_bench --limit 1 -n 64 \\
-        --out benchmarks/results/peers-smollm2.jsonl
+        --out benchmarks/out/peers-smollm2.jsonl
 
 Each record: run id, method, prompt, token ids, wall time, time to first token, decode-only tokens/s
 (tokens after the first over the time after it), the configuration and the environment (CPU flags).
