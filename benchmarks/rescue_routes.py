@@ -8,7 +8,7 @@ full model's (`routing.search.drafter_misses`). Routes: the shipped slim route a
 given (e.g. one searched with `viasd search --cost kl_where_drafter_wrong --rescue-drafter ...`).
 One JSONL record per route, with the run id and the environment.
 
-    python benchmarks/rescue_routes.py benchmarks/results/routes/qwen2.5-coder-1.5b.rescue-smollm2.json
+    python benchmarks/rescue_routes.py benchmarks/results/routes-D/qwen2.5-coder-1.5b.rescue-smollm2.json
 """
 
 from __future__ import annotations
