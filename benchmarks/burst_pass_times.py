@@ -9,7 +9,7 @@ with the other requests' prompts.
     python benchmarks/burst_pass_times.py [--models smollm2-135m] [--out FILE]
 
 Appends JSONL records (run id, environment with CPU flags, commit) to
-benchmarks/results/burst-pass-times.jsonl.
+benchmarks/out/burst-pass-times.jsonl (untracked).
 """
 
 from __future__ import annotations
@@ -29,7 +29,7 @@ def main() -> None:
     from viasd.decoding.draft_length import pass_times
     from viasd.server.engine import Job, Worker
 
-    models, run_id, records = per_model_run(__doc__, Path(__file__).parent / "results" / "burst-pass-times.jsonl")
+    models, run_id, records = per_model_run(__doc__, Path(__file__).parent / "out" / "burst-pass-times.jsonl")
     for name in models:
         model = load_model(name, progress=False)
         worker = Worker(model, max_batch=8, max_queue=16)

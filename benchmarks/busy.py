@@ -58,7 +58,7 @@ def main(argv=None) -> int:
     p.add_argument("--strategy", default="ar")
     p.add_argument("--prompts", type=int, default=6)
     p.add_argument("--max-tokens", type=int, default=64)
-    p.add_argument("--out", default=str(HERE / "results" / "busy.jsonl"))
+    p.add_argument("--out", default=str(HERE / "out" / "busy.jsonl"))
     p.add_argument("--served", action="store_true", help="requests to `viasd serve` after an idle spell, not `viasd generate` processes")
     args = p.parse_args(argv)
     cores = len(os.sched_getaffinity(0))

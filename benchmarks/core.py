@@ -153,7 +153,7 @@ def part_c(rec: Records, n_prompts: int, max_new: int, k: int) -> list[str]:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--parts", default="a,b", help="comma-separated subset of a,b,c (default: %(default)s)")
-    ap.add_argument("--out", type=Path, default=Path("results/core.jsonl"))
+    ap.add_argument("--out", type=Path, default=Path(__file__).parent / "out" / "core.jsonl")
     ap.add_argument("--prompts", type=int, default=6)
     ap.add_argument("--max-new-tokens", type=int, default=128)
     ap.add_argument("--c-prompts", type=int, default=5)

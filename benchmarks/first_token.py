@@ -8,7 +8,7 @@ reading the kept measurement, as separate processes on the same prompt (greedy, 
     python benchmarks/first_token.py [--models smollm2-135m,qwen2.5-coder-1.5b] [--out FILE]
 
 Appends JSONL records (run id, environment with CPU flags, commit) to
-benchmarks/results/first-token.jsonl; compare rows of one run only.
+benchmarks/out/first-token.jsonl (untracked); compare rows of one run only.
 """
 
 from __future__ import annotations
@@ -35,7 +35,7 @@ def call(model: str, strategy: str, fresh: bool) -> dict:
 
 
 def main() -> None:
-    models, run_id, records = per_model_run(__doc__, Path(__file__).parent / "results" / "first-token.jsonl")
+    models, run_id, records = per_model_run(__doc__, Path(__file__).parent / "out" / "first-token.jsonl")
     for model in models:
         call(model, "pld", False)  # the kept measurement exists before the rounds (the model converted, the kernels built)
         seen: dict[str, list[dict]] = {name: [] for name, _, _ in CASES}

@@ -10,7 +10,7 @@ each category, question_id % 5 != 0; thresholds and routes come from the dev spl
 Each point's quality: the share of its tokens equal to the full model's greedy choice given its own
 prefix (`calibrate.greedy_agreement`), the share of positions equal to `ar`'s output, and the task
 metrics (`quality.score`); its speed: the median over prompts of its decode-only and wall speed over
-`ar`'s on the same prompt. Records go to benchmarks/results/frontier-MODEL.jsonl (run id, settings,
+`ar`'s on the same prompt. Records go to benchmarks/out/frontier-MODEL.jsonl (run id, settings,
 environment with CPU flags), the plot beside them.
 
     python benchmarks/frontier.py -m smollm2-135m [--limit 2] [-n 128]
@@ -35,7 +35,7 @@ from viasd.calibrate import greedy_agreement  # noqa: E402
 from viasd.models.loading import load_model  # noqa: E402
 from viasd.quality import score  # noqa: E402
 
-RESULTS = Path(__file__).parent / "results"
+RESULTS = Path(__file__).parent / "out"
 ALPHAS = (0.0, 0.05, 0.1, 0.2, 0.4)
 # (accept, slim): tier 1 when the slim verifier's probability of the draft reaches `accept`, tier 2
 # when its top probability reaches `slim`; 2 switches a tier off

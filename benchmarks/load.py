@@ -24,7 +24,7 @@ nothing else competes for the cores.
     python benchmarks/load.py --duration 2 --clients 1 --deployments process --max-tokens 8   # smoke
 
 llama-server is built once by this script (--llama-server-build DIR, default
-benchmarks/results/llama.cpp) from the llama-cpp-python sdist's vendored llama.cpp, with
+benchmarks/out/llama.cpp) from the llama-cpp-python sdist's vendored llama.cpp, with
 GGML_NATIVE=OFF and the CPU's own AVX2 / AVX-512 flags and without AMX: the native build dies with
 SIGILL (AMX `tilezero`) on every multi-row pass on this project's AMX machines.
 """
@@ -313,9 +313,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--max-tokens", type=int, default=64, help="max_tokens of each request (default: %(default)s)")
     p.add_argument("--url", help="use this already running server (loopback) instead of starting one; --deployments names it")
     p.add_argument("--startup-timeout", type=float, default=600.0, help="seconds to wait for a started server (default: %(default)s)")
-    p.add_argument("--out", default=str(HERE / "results" / "load.jsonl"), help="JSONL records, appended (default: %(default)s)")
+    p.add_argument("--out", default=str(HERE / "out" / "load.jsonl"), help="JSONL records, appended (default: %(default)s)")
     p.add_argument("--llama-server", help="a llama-server binary to use (default: build one into --llama-server-build)")
-    p.add_argument("--llama-server-build", default=str(HERE / "results" / "llama.cpp"),
+    p.add_argument("--llama-server-build", default=str(HERE / "out" / "llama.cpp"),
                    help="where llama-server is built once (default: %(default)s)")
     p.add_argument("--threads", type=int, default=os.cpu_count() or 2, help="llama-server's threads (default: the cores)")
     p.add_argument("--ctx", type=int, default=1024, help="positions per llama-server slot (default: %(default)s)")

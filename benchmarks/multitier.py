@@ -7,8 +7,10 @@
     python benchmarks/multitier.py --setting A --check-only   # the targets from records already written
 
 Each setting is one `viasd bench` run over all its tasks (greedy, methods interleaved per prompt, one
-run id, resumable: rerunning skips what is done; start from an empty file for a new comparison). Writes the bench records to results/bench-smollm2-A.jsonl or -qwen-B.jsonl, the report (Markdown + PNGs) to
-results/report-<setting>/, and one JSONL record per target check to results/viasd-targets.jsonl.
+run id, resumable: rerunning skips what is done; start from an empty file for a new comparison).
+Writes the bench records to benchmarks/out/bench-smollm2-A.jsonl or -qwen-B.jsonl (untracked), the
+report (Markdown + PNGs) to benchmarks/out/report-<setting>/, and one JSONL record per target check
+to benchmarks/out/viasd-targets.jsonl (in general: beside --out).
 
 Targets (the seed paper's claims), per VIA-SD method against the two-tier baselines of the same run:
 - rejection rate at least 0.15 below SD with the same drafter (both our rejection rate, drafter tokens
@@ -36,11 +38,13 @@ from viasd.models.loading import load_model  # noqa: E402
 from viasd.report import load_records, report, summarize  # noqa: E402
 
 SETTINGS = {
-    "A": {"model": "smollm2-135m", "drafter": None, "max_new_tokens": 128, "out": "results/bench-smollm2-A.jsonl",
+    "A": {"model": "smollm2-135m", "drafter": None, "max_new_tokens": 128,
+          "out": str(Path(__file__).parent / "out" / "bench-smollm2-A.jsonl"),
           "methods": "ar,self-sd,pld,cascade:self,viasd-lossless:self,viasd-lossless:pld,viasd-tiered:self,viasd-tiered:pld,"
                      "viasd-tiered:pld+correct",
           "runs": [("spec_bench", 10), ("human_eval", 20)]},
-    "B": {"model": "qwen2.5-coder-1.5b", "drafter": "qwen2.5-coder-0.5b", "max_new_tokens": 64, "out": "results/bench-qwen-B.jsonl",
+    "B": {"model": "qwen2.5-coder-1.5b", "drafter": "qwen2.5-coder-0.5b", "max_new_tokens": 64,
+          "out": str(Path(__file__).parent / "out" / "bench-qwen-B.jsonl"),
           "methods": "ar,sd,pld,self-sd,cascade:model,viasd-lossless:model,viasd-tiered:model,viasd-tiered:model+correct",
           "runs": [("spec_bench", 3), ("human_eval", 5)]},
 }
@@ -125,7 +129,7 @@ def _f(x) -> str:
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--setting", choices=sorted(SETTINGS), required=True)
-    ap.add_argument("--out", help="bench JSONL (default: results/bench-smollm2-A.jsonl or results/bench-qwen-B.jsonl)")
+    ap.add_argument("--out", help="bench JSONL (default: benchmarks/out/bench-smollm2-A.jsonl or benchmarks/out/bench-qwen-B.jsonl)")
     ap.add_argument("--check-only", action="store_true", help="no new runs: check the targets on the records there")
     args = ap.parse_args()
     out = Path(args.out or SETTINGS[args.setting]["out"])

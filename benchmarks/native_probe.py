@@ -22,7 +22,7 @@ count against only at one or two rows (`prefetch_ab`, interleaved the same way).
 
     python benchmarks/native_probe.py [--models smollm2-135m,qwen2.5-coder-1.5b] [--formats ...] [--no-products] [--out FILE]
 
-Appends JSONL records (run id, environment with CPU flags) to benchmarks/results/native-probe.jsonl.
+Appends JSONL records (run id, environment with CPU flags) to benchmarks/out/native-probe.jsonl (untracked).
 Timings are medians of repeated calls on a quiet machine; compare rows of one run only.
 """
 
@@ -50,7 +50,7 @@ from viasd.models.ggml_forward import NativeForward  # noqa: E402
 from viasd.models.native import quantize  # noqa: E402
 from viasd.models.layers import PackedLinear  # noqa: E402
 
-OUT = Path(__file__).parent / "results" / "native-probe.jsonl"
+OUT = Path(__file__).parent / "out" / "native-probe.jsonl"
 Q8_0, Q4_0 = 8, 2
 
 

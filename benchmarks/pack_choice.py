@@ -49,7 +49,7 @@ def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--models", default="smollm2-135m")
     p.add_argument("--max-tokens", type=int, default=48)
-    p.add_argument("--out", default=str(HERE / "results" / "pack-choice.jsonl"))
+    p.add_argument("--out", default=str(HERE / "out" / "pack-choice.jsonl"))
     args = p.parse_args(argv)
     run_id = time.strftime("%Y%m%dT%H%M%S") + "-pack"
     records = Records(Path(args.out), {**environment(), "cpu_flags": cpu_flags()})

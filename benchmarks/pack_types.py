@@ -7,7 +7,7 @@ multiplies every row of a block in one call. What `ggml_kernels._SLOWER_PACKED` 
 
 Random weights of Qwen2.5-1.5B's MLP shapes (8960x1536 and 1536x8960) and SmolLM2's (1536x576,
 576x1536), quantized by ggml; medians of 30 calls. Appends JSONL records (run id, CPU flags) to
-benchmarks/results/pack-types.jsonl; compare rows of one run only.
+benchmarks/out/pack-types.jsonl (untracked); compare rows of one run only.
 """
 
 from __future__ import annotations
@@ -27,7 +27,7 @@ from viasd.models import ggml_kernels as gk  # noqa: E402
 from viasd.models import rowexact  # noqa: E402
 from viasd.models.native import quantize  # noqa: E402
 
-OUT = Path(__file__).parent / "results" / "pack-types.jsonl"
+OUT = Path(__file__).parent / "out" / "pack-types.jsonl"
 TYPES = {"q4_0": 2, "q4_1": 3, "q8_0": 8, "q4_K": 12, "q5_K": 13, "q6_K": 14}
 SHAPES = [(8960, 1536), (1536, 8960), (1536, 576), (576, 1536)]
 

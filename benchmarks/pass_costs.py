@@ -14,7 +14,7 @@ touches them alike. Also the bytes each pass reads over a full pass' (`Decoder.w
     python benchmarks/pass_costs.py [--models smollm2-135m,qwen2.5-coder-1.5b] [--out FILE]
 
 Appends JSONL records (run id, environment with CPU flags, commit) to
-benchmarks/results/pass-costs.jsonl; compare rows of one run only.
+benchmarks/out/pass-costs.jsonl (untracked); compare rows of one run only.
 """
 
 from __future__ import annotations
@@ -32,7 +32,7 @@ from viasd.models.loading import load_model  # noqa: E402
 from viasd.models.kvcache import LayerMask  # noqa: E402
 from viasd.routing.route import ModelFingerprint, Route, shipped_route_path  # noqa: E402
 
-OUT = Path(__file__).parent / "results" / "pass-costs.jsonl"
+OUT = Path(__file__).parent / "out" / "pass-costs.jsonl"
 ROWS = (1, 5, 8)
 PROMPT = 64
 HEADS = (4096, 8192, 16384, 32768)

@@ -7,7 +7,7 @@ viasd-lossless:pld, ...) with its default weights (native: the same file's block
 the same prompt token ids (the viasd tokenizer's chat template), interleaved per prompt, greedy.
 
     python benchmarks/peers.py -m smollm2-135m --tasks spec_bench --limit 1 -n 64 \\
-        --out benchmarks/results/peers-smollm2.jsonl
+        --out benchmarks/out/peers-smollm2.jsonl
 
 Each record: run id, method, prompt, token ids, wall time, time to first token, decode-only tokens/s
 (tokens after the first over the time after it), the configuration and the environment (CPU flags).
@@ -115,10 +115,10 @@ def decode_rate(r: dict) -> float:
 
 
 def table(path: Path, run: str | None = None) -> str:
-    """The README's Markdown table of one run of a records file: per method, medians over prompts of
-    its decode rate, its decode and wall speed ratios to llama.cpp's plain decoding and its decode
-    ratio to viasd `ar`, its time to first token, and on how many prompts its tokens equal `ar`'s and
-    llama.cpp's."""
+    """The Markdown table (as in docs/performance.md) of one run of a records file: per method, medians
+    over prompts of its decode rate, its decode and wall speed ratios to llama.cpp's plain decoding and
+    its decode ratio to viasd `ar`, its time to first token, and on how many prompts its tokens equal
+    `ar`'s and llama.cpp's."""
     records = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
     runs = sorted({r["run_id"] for r in records})
     if run is None and len(runs) > 1:

@@ -4,7 +4,7 @@ change to the VIA-SD loops or a route before changing a default (minutes, not ho
 
     python benchmarks/probe.py --model smollm2-135m --draft self,pld
     python benchmarks/probe.py --model qwen2.5-coder-1.5b --drafter qwen2.5-coder-0.5b --draft model \\
-        --slim-route results/routes/qwen2.5-coder-1.5b-b0.75.json --skip ar,sd
+        --slim-route benchmarks/out/routes/qwen2.5-coder-1.5b-b0.75.json --skip ar,sd
 """
 
 from __future__ import annotations
@@ -32,7 +32,7 @@ def main() -> int:
     ap.add_argument("--slim-route", help="slim route JSON (default: the shipped one)")
     ap.add_argument("--skip", default="", help="comma-separated: ar, sd (the same-drafter SD), viasd")
     ap.add_argument("-n", "--max-new-tokens", type=int, default=64)
-    ap.add_argument("--out", default="results/probe.jsonl")
+    ap.add_argument("--out", default=str(Path(__file__).parent / "out" / "probe.jsonl"))
     args = ap.parse_args()
     model = load_model(args.model)
     drafter = load_model(args.drafter) if args.drafter else None

@@ -32,7 +32,7 @@ def main() -> None:
     p.add_argument("--model", "-m", default="qwen2.5-coder-1.5b")
     p.add_argument("--drafter", "-d", default="smollm2-135m")
     p.add_argument("--calib-seqs", type=int, default=8)
-    p.add_argument("--out", "-o", default="benchmarks/results/rescue-routes.jsonl")
+    p.add_argument("--out", "-o", default=str(Path(__file__).parent / "out" / "rescue-routes.jsonl"))
     args = p.parse_args()
     model, drafter = load_model(args.model, progress=False), load_model(args.drafter, progress=False)
     calib = build_calibration(model, n_seqs=args.calib_seqs, progress=False)

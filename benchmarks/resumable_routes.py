@@ -15,7 +15,8 @@ pass resumed after it reads (layers from m on, and the full head). Equal cost me
         --head-vocab 32768 --prefixes 0,7,14 --trials 40
 
 The drafter: a model (`--drafter`) or, without one, the model's shipped drafting route. Appends JSONL
-records (run id, configuration, environment with CPU flags) to benchmarks/results/resumable-routes.jsonl.
+records (run id, configuration, environment with CPU flags) to benchmarks/out/resumable-routes.jsonl
+(untracked).
 """
 
 from __future__ import annotations
@@ -36,7 +37,7 @@ from viasd.models.kvcache import LayerMask  # noqa: E402
 from viasd.routing.resolve import resolve_route  # noqa: E402
 from viasd.routing.search import build_calibration, route_costs, search_route  # noqa: E402
 
-OUT = Path(__file__).parent / "results" / "resumable-routes.jsonl"
+OUT = Path(__file__).parent / "out" / "resumable-routes.jsonl"
 
 
 def full_top1(calib) -> torch.Tensor:

@@ -30,7 +30,7 @@ def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--model", default="smollm2-135m")
     p.add_argument("--repeats", type=int, default=3)
-    p.add_argument("--out", default=str(HERE / "results" / "threads.jsonl"))
+    p.add_argument("--out", default=str(HERE / "out" / "threads.jsonl"))
     args = p.parse_args(argv)
     run_id = time.strftime("%Y%m%dT%H%M%S") + "-threads"
     records = Records(Path(args.out), {**environment(), "cpu_flags": cpu_flags()})

@@ -4,8 +4,9 @@ For each reduced vocabulary size N (routing/vocab.py: the DIMR calibration corpu
 tokens, Spec-Bench's dev split only, then by id), the share of the tokens `ar` wrote on held-out
 prompts (Spec-Bench's evaluation split, question_id % 5 != 0, and HumanEval, which calibration never
 sees) that fall inside it: the share of positions where a slim or drafting pass with that head can
-judge the next token at all. The outputs are read from every `ar` record of the model in
-benchmarks/results (deduplicated; no decoding here, so no timing).
+judge the next token at all. The outputs are read from every `ar` record of the model in the tracked
+benchmarks/results (deduplicated; no decoding here, so no timing); records go to benchmarks/out/
+(untracked).
 
     python benchmarks/vocab_coverage.py [--models smollm2-135m,qwen2.5-coder-1.5b] [--out FILE]
 """
@@ -23,7 +24,7 @@ from viasd.models.loading import load_model  # noqa: E402
 from viasd.routing.vocab import calibration_vocab, coverage  # noqa: E402
 
 RESULTS = Path(__file__).parent / "results"
-OUT = RESULTS / "vocab-coverage.jsonl"
+OUT = Path(__file__).parent / "out" / "vocab-coverage.jsonl"
 SIZES = (2048, 4096, 8192, 16384, 32768)
 
 
