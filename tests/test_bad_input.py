@@ -95,7 +95,7 @@ CLI_CASES = [
     # 2. values that pass a range check but not a sanity check
     ("temperature-nan", ["generate", "hi", "--temperature", "nan"], 2, "temperature must be a number, got NaN"),
     ("temperature-inf", ["generate", "hi", "--temperature", "inf"], 2, "temperature must be finite, got inf"),
-    ("temperature-huge", ["generate", "hi", "--temperature", "1e300"], 2, "temperature must be <= 100.0"),
+    ("temperature-huge", ["generate", "hi", "--temperature", "1e300"], 2, "temperature must be <= 2.0"),
     ("top-p-nan", ["generate", "hi", "--top-p", "nan"], 2, "top_p must be a number, got NaN"),
     ("seed-65-bits", ["generate", "hi", "--seed", BIG], 2, f"seed must be <= {2**64 - 1}, got {BIG}"),
     ("seed-negative", ["generate", "hi", "--seed", "-1"], 2, "seed must be >= 0, got -1"),
@@ -115,7 +115,7 @@ CLI_CASES = [
     ("max-new-tokens-huge", ["generate", "hi", "-n", str(2**40)], 2, "max_new_tokens must be <= 1048576"),
     ("full-block-huge", ["generate", "hi", "--full-block", "5000"], 2, "full_block must be <= 1024"),
     ("draft-layers-negative", ["generate", "hi", "--draft-layers", "-1"], 2, "draft_layers entry must be >= 0"),
-    ("k-too-big", ["generate", "hi", "--k", "65"], 2, "k must be between 0 and 64"),
+    ("k-too-big", ["generate", "hi", "--k", "65"], 2, "k must be <= 64, got "),
     ("search-random-trials-negative", ["search", "--budget", "0.5", "--random-trials", "-1", "-o", "r.json"], 2, "--random-trials must be >= 0"),
     ("search-budget-nan", ["search", "--budget", "nan", "-o", "r.json"], 2, "--budget must be a number, got NaN"),
     ("search-budget-zero", ["search", "--budget", "0", "-o", "r.json"], 2, "--budget must be > 0.0"),
@@ -173,7 +173,7 @@ CLI_CASES = [
     ("search-calib-len-zero", ["search", "--budget", "0.5", "--calib-len", "0", "-o", "r.json"], 2, "--calib-len must be >= 4, got 0"),
     ("calibrate-prompts-zero", ["calibrate", "--prompts", "0"], 2, "--prompts must be >= 1, got 0"),
     ("calibrate-prompts-negative", ["calibrate", "--prompts", "-1"], 2, "--prompts must be >= 1, got -1"),
-    ("calibrate-k", ["calibrate", "--k", "100"], 2, "k must be between 0 and 64"),
+    ("calibrate-k", ["calibrate", "--k", "100"], 2, "k must be <= 64, got "),
     ("bench-limit-zero", ["bench", "--limit", "0"], 2, "--limit must be >= 1, got 0"),
     ("bench-limit-negative", ["bench", "--limit", "-1"], 2, "--limit must be >= 1, got -1"),
     # the cache directory is a file

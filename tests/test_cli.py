@@ -23,9 +23,9 @@ def run(capsys, *argv):
     "argv, message",
     [
         (["generate", "hi", "--model", "no-such-model"], "viasd: error: unknown model 'no-such-model'"),
-        (["generate", "hi", "--k", "-1"], "viasd: error: k must be between 0 and 64, got -1"),
+        (["generate", "hi", "--k", "-1"], "viasd: error: k must be >= 0, got -1"),
         (["generate", "hi", "--temperature", "-2"], "viasd: error: temperature must be >= 0"),
-        (["generate", "hi", "--top-p", "0"], "viasd: error: top_p must be in (0, 1]"),
+        (["generate", "hi", "--top-p", "0"], "viasd: error: top_p must be > 0.0, got 0.0"),
         (["generate", "hi", "--max-new-tokens", "0"], "viasd: error: max_new_tokens must be >= 1"),
         (["generate", "hi", "--strategy", "nope"], "invalid choice: 'nope'"),
         (["generate", "hi", "--strategy", "viasd", "--correct"],

@@ -572,7 +572,7 @@ def test_metrics_counters_move(live, client):
     (["--max-queue", "-1"], "--max-queue must be >= 0"),
     (["--replicas", "two"], "invalid int value: 'two'"),
     (["--ray-address", "auto"], "--ray-address needs --replicas N"),
-    (["--k", "-1"], "k must be between 0 and 64"),
+    (["--k", "-1"], "k must be >= 0, got -1"),
     (["--strategy", "magic"], "invalid choice: 'magic'"),
     (["--api-key", " "], "--api-key (or VIASD_API_KEY) is empty"),
     (["--model", "no-such-model"], "unknown model 'no-such-model'"),

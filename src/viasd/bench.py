@@ -60,7 +60,7 @@ def parse_methods(spec: str) -> list[tuple[str, dict]]:
         base, _, kind = head.partition(":")
         if base not in METHODS:
             raise UsageError(f"unknown method {name!r}: choose from {', '.join(METHODS)} (optionally :pld, :self or :model, "
-                             "and +adapt or +fixed, +correct for viasd-tiered, and @DRAFTER)")
+                             "and +adapt or +fixed, +correct for viasd-tiered, +SETTING=VALUE, and @DRAFTER)")
         settings = dict(METHODS[base])
         if kind:
             if kind not in (DraftKind.PLD, DraftKind.SELF, DraftKind.MODEL) or STRATEGIES[settings["strategy"]].drafter is not DraftKind.AUTO:
@@ -69,6 +69,9 @@ def parse_methods(spec: str) -> list[tuple[str, dict]]:
             STRATEGIES[settings["strategy"]].draft_kind(kind, True)  # a kind the strategy cannot draft with: refused here
         spec_ = STRATEGIES[settings["strategy"]]
         for modifier in modifiers:
+            if "=" in modifier:  # any declared setting: +k=8, +temperature=0.7, +slim_layers=0/1/5
+                settings.update(_setting_option(name, modifier))
+                continue
             if modifier == "correct":
                 if settings.get("mode") != "tiered":
                     raise UsageError(f"method {name!r}: +correct applies to viasd-tiered only")
@@ -76,8 +79,8 @@ def parse_methods(spec: str) -> list[tuple[str, dict]]:
                 continue
             if modifier not in ("adapt", "fixed") or spec_.drafter is None:
                 raise UsageError(f"method {name!r}: the modifiers are +adapt and +fixed (draft lengths from measured "
-                                 "costs, or always k), for sd, pld, self-sd, cascade and viasd-*, and +correct "
-                                 "for viasd-tiered")
+                                 "costs, or always k), for sd, pld, self-sd, cascade and viasd-*, +correct "
+                                 "for viasd-tiered, and +SETTING=VALUE for any setting of `viasd generate`")
             settings["adapt_k"] = modifier == "adapt"
         if drafter_name:
             if _draft_kind(settings, True) is not DraftKind.MODEL:
@@ -91,6 +94,17 @@ def parse_methods(spec: str) -> list[tuple[str, dict]]:
     if not out:
         raise UsageError("no methods given")
     return out
+
+
+def _setting_option(method: str, option: str) -> dict:
+    """A method's `+name=value` option as a setting, parsed and checked as the declaration says."""
+    from viasd.settings import SETTINGS, check_setting, parse_value
+
+    key, _, text = option.partition("=")
+    if key not in SETTINGS or key == "strategy":
+        raise UsageError(f"method {method!r}: +{option} names no setting (settings: "
+                         f"{', '.join(n for n in SETTINGS if n != 'strategy')})")
+    return {key: check_setting(SETTINGS[key], parse_value(SETTINGS[key], text))}
 
 
 def _draft_kind(settings: dict, has_model: bool) -> DraftKind | None:

@@ -33,16 +33,13 @@ def read_stdin(what: str) -> bytes:
 def _generate(args: argparse.Namespace) -> int:
     from viasd.api import GenerateConfig, generate, preflight_files
     from viasd.models.loading import load_model
+    from viasd.settings import from_args
     from viasd.validation import check_device, check_text, decode_utf8, dumps_strict
 
     prompt = DEMO_PROMPT if args.prompt is None else check_text("the prompt", args.prompt)
     if prompt == "-":
         prompt = decode_utf8(read_stdin("the prompt"), "the prompt on stdin")
-    settings = {name: getattr(args, name) for name in GenerateConfig.setting_names() if hasattr(args, name)}
-    for name in ("draft_layers", "slim_layers"):
-        if settings[name] is not None:
-            settings[name] = tuple(settings[name])
-    config = GenerateConfig.from_settings(**settings)
+    config = GenerateConfig.from_settings(**from_args(args))
     config.validate()  # before any model is fetched
     check_device(args.device)
     preflight_files(config.flat())
@@ -241,14 +238,13 @@ def _add_search(p: argparse.ArgumentParser) -> None:
 def _calibrate(args: argparse.Namespace) -> int:
     from viasd.api import GenerateConfig, preflight_files
     from viasd.calibrate import calibrate, check_settings, plot_curve, thresholds_path, write_thresholds
+    from viasd.settings import from_args
     from viasd.routing.resolve import resolve_route
     from viasd.models.loading import load_model
     from viasd.routing.search import dev_prompts
 
     progress = not args.quiet
-    base = GenerateConfig.from_settings(strategy="viasd", mode="tiered", k=args.k, max_new_tokens=args.max_new_tokens,
-                          draft=args.draft, slim_route=args.route, draft_route=args.draft_route, correct=args.correct,
-                          draft_conversion=args.draft_conversion)
+    base = GenerateConfig.from_settings(strategy="viasd", mode="tiered", slim_route=args.route, **from_args(args))
     base.validate()
     preflight_files(base.flat())
     check_settings(args.prompts, args.min_agreement)
@@ -272,30 +268,20 @@ def _calibrate(args: argparse.Namespace) -> int:
 
 
 def _add_calibrate(p: argparse.ArgumentParser) -> None:
-    from viasd.api import CONVERSIONS, DRAFT_KINDS
     from viasd.calibrate import GRIDS
     from viasd.models.zoo import DEFAULT_MODEL
+    from viasd.settings import add_arguments
 
     p.add_argument("--model", "-m", default=DEFAULT_MODEL, help="(default: %(default)s)")
     p.add_argument("--drafter", "-d", help="drafter model (else --draft pld or self)")
-    p.add_argument("--draft-conversion", default="auto", choices=CONVERSIONS,
-                   help="a --drafter with another vocabulary: text (greedy: drafted text re-encoded by the verifier's "
-                        "tokenizer) or intersection (drafts only tokens both vocabularies have, mapped one to one: "
-                        "lossless under sampling too); auto = intersection when sampling, for cascade and tiered "
-                        "viasd (they read the drafter's probabilities), else text (default: %(default)s)")
-    p.add_argument("--draft", default="auto", choices=DRAFT_KINDS, help="drafter kind (default: %(default)s)")
-    p.add_argument("--draft-route", metavar="ROUTE.json", help="self drafting route file")
+    add_arguments(p, only=("draft", "draft_route", "draft_conversion", "correct", "k", "max_new_tokens"), defaults={"max_new_tokens": 48})
     p.add_argument("--route", "-r", metavar="ROUTE.json", help="slim route (default: the shipped route); thresholds are written beside it")
     p.add_argument("--min-agreement", type=float, default=0.98,
                    help="quality constraint: share of committed tokens equal to the full model's greedy choice (default: %(default)s)")
-    p.add_argument("--correct", action="store_true",
-                   help="calibrate correction mode (`generate --correct`): its output is the full model's whatever the "
-                        "thresholds, so the fastest candidate wins; written to ROUTE.correct.thresholds.json")
     p.add_argument("--prompts", type=int, default=4, help="held-in calibration prompts (default: %(default)s)")
-    p.add_argument("--max-new-tokens", "-n", type=int, default=48, help="(default: %(default)s)")
-    p.add_argument("--k", "-k", type=int, default=4)
     p.add_argument("--grid", default="small", choices=list(GRIDS), help="threshold grid (default: %(default)s)")
-    p.add_argument("--out", "-o", help="thresholds JSON (default: beside --route, else MODEL.slim.thresholds.json)")
+    p.add_argument("--out", "-o", help="thresholds JSON (default: beside --route, else MODEL.slim.thresholds.json; "
+                                       "with --correct, the correction mode's: ROUTE.correct.thresholds.json)")
     p.add_argument("--quiet", "-q", action="store_true")
 
 
@@ -303,6 +289,7 @@ def _bench(args: argparse.Namespace) -> int:
     from viasd.api import GenerateConfig, preflight_files
     from viasd.bench import check_results_file, load_tasks, parse_methods, results_lock, run_bench
     from viasd.models.loading import load_model
+    from viasd.settings import from_args
 
     from viasd.validation import check_text, check_writable_file
 
@@ -311,7 +298,7 @@ def _bench(args: argparse.Namespace) -> int:
     if missing:
         raise UsageError(f"--methods names drafter(s) {', '.join(missing)} that no --drafter gives")
     prompts = load_tasks(args.tasks, args.limit, args.turns)
-    base = GenerateConfig.from_settings(max_new_tokens=args.max_new_tokens, k=args.k, seed=args.seed, slim_route=args.slim_route)
+    base = GenerateConfig.from_settings(**from_args(args))
     base.validate()
     preflight_files(base.flat())
     out = check_results_file(check_writable_file(check_text("--out", args.out), "results file"))
@@ -327,6 +314,7 @@ def _bench(args: argparse.Namespace) -> int:
 def _add_bench(p: argparse.ArgumentParser) -> None:
     from viasd.bench import METHODS, TASKS
     from viasd.models.zoo import DEFAULT_MODEL
+    from viasd.settings import add_arguments
 
     p.add_argument("--model", "-m", default=DEFAULT_MODEL, help="(default: %(default)s)")
     p.add_argument("--drafter", "-d", action="append", metavar="MODEL",
@@ -335,17 +323,14 @@ def _add_bench(p: argparse.ArgumentParser) -> None:
     p.add_argument("--methods", default="ar,pld,self-sd,cascade,viasd-lossless,viasd-tiered",
                    help=f"comma-separated, from {', '.join(METHODS)}; cascade and viasd-* take :pld / :self / :model; sd, pld, "
                         "self-sd and cascade take +adapt / +fixed (draft lengths from measured costs or always --k; see --adapt-k); "
+                        "any method takes +SETTING=VALUE for any setting of `viasd generate` (+k=8, +slim_layers=0/1/5); "
                         "a method drafting with a model takes @MODEL, one of the --drafter values (default: %(default)s)")
     p.add_argument("--tasks", default="spec_bench,human_eval", help=f"comma-separated, from {', '.join(TASKS)} (default: %(default)s)")
     p.add_argument("--limit", type=int, default=5, help="prompts per task (default: %(default)s)")
     p.add_argument("--turns", type=int, default=1, choices=(1, 2),
                    help="MT-bench: 1 = first question; 2 = a two-turn conversation (the second question follows the model's "
                         "own first answer; statistics cover both turns) (default: %(default)s)")
-    p.add_argument("--max-new-tokens", "-n", type=int, default=128, help="(default: %(default)s)")
-    p.add_argument("--k", "-k", type=int, default=4)
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--slim-route", metavar="ROUTE.json",
-                   help="viasd-*: the slim route (default: the shipped one); tiered methods read the thresholds beside it")
+    add_arguments(p, only=("max_new_tokens", "k", "seed", "slim_route"))  # every method's, unless it sets its own
     p.add_argument("--out", "-o", default="results.jsonl", help="JSONL results; rerunning skips records already there (default: %(default)s)")
     p.add_argument("--quiet", "-q", action="store_true")
 
@@ -366,77 +351,28 @@ def _add_report(p: argparse.ArgumentParser) -> None:
     p.add_argument("--run", dest="run_id", metavar="ID", help="the bench run to report, when the file holds several (a resumed bench)")
 
 
-def _add_generate(p: argparse.ArgumentParser) -> None:
-    from viasd.api import CONVERSIONS, DRAFT_KINDS, MODES
-    from viasd.decoding.acceptance import DEFERRAL_RULES
-    from viasd.decoding.registry import DEFAULT_STRATEGY, STRATEGIES
+def _add_model_flags(p: argparse.ArgumentParser) -> None:
+    """The models a command runs and how they load (generate's and serve's)."""
     from viasd.models.zoo import DEFAULT_MODEL
 
-    p.add_argument("prompt", nargs="?", help=f"text to continue; - reads stdin (default: {DEMO_PROMPT!r})")
     p.add_argument("--model", "-m", default=DEFAULT_MODEL, help="zoo alias, GGUF file, transformers directory or hub id (default: %(default)s)")
     p.add_argument("--drafter", "-d", help="drafter model for sd / cascade / viasd --draft model: any zoo model, GGUF or "
                    "directory; one with another tokenizer drafts through text or the tokens both share (--draft-conversion)")
-    p.add_argument("--strategy", "-s", default=DEFAULT_STRATEGY, choices=list(STRATEGIES),
-                   help="; ".join(f"{k}: {v.help}" for k, v in STRATEGIES.items()) + " (default: %(default)s)")
-    p.add_argument("--k", "-k", type=int, default=4, help="draft tokens per verification round (default: %(default)s)")
-    p.add_argument("--draft-threshold", type=float, help="adaptive drafting: stop when the drafter's top probability falls below this")
-    p.add_argument("--adapt-k", action=argparse.BooleanOptionalAction, default=None,
-                   help="sd / pld / self-sd / cascade / viasd: --k is the most; each round verifies the number of "
-                        "drafts that commits the most tokens per measured second, down to none (default: on for sd, pld, "
-                        "self-sd and viasd under greedy decoding, where a lossless strategy's output is the same at any "
-                        "draft length; off when sampling, so that --seed reproduces the output, and for cascade)")
-    p.add_argument("--draft-layers", type=int, nargs="+", metavar="L", help="self drafting: verifier layers the drafting route keeps")
-    p.add_argument("--draft-route", metavar="ROUTE.json", help="self-sd: drafting route from a route file (see `viasd routes show`)")
-    p.add_argument("--draft-conversion", default="auto", choices=CONVERSIONS,
-                   help="a --drafter with another vocabulary: text (greedy: drafted text re-encoded by the verifier's "
-                        "tokenizer) or intersection (drafts only tokens both vocabularies have, mapped one to one: "
-                        "lossless under sampling too); auto = intersection when sampling, for cascade and tiered "
-                        "viasd (they read the drafter's probabilities), else text (default: %(default)s)")
-    p.add_argument("--draft", default="auto", choices=DRAFT_KINDS,
-                   help="drafter for viasd / cascade: model (--drafter), pld, self (a route); auto = model if --drafter "
-                        "is given, else pld for viasd and self for cascade")
-    v = p.add_argument_group("viasd (--strategy viasd)")
-    v.add_argument("--mode", default="lossless", choices=MODES,
-                   help="lossless: exactly the full model's output; tiered: tiers 1-2 skip the full model (default: %(default)s)")
-    v.add_argument("--slim-layers", type=int, nargs="+", metavar="L", help="slim verifier's kept layers (default: the shipped route)")
-    v.add_argument("--slim-route", metavar="ROUTE.json", help="slim verifier's route file (thresholds beside it are used in tiered mode)")
-    v.add_argument("--full-block", type=int, default=8, help="lossless: slim-verified tokens per full check (default: %(default)s)")
-    v.add_argument("--resume", action=argparse.BooleanOptionalAction, default=True,
-                   help="full passes start at the first layer the slim route does not keep whole, from the states "
-                        "its passes stored; the output is the same either way (default: on)")
-    v.add_argument("--reduced-head", action=argparse.BooleanOptionalAction, default=True,
-                   help="slim and drafting routes score only the vocabulary their route file stores, if it stores one "
-                        "(a draft outside it goes to the full model), and a drafter model the vocabulary of the "
-                        "verifier's shipped slim route (default: on)")
-    v.add_argument("--thresholds", metavar="FILE.json", help="tiered: thresholds file (as written by `viasd calibrate`)")
-    v.add_argument("--correct", action="store_true",
-                   help="tiered, greedy: each full pass corrects the first token settled without the full model where "
-                        "its choice differs, dropping what follows; tokens are printed once checked, and the output "
-                        "equals --strategy ar's")
-    v.add_argument("--accept", type=float, help="tiered: tier 1 when the slim prob of the draft is >= this")
-    v.add_argument("--accept-draft", type=float, help="tiered: ... and the drafter's prob of its token is >= this")
-    v.add_argument("--accept-tv", type=float, help="tiered: ... and TV(drafter, slim) is <= this")
-    v.add_argument("--slim", type=float, help="tiered: tier 2 when the slim top prob is >= this, else tier 3 (full)")
-    v.add_argument("--slim-entropy", type=float, help="tiered: ... and the slim entropy is <= this")
-    v.add_argument("--draft-confident", type=float,
-                   help="tiered: a round whose drafts all have drafter prob >= this is tier 1 with no slim pass "
-                        "(model or self drafters; default 2 = off)")
-    c = p.add_argument_group("cascade (--strategy cascade)")
-    c.add_argument("--rule", default="opt", choices=[str(r) for r in DEFERRAL_RULES], help="deferral rule (default: %(default)s)")
-    c.add_argument("--alpha", type=float, default=0.1, help="deferral rule parameter (default: %(default)s)")
-    p.add_argument("--max-new-tokens", "-n", type=int, default=128, help="(default: %(default)s)")
-    p.add_argument("--temperature", "-t", type=float, default=0.0, help="0 = greedy (default: %(default)s)")
-    p.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling mass (default: %(default)s)")
-    p.add_argument("--seed", type=int, default=0, help="(default: %(default)s)")
-    p.add_argument("--chat", action=argparse.BooleanOptionalAction, default=None,
-                   help="wrap the prompt in the model's chat template (default: when the model has one)")
     p.add_argument("--device", default="cpu", help="torch device (default: %(default)s)")
     p.add_argument("--weights", "--dtype", dest="weights", default="native", choices=WEIGHT_FORMATS,
                    help="native: the GGUF's own quantized weights through ggml's kernels (a model without a GGUF: its "
                         "float weights); float32: every weight dequantized, the exact reference; bfloat16 / float16: "
                         "half the bytes of float32 (default: %(default)s)")
-    p.add_argument("--json", action="store_true", help="print one JSON object (text, token_ids, stats, config) instead of streaming")
     p.add_argument("--quiet", "-q", action="store_true", help="no progress bars")
+
+
+def _add_generate(p: argparse.ArgumentParser) -> None:
+    from viasd.settings import add_arguments
+
+    p.add_argument("prompt", nargs="?", help=f"text to continue; - reads stdin (default: {DEMO_PROMPT!r})")
+    _add_model_flags(p)
+    add_arguments(p)  # one flag per request setting (viasd/settings.py)
+    p.add_argument("--json", action="store_true", help="print one JSON object (text, token_ids, stats, config) instead of streaming")
 
 
 def _add_models(p: argparse.ArgumentParser) -> None:
@@ -449,7 +385,7 @@ def _add_models(p: argparse.ArgumentParser) -> None:
 def _add_serve(p: argparse.ArgumentParser) -> None:
     from viasd.server.run import add_arguments
 
-    add_arguments(p, _add_generate)  # generate's decoding flags (the requests' defaults) and the server's own
+    add_arguments(p, _add_model_flags)  # the requests' default settings and the server's own flags
 
 
 def _serve(args: argparse.Namespace) -> int:

@@ -10,8 +10,13 @@ from pydantic import ValidationError
 from starlette.requests import ClientDisconnect
 
 from viasd.api import GenerateConfig
+from viasd.settings import SETTINGS
 from viasd.errors import UsageError
 from viasd.server.errors import APIError, validation_error
+
+
+# the settings a request sets through OpenAI's own fields of the same name (max_new_tokens: max_tokens)
+OPENAI_FIELDS = tuple(n for n, d in SETTINGS.items() if d.spec.server == "openai" and n != "max_new_tokens")
 
 
 async def read_body(request: Request, max_body: int) -> bytes:
@@ -70,7 +75,7 @@ def config_for(req, max_tokens: int | None, defaults: dict, max_positions: int) 
     s = dict(defaults)
     if req.viasd is not None:
         s.update(req.viasd.settings())
-    for name in ("temperature", "top_p", "seed"):
+    for name in OPENAI_FIELDS:
         if getattr(req, name) is not None:
             s[name] = getattr(req, name)
     if max_tokens is not None:

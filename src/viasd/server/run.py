@@ -12,21 +12,15 @@ import time
 
 from viasd.errors import UsageError
 
-SERVER_ONLY = ("prompt", "json", "chat")  # generate's flags that mean nothing to a server
 
+def add_arguments(p: argparse.ArgumentParser, add_model_flags) -> None:
+    """`viasd serve`'s flags: `add_model_flags(p)` (the CLI's --model, --drafter, ...), one flag per
+    request setting (their defaults for the requests: viasd/settings.py), and the server's own."""
+    from viasd.settings import add_arguments as add_setting_flags
 
-def add_arguments(p: argparse.ArgumentParser, add_generate) -> None:
-    """`viasd serve`'s flags: `add_generate(p)` (the CLI's `viasd generate` decoding flags: they are the
-    requests' defaults), less those that mean nothing to a server, plus the server's own."""
-    add_generate(p)
-    for action in list(p._actions):  # argparse has no public way to drop an argument
-        if action.dest in SERVER_ONLY:
-            p._remove_action(action)
-            for group in p._action_groups:
-                if action in group._group_actions:
-                    group._group_actions.remove(action)
-            for opt in action.option_strings:
-                p._option_string_actions.pop(opt, None)
+    add_model_flags(p)
+    add_setting_flags(p, skip=("chat",))  # a chat request uses the template; a completion does not
+
     def one_line_error(message: str):  # argparse's default prints the whole usage block first
         print(f"viasd serve: error: {message} (see viasd serve --help)", file=sys.stderr)
         sys.exit(2)
@@ -59,22 +53,13 @@ def add_arguments(p: argparse.ArgumentParser, add_generate) -> None:
     r.add_argument("--ray-address", help="join this Ray cluster (e.g. ray://host:10001 or auto) instead of starting a local head")
 
 
-def settings_from_args(args: argparse.Namespace) -> dict:
-    from viasd.api import GenerateConfig
-
-    s = {name: getattr(args, name) for name in GenerateConfig.setting_names() if hasattr(args, name)}
-    for name in ("draft_layers", "slim_layers"):
-        if s.get(name) is not None:
-            s[name] = tuple(s[name])
-    return s
-
-
 def check_args(args: argparse.Namespace) -> dict:
     """Every flag checked before a model is fetched; UsageError (exit 2) otherwise."""
     from viasd.api import GenerateConfig, drafter_kind, preflight_files
+    from viasd.settings import from_args
     from viasd.validation import check_float, check_int
 
-    defaults = settings_from_args(args)
+    defaults = from_args(args)
     config = GenerateConfig.from_settings(**defaults)
     config.validate()
     preflight_files(config.flat())  # route and thresholds files readable and well-formed

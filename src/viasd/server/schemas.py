@@ -5,7 +5,9 @@ from __future__ import annotations
 
 from typing import Annotated, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic import BaseModel, ConfigDict, Field, create_model, field_validator
+
+from viasd.settings import SETTINGS, Declared
 
 # Parameters of the OpenAI API this server understands but does not implement: a clear 400 when
 # given a non-default value (the openai client sends none of them unless asked).
@@ -33,50 +35,47 @@ UNSUPPORTED = {
 # Accepted and ignored (bookkeeping fields with no effect on decoding).
 IGNORED = ("user", "metadata", "store")
 
-Seed = Annotated[int, Field(ge=0, le=2**63 - 1)]
-Layers = Annotated[list[Annotated[int, Field(ge=0, le=4096)]], Field(min_length=1, max_length=4096)]
-Prob = Annotated[float, Field(ge=0.0, le=1.0)]
-
 
 class Strict(BaseModel):
     model_config = ConfigDict(strict=True, extra="forbid")
 
 
-class ViasdOptions(Strict):
-    """The `viasd` extension object: decoding settings (GenerateConfig names); the server's
-    configured defaults fill what is not given. Routes are layer lists; the drafter model, route
-    files and threshold files are the server's (`viasd serve --drafter / --slim-route ...`)."""
+def field_of(d: Declared):
+    """The pydantic type of a declared setting, as a request may give it (null: the server's default)."""
+    sp = d.spec
+    if d.kind == "int":
+        t = Annotated[int, Field(ge=sp.lo, le=sp.hi)]
+    elif d.kind == "float":
+        bounds = {"gt" if sp.lo_open else "ge": sp.lo, "le": None if sp.allow_inf else sp.hi}
+        t = Annotated[float, Field(**{k: v for k, v in bounds.items() if v is not None}, allow_inf_nan=sp.allow_inf)]
+    elif d.kind == "bool":
+        t = bool
+    elif d.kind == "choice":
+        t = Literal[sp.choices]
+    elif d.kind == "layers":
+        t = Annotated[list[Annotated[int, Field(ge=sp.lo, le=sp.hi)]], Field(min_length=1, max_length=sp.hi + 1)]
+    else:
+        raise TypeError(f"setting {d.name} ({d.kind}) has no request field")
+    return t | None
 
-    strategy: Literal["ar", "sd", "pld", "self-sd", "cascade", "viasd"] | None = None
-    k: Annotated[int, Field(ge=0, le=64)] | None = None
-    draft: Literal["auto", "model", "pld", "self"] | None = None
-    draft_threshold: Prob | None = None
-    adapt_k: bool | None = None
-    draft_conversion: Literal["auto", "text", "intersection"] | None = None
-    draft_layers: Layers | None = None
-    max_ngram: Annotated[int, Field(ge=1, le=64)] | None = None
-    min_ngram: Annotated[int, Field(ge=1, le=64)] | None = None
-    mode: Literal["lossless", "tiered"] | None = None
-    slim_layers: Layers | None = None
-    full_block: Annotated[int, Field(ge=1, le=256)] | None = None
-    resume: bool | None = None
-    reduced_head: bool | None = None
-    correct: bool | None = None
-    accept: Prob | None = None
-    accept_draft: Prob | None = None
-    accept_tv: Prob | None = None
-    slim: Prob | None = None
-    slim_entropy: Annotated[float, Field(ge=0.0, le=1e6)] | None = None
-    draft_confident: Prob | None = None
-    rule: Literal["chow", "diff", "opt"] | None = None
-    alpha: Annotated[float, Field(ge=0.0, le=1e6)] | None = None
 
+class _Extension(Strict):
     def settings(self) -> dict:
         out = self.model_dump(exclude_none=True)
-        for name in ("draft_layers", "slim_layers"):
-            if name in out:
+        for name, d in SETTINGS.items():
+            if d.kind == "layers" and name in out:
                 out[name] = tuple(out[name])
         return out
+
+
+# The `viasd` extension object: decoding settings by their GenerateConfig names, one field per setting
+# the server lets a request choose (viasd/settings.py); the server's configured defaults fill what is
+# not given. Routes are layer lists; the drafter model, route files and threshold files are the
+# server's (`viasd serve --drafter / --slim-route ...`).
+ViasdExtension = create_model("ViasdExtension", __base__=_Extension,
+                              **{n: (field_of(d), None) for n, d in SETTINGS.items() if d.spec.server == "viasd"})
+MaxTokens = field_of(SETTINGS["max_new_tokens"])  # max_tokens, max_completion_tokens
+Temperature, TopP, SeedField = (field_of(SETTINGS[n]) for n in ("temperature", "top_p", "seed"))
 
 
 class StreamOptions(Strict):
@@ -85,15 +84,16 @@ class StreamOptions(Strict):
 
 class _Common(Strict):
     model: Annotated[str, Field(min_length=1, max_length=512)]
-    temperature: Annotated[float, Field(ge=0.0, le=2.0)] | None = None
-    top_p: Annotated[float, Field(gt=0.0, le=1.0)] | None = None
-    seed: Seed | None = None
+    # OpenAI's sampling fields: the settings of the same names (viasd/settings.py)
+    temperature: Temperature = None
+    top_p: TopP = None
+    seed: SeedField = None
     stop: Annotated[str, Field(min_length=1, max_length=256)] | Annotated[
         list[Annotated[str, Field(min_length=1, max_length=256)]], Field(max_length=4)] | None = None
     n: Annotated[int, Field(ge=1, le=128)] | None = None
     stream: bool = False
     stream_options: StreamOptions | None = None
-    viasd: ViasdOptions | None = None
+    viasd: ViasdExtension | None = None
     # unsupported (400 when set to anything but their default) and ignored fields
     logprobs: object = None
     top_logprobs: object = None
@@ -134,15 +134,13 @@ class _Common(Strict):
         return None
 
 
-MaxTokens = Annotated[int, Field(ge=1, le=1_000_000)]
-
 
 class CompletionRequest(_Common):
     # a string, or token ids; a list of one string or of one id list is accepted too (batches of
     # more than one prompt are not: n and batching are 1 here)
     prompt: Annotated[str, Field(max_length=1_000_000)] | Annotated[list[Annotated[int, Field(ge=0)]], Field(min_length=1)] | Annotated[
         list[str], Field(min_length=1, max_length=1)] | Annotated[list[Annotated[list[Annotated[int, Field(ge=0)]], Field(min_length=1)]], Field(min_length=1, max_length=1)]
-    max_tokens: MaxTokens | None = None
+    max_tokens: MaxTokens = None
 
     @field_validator("prompt")
     @classmethod
@@ -169,8 +167,8 @@ class Message(Strict):
 
 class ChatCompletionRequest(_Common):
     messages: Annotated[list[Message], Field(min_length=1, max_length=10_000)]
-    max_tokens: MaxTokens | None = None
-    max_completion_tokens: MaxTokens | None = None
+    max_tokens: MaxTokens = None
+    max_completion_tokens: MaxTokens = None
 
     def limit(self) -> int | None:
         return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
