@@ -45,6 +45,7 @@ from viasd.models.native import NATIVE_ARCHITECTURES, read_native
 from viasd.models.runtime import SUPPORTED_ARCHITECTURES, Decoder, ModelConfig
 from viasd.models.vocabulary import Vocabulary, vocabulary_of
 from viasd.models.zoo import ZOO, ZooEntry
+from viasd.validation import open_regular, read_json_bounded, special_kind
 
 _META = "viasd-model.json"
 
@@ -64,7 +65,7 @@ def _log(msg: str) -> None:
 def sha256_file(path: Path, progress: bool = False) -> str:
     h = hashlib.sha256()
     size = path.stat().st_size
-    with open(path, "rb") as f, _progress(size, f"sha256 {path.name}", progress) as bar:
+    with open_regular(path) as f, _progress(size, f"sha256 {path.name}", progress) as bar:
         while chunk := f.read(1 << 22):
             h.update(chunk)
             bar.update(len(chunk))
@@ -138,7 +139,7 @@ def verify_sha256(path: Path, expected: str, what: str, progress: bool = False) 
 
 def gguf_architecture(path: Path) -> str:
     """Read `general.architecture` from a GGUF header; clear error for files that are not GGUF."""
-    with open(path, "rb") as f:
+    with open_regular(path) as f:
         if f.read(4) != b"GGUF":
             raise CorruptFileError(f"{path}: not a GGUF file (bad magic bytes)")
     try:
@@ -229,7 +230,7 @@ def sampled_hash(path: Path) -> str:
     h = hashlib.blake2b(digest_size=16)
     size = path.stat().st_size
     h.update(str(size).encode())
-    with open(path, "rb") as f:
+    with open_regular(path) as f:
         if size <= _WHOLE:
             h.update(f.read())
         else:
@@ -253,7 +254,7 @@ def write_meta(d: Path, meta: dict) -> None:
 def read_meta(d: Path) -> dict:
     """The directory's viasd-model.json; CorruptFileError when missing, unreadable or malformed."""
     try:
-        meta = json.loads((d / _META).read_text(encoding="utf-8"))
+        meta = read_json_bounded(d / _META)
     except FileNotFoundError:
         raise CorruptFileError(f"{d / _META} is missing") from None
     except (OSError, ValueError) as e:
@@ -272,15 +273,15 @@ def _safetensors_ok(path: Path) -> str | None:
     """Why a safetensors file is structurally broken (header, truncation), or None."""
     try:
         size = path.stat().st_size
-        with open(path, "rb") as f:
+        with open_regular(path) as f:
             n = int.from_bytes(f.read(8), "little")
             if n <= 0 or 8 + n > size:
                 return "header cut short"
-            header = json.loads(f.read(n))
+            header = json.loads(f.read(n))  # (n < size: a regular file's header, bounded)
         ends = [v["data_offsets"][1] for k, v in header.items() if k != "__metadata__"]
         if 8 + n + max(ends, default=0) != size:
             return f"{size} bytes, the header describes {8 + n + max(ends, default=0)} (truncated or padded)"
-    except (OSError, ValueError, KeyError, TypeError, IndexError, AttributeError) as e:
+    except (OSError, ValueError, KeyError, TypeError, IndexError, AttributeError, RecursionError) as e:
         return f"unreadable header ({type(e).__name__})"
     return None
 
@@ -448,8 +449,8 @@ class LoadedModel:
 
 def _hf_eos(path: Path):
     try:
-        return json.loads((path / "config.json").read_text()).get("eos_token_id")
-    except (OSError, ValueError):
+        return read_json_bounded(path / "config.json").get("eos_token_id")
+    except (OSError, ValueError, AttributeError):
         return None
 
 
@@ -466,6 +467,7 @@ def resolve(source: str, progress: bool = True) -> tuple[Path, str | None]:
         _ensure_converted(out, lambda: fetch_zoo(entry, progress), {"source": source, "sha256": entry.sha256, "kind": "zoo"}, progress)
         return out, entry.sha256
     path = Path(source).expanduser()
+    _refuse_special(path, "a model file or directory")
     if path.is_file():
         if not os.access(path, os.R_OK):
             raise ModelNotFoundError(f"{path}: not readable")
@@ -643,7 +645,7 @@ def zoo_gguf_verified(entry: ZooEntry, progress: bool = True) -> Path:
     stamp = _zoo_stamp(dest)
     if dest.exists() and stamp.exists():
         try:
-            want = json.loads(stamp.read_text())
+            want = read_json_bounded(stamp)
         except (OSError, ValueError):
             want = None
         if want == {"sha256": entry.sha256, "sampled": sampled_hash(dest), "key": file_key(dest)}:
@@ -658,6 +660,9 @@ def _load_dir(source: str, path: Path, digest: str | None, dtype, device, pack, 
     CorruptFileError naming it."""
     from transformers import AutoConfig, AutoTokenizer
 
+    for f in path.glob("*"):  # what transformers reads would wait for good on a FIFO
+        if f.suffix in (".json", ".safetensors", ".model", ".txt", ".jinja", ".bin", ".tiktoken"):
+            _refuse_special(f, "a model file", CorruptFileError)
     try:
         hf_config = AutoConfig.from_pretrained(path)
     except Exception as e:
@@ -697,6 +702,16 @@ def _load_dir(source: str, path: Path, digest: str | None, dtype, device, pack, 
 
 def _first_line(e: BaseException) -> str:
     return (str(e).strip().splitlines() or [""])[0][:200]
+
+
+def _refuse_special(path: Path, what: str, error=ModelNotFoundError) -> None:
+    """One line for a FIFO, socket or device where a model's file should be (read, it would block or never end)."""
+    try:
+        kind = special_kind(path.stat().st_mode)
+    except (OSError, ValueError):
+        return
+    if kind:
+        raise error(f"{path}: is {kind}, not {what}")
 
 
 def same_vocabulary(verifier: LoadedModel, drafter: LoadedModel) -> bool:

@@ -107,8 +107,11 @@ def greedy_continuation(decoder, ids: list[int], n: int) -> list[int]:
 
 def _load_calibration(path) -> Calibration | None:
     """A cached calibration set, or None (and the file removed) when it is unreadable or malformed."""
+    from viasd.validation import open_regular
+
     try:
-        data = torch.load(path, weights_only=True)
+        with open_regular(path) as f:  # (a FIFO in its place: refused, never waited on)
+            data = torch.load(f, weights_only=True)
         calib = Calibration(**data)
         n = len(calib.sequences)
         if not (n and all(len(x) == n for x in (calib.prompt_lens, calib.topk_logp, calib.topk_idx))
