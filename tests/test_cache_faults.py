@@ -479,7 +479,8 @@ def test_models_verify_checks_index_kernels_and_downloads(zoo_tiny, fake_cc, mon
 # ------------------------------------------------------------------------------------------------
 # Issue 42: files that are not what they seem. The kept pass times (pass_times.json) are read
 # without blocking, with a cap and without a traceback on any content; a damaged store is ignored
-# (one line) and rewritten, and the output is the same tokens.
+# (one line) and rewritten, and the output is the same tokens. `viasd models` refuses a cache path
+# that is a file as `generate` does.
 
 import stat
 import subprocess
@@ -571,3 +572,16 @@ def test_a_damaged_pass_times_store_gives_the_same_tokens_and_is_rewritten(tiny_
         assert set(json.loads(store.read_text())) == set(kept)  # rewritten whole
     finally:
         decoder.__dict__.pop("_pass_times", None)
+
+
+@pytest.mark.parametrize("argv", [["models"], ["models", "--json"], ["models", "--verify"]])
+def test_models_refuses_a_cache_path_that_is_a_file_as_generate_does(tmp_path, monkeypatch, capsys, argv):
+    f = tmp_path / "cachefile"
+    f.write_text("x")
+    monkeypatch.setenv("VIASD_CACHE", str(f))
+    assert main(["generate", "hi", "-q"]) == 2
+    said = capsys.readouterr().err
+    assert main(argv) == 2
+    out, err = capsys.readouterr()
+    assert err == said == f"viasd: error: cache directory {f} (VIASD_CACHE) is a file, not a directory\n" and out == ""
+    assert f.read_text() == "x"

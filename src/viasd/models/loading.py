@@ -367,16 +367,25 @@ def remove_orphans(parent: Path, idle_s: float = 60, max_age_s: float = 6 * 3600
     return removed
 
 
+def check_cache_path() -> Path:
+    """The cache directory, checked (without creating it) to be usable as one: a file there, or above
+    it, is a NotWritableError (what reads the cache, `viasd models`, says so as `generate` does)."""
+    from viasd.errors import NotWritableError
+
+    root = cache_dir()
+    if root.exists() and not root.is_dir():
+        raise NotWritableError(f"cache directory {root} (VIASD_CACHE) is a file, not a directory")
+    above = next((p for p in root.parents if p.exists() and not p.is_dir()), None) if not root.exists() else None
+    if above is not None:
+        raise NotWritableError(f"cache directory (VIASD_CACHE) {root}: {above} is a file, not a directory")
+    return root
+
+
 def check_cache_writable() -> Path:
     """The cache directory, checked (before any work) to be a directory viasd can write in."""
     from viasd.validation import check_writable_dir
 
-    root = cache_dir()
-    if root.exists() and not root.is_dir():
-        from viasd.errors import NotWritableError
-
-        raise NotWritableError(f"cache directory {root} (VIASD_CACHE) is a file, not a directory")
-    return check_writable_dir(root, "cache directory (VIASD_CACHE)")
+    return check_writable_dir(check_cache_path(), "cache directory (VIASD_CACHE)")
 
 
 # ------------------------------------------------------------------------------------------ loading
