@@ -630,6 +630,45 @@ def test_sigterm_drains_in_flight_requests_and_refuses_new_ones(smollm2):
             proc.wait()
 
 
+@pytest.mark.parametrize("where", ["port-in-use", "unknown-host"])
+def test_a_bind_failure_is_one_line_and_exit_2_before_any_model_loads(capsys, tmp_path, where):
+    """Issue 42: the server binds before it loads the model (whose path here does not exist: a load
+    would say so first) and a bind failure is one line, exit 2, not uvicorn's log and exit 3."""
+    with socket.socket() as busy:
+        busy.bind(("127.0.0.1", 0))
+        busy.listen()
+        host, port = ("127.0.0.1", busy.getsockname()[1]) if where == "port-in-use" else ("999.1.1.1", 8000)
+        code = main(["serve", "--model", str(tmp_path / "no-model"), "--host", host, "--port", str(port), "--strategy", "ar"])
+    err = capsys.readouterr().err
+    assert code == 2 and err.startswith(f"viasd: error: cannot listen on {host}:{port} (--host, --port): "), err
+    assert len(err.strip().splitlines()) == 1 and "Traceback" not in err
+
+
+def test_port_0_is_announced_as_the_port_the_server_listens_on(tiny_dir, tmp_path):
+    """Issue 42: the banner comes once the socket listens and names the port the system chose."""
+    import re
+
+    env = {**os.environ, "PYTHONPATH": SRC + os.pathsep + os.environ.get("PYTHONPATH", "")}
+    log = tmp_path / "stderr"
+    with open(log, "w") as err:
+        proc = subprocess.Popen([sys.executable, "-m", "viasd", "serve", "--model", str(tiny_dir), "--port", "0", "-q",
+                                 "--strategy", "ar"], env=env, stderr=err)
+    try:
+        def announced():
+            assert proc.poll() is None, log.read_text()
+            return "/v1 (" in log.read_text()
+        wait_for(announced, "the banner")
+        port = int(re.search(r" on http://127\.0\.0\.1:(\d+)/v1 ", log.read_text()).group(1))
+        assert port != 0
+        assert httpx.get(f"http://127.0.0.1:{port}/health", timeout=120).status_code == 200  # listening already
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(120) == 0
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+
+
 # ---------------------------------------------------------------- faults: stalled readers, half bodies, drains, config
 
 
