@@ -756,6 +756,27 @@ def test_a_drain_that_times_out_ends_the_stream_with_an_error_and_done(tiny):
         assert metric(live.metrics(), "viasd_requests_total", endpoint="completions", status="503") == 1
 
 
+def test_a_drain_that_cuts_queued_requests_says_they_never_started(tiny):
+    """Issue 42: a request still queued when the drain's time is up gets a 503 saying it never
+    started; the running one's says its generation stopped before its end."""
+    worker = GatedWorker(tiny, max_queue=4, max_batch=1)
+    app = create_app(tiny, settings=ServeSettings(served_name="tiny", max_queue=4), worker=worker)
+    body = {"model": "tiny", "prompt": "w1 w2 w3", "max_tokens": 3}
+    with LiveServer(app) as live, ThreadPoolExecutor(2) as pool:
+        running = pool.submit(httpx.post, live.url + "/v1/completions", json=body, timeout=120)
+        wait_for(lambda: worker.running == 1, "the first request to run")
+        queued = pool.submit(httpx.post, live.url + "/v1/completions", json=body, timeout=120)
+        wait_for(lambda: worker.waiting == 1, "the second request to queue")
+        worker.cancel_all()  # what the drain does when its time is up
+        worker.gate.set()
+        r = queued.result()
+        check_error(r, 503, "shutting_down")
+        assert r.json()["error"]["message"] == "the server is shutting down: the request was cancelled before it started"
+        r = running.result()
+        check_error(r, 503, "shutting_down")
+        assert r.json()["error"]["message"] == "the server is shutting down: generation stopped before its end"
+
+
 def test_a_client_that_sends_half_a_body_and_leaves_is_a_499_not_a_500(tiny, capfd):
     app = create_app(tiny, settings=ServeSettings(served_name="tiny"))
     with LiveServer(app) as live:
