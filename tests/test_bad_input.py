@@ -381,3 +381,23 @@ def test_a_prompt_from_a_closed_stdin_is_one_line_exit_2():
                        preexec_fn=lambda: os.close(0), timeout=120)
     assert r.returncode == 2
     assert r.stderr.strip() == "viasd: error: '-' reads the prompt from standard input, which is closed"
+
+
+def test_a_fifo_as_an_input_file_is_one_line_not_a_wait(tmp_path):
+    """Issue 42: a named pipe given as a route or thresholds file is refused at once (opened without
+    blocking, then found not a regular file), never waited on. In a child process (one for the three
+    options), so that a regression fails instead of hanging the suite."""
+    import subprocess
+
+    cases = [("--slim-route", "route"), ("--draft-route", "route"), ("--thresholds", "thresholds")]
+    argv = []
+    for option, _ in cases:
+        os.mkfifo(tmp_path / option.strip("-"))
+        argv += [option, str(tmp_path / option.strip("-"))]
+    child = "import sys\nfrom viasd.cli import main\nfor o, p in zip(sys.argv[1::2], sys.argv[2::2]):\n    print(main(['generate', 'hi', o, p]), flush=True)"
+    env = {**os.environ, "VIASD_CACHE": str(tmp_path / "cache"),
+           "PYTHONPATH": str(Path(__file__).resolve().parents[1] / "src") + os.pathsep + os.environ.get("PYTHONPATH", "")}
+    r = subprocess.run([sys.executable, "-c", child, *argv], env=env, capture_output=True, text=True, timeout=120)
+    assert r.stdout == "2\n2\n2\n", r.stderr[-2000:]
+    assert r.stderr.splitlines() == [f"viasd: error: {tmp_path / option.strip('-')}: is a named pipe (FIFO), not a regular {what} file"
+                                     for option, what in cases]

@@ -474,3 +474,114 @@ def test_models_verify_checks_index_kernels_and_downloads(zoo_tiny, fake_cc, mon
     assert reference_ids(load_model(zoo_tiny.alias, progress=False)) == want
     assert len(zoo_tiny.fetches) == 2
     assert main(["models", "--verify"]) == 0
+
+
+# ------------------------------------------------------------------------------------------------
+# Issue 42: files that are not what they seem. The kept pass times (pass_times.json) are read
+# without blocking, with a cap and without a traceback on any content; a damaged store is ignored
+# (one line) and rewritten, and the output is the same tokens. `viasd models` refuses a cache path
+# that is a file as `generate` does.
+
+import stat
+import subprocess
+import sys
+
+SRC = str(Path(__file__).resolve().parents[1] / "src")
+
+# after its imports, the child may take 1 GiB more address space and 30 s at most: an unbounded read
+# of /dev/zero or a wait on a FIFO fails the test instead of taking the machine's memory or hanging
+_STORE_CHILD = """
+import os, resource, threading
+from viasd.decoding import draft_length as d
+vm = int(open('/proc/self/statm').read().split()[0]) * os.sysconf('SC_PAGE_SIZE')
+resource.setrlimit(resource.RLIMIT_AS, (vm + (1 << 30), resource.RLIM_INFINITY))
+guard = threading.Timer(30, os._exit, (97,))
+guard.daemon = True
+guard.start()
+d._boot_id = lambda: 'boot'
+print(d._read_store(), d._read_store())
+d.store('key', [0.25, 0.5])
+print(d.stored('key', 2))
+"""
+
+
+def damage_store(path: Path, damage: str) -> None:
+    if damage == "dev-zero":
+        path.symlink_to("/dev/zero")
+    elif damage == "fifo":
+        os.mkfifo(path)
+    elif damage == "socket":
+        import socket
+
+        with socket.socket(socket.AF_UNIX) as s:
+            s.bind(str(path))
+    elif damage == "deep":
+        path.write_text("[" * 100000 + "]" * 100000)
+
+
+@pytest.mark.parametrize("damage", ["dev-zero", "fifo", "socket", "deep"])
+def test_a_pass_times_store_that_is_not_a_file_or_not_json_is_ignored_and_rewritten(tmp_path, damage, monkeypatch, capsys):
+    from viasd.decoding import draft_length
+
+    store = tmp_path / "pass_times.json"
+    damage_store(store, damage)
+    if damage in ("dev-zero", "fifo"):  # read as they were, these took all memory or waited for good: in a bounded child
+        env = {**os.environ, "VIASD_CACHE": str(tmp_path), "PYTHONPATH": SRC + os.pathsep + os.environ.get("PYTHONPATH", "")}
+        env.pop("VIASD_NO_TIMING_CACHE", None)
+        r = subprocess.run([sys.executable, "-c", _STORE_CHILD], env=env, capture_output=True, text=True, timeout=300)
+        assert r.returncode == 0, r.stderr[-2000:]
+        out, err = r.stdout, r.stderr
+    else:
+        monkeypatch.setenv("VIASD_CACHE", str(tmp_path))
+        monkeypatch.setattr(draft_length, "_store_warned", False, raising=False)
+        monkeypatch.setattr(draft_length, "_boot_id", lambda: "boot")
+        print(draft_length._read_store(), draft_length._read_store())  # (the child's steps, here)
+        draft_length.store("key", [0.25, 0.5])
+        print(draft_length.stored("key", 2))
+        out, err = capsys.readouterr()
+    assert out == "{} {}\n[0.25, 0.5]\n"
+    lines = err.strip().splitlines()  # said once, however often it is read
+    assert len(lines) == 1 and lines[0].startswith(f"viasd: the kept pass times {store} are unreadable"), err
+    assert stat.S_ISREG(os.lstat(store).st_mode) and set(json.loads(store.read_text())) == {"key"}
+
+
+def test_a_damaged_pass_times_store_gives_the_same_tokens_and_is_rewritten(tiny_q8, tmp_path, monkeypatch, capsys):
+    from viasd.decoding import draft_length
+    from viasd.models import compute
+
+    monkeypatch.setenv("VIASD_CACHE", str(tmp_path))
+    monkeypatch.delenv("VIASD_NO_TIMING_CACHE")
+    monkeypatch.setattr(draft_length, "_boot_id", lambda: "boot-1")
+    monkeypatch.setattr(draft_length, "_store_warned", False, raising=False)
+    budget = compute.budget()
+    monkeypatch.setattr(budget, "threads", budget.fixed or budget.cores)  # the machine idle: measurements are kept
+    monkeypatch.setattr(budget, "update", lambda now=None: budget.threads)
+    decoder, store = tiny_q8.decoder, tmp_path / draft_length.STORE_NAME
+    run = lambda: generate([1, 2, 3, 1, 2], tiny_q8, strategy="pld", max_new_tokens=24).token_ids  # noqa: E731
+    try:
+        decoder.__dict__.pop("_pass_times", None)
+        want = run()
+        kept = json.loads(store.read_text())
+        assert kept
+        store.write_text("[" * 100000 + "]" * 100000)
+        decoder.__dict__.pop("_pass_times", None)  # a new process: nothing kept in memory
+        capsys.readouterr()
+        assert run() == want
+        err = capsys.readouterr().err
+        assert len(err.strip().splitlines()) == 1 and "nested too deeply" in err and "Traceback" not in err
+        assert set(json.loads(store.read_text())) == set(kept)  # rewritten whole
+    finally:
+        decoder.__dict__.pop("_pass_times", None)
+
+
+@pytest.mark.parametrize("argv", [["models"], ["models", "--json"], ["models", "--verify"]])
+def test_models_refuses_a_cache_path_that_is_a_file_as_generate_does(tmp_path, monkeypatch, capsys, argv):
+    f = tmp_path / "cachefile"
+    f.write_text("x")
+    monkeypatch.setenv("VIASD_CACHE", str(f))
+    assert main(["generate", "hi", "-q"]) == 2
+    said = capsys.readouterr().err
+    assert main(argv) == 2
+    out, err = capsys.readouterr()
+    assert err == said == f"viasd: error: cache directory {f} (VIASD_CACHE) is a file, not a directory\n" and out == ""
+    assert f.read_text() == "x"

@@ -630,6 +630,45 @@ def test_sigterm_drains_in_flight_requests_and_refuses_new_ones(smollm2):
             proc.wait()
 
 
+@pytest.mark.parametrize("where", ["port-in-use", "unknown-host"])
+def test_a_bind_failure_is_one_line_and_exit_2_before_any_model_loads(capsys, tmp_path, where):
+    """Issue 42: the server binds before it loads the model (whose path here does not exist: a load
+    would say so first) and a bind failure is one line, exit 2, not uvicorn's log and exit 3."""
+    with socket.socket() as busy:
+        busy.bind(("127.0.0.1", 0))
+        busy.listen()
+        host, port = ("127.0.0.1", busy.getsockname()[1]) if where == "port-in-use" else ("999.1.1.1", 8000)
+        code = main(["serve", "--model", str(tmp_path / "no-model"), "--host", host, "--port", str(port), "--strategy", "ar"])
+    err = capsys.readouterr().err
+    assert code == 2 and err.startswith(f"viasd: error: cannot listen on {host}:{port} (--host, --port): "), err
+    assert len(err.strip().splitlines()) == 1 and "Traceback" not in err
+
+
+def test_port_0_is_announced_as_the_port_the_server_listens_on(tiny_dir, tmp_path):
+    """Issue 42: the banner comes once the socket listens and names the port the system chose."""
+    import re
+
+    env = {**os.environ, "PYTHONPATH": SRC + os.pathsep + os.environ.get("PYTHONPATH", "")}
+    log = tmp_path / "stderr"
+    with open(log, "w") as err:
+        proc = subprocess.Popen([sys.executable, "-m", "viasd", "serve", "--model", str(tiny_dir), "--port", "0", "-q",
+                                 "--strategy", "ar"], env=env, stderr=err)
+    try:
+        def announced():
+            assert proc.poll() is None, log.read_text()
+            return "/v1 (" in log.read_text()
+        wait_for(announced, "the banner")
+        port = int(re.search(r" on http://127\.0\.0\.1:(\d+)/v1 ", log.read_text()).group(1))
+        assert port != 0
+        assert httpx.get(f"http://127.0.0.1:{port}/health", timeout=120).status_code == 200  # listening already
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(120) == 0
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+
+
 # ---------------------------------------------------------------- faults: stalled readers, half bodies, drains, config
 
 
@@ -715,6 +754,27 @@ def test_a_drain_that_times_out_ends_the_stream_with_an_error_and_done(tiny):
         assert json.loads(rest[-2][6:])["error"]["code"] == "shutting_down"
         wait_for(lambda: worker.pending == 0, "the decode to end")
         assert metric(live.metrics(), "viasd_requests_total", endpoint="completions", status="503") == 1
+
+
+def test_a_drain_that_cuts_queued_requests_says_they_never_started(tiny):
+    """Issue 42: a request still queued when the drain's time is up gets a 503 saying it never
+    started; the running one's says its generation stopped before its end."""
+    worker = GatedWorker(tiny, max_queue=4, max_batch=1)
+    app = create_app(tiny, settings=ServeSettings(served_name="tiny", max_queue=4), worker=worker)
+    body = {"model": "tiny", "prompt": "w1 w2 w3", "max_tokens": 3}
+    with LiveServer(app) as live, ThreadPoolExecutor(2) as pool:
+        running = pool.submit(httpx.post, live.url + "/v1/completions", json=body, timeout=120)
+        wait_for(lambda: worker.running == 1, "the first request to run")
+        queued = pool.submit(httpx.post, live.url + "/v1/completions", json=body, timeout=120)
+        wait_for(lambda: worker.waiting == 1, "the second request to queue")
+        worker.cancel_all()  # what the drain does when its time is up
+        worker.gate.set()
+        r = queued.result()
+        check_error(r, 503, "shutting_down")
+        assert r.json()["error"]["message"] == "the server is shutting down: the request was cancelled before it started"
+        r = running.result()
+        check_error(r, 503, "shutting_down")
+        assert r.json()["error"]["message"] == "the server is shutting down: generation stopped before its end"
 
 
 def test_a_client_that_sends_half_a_body_and_leaves_is_a_499_not_a_500(tiny, capfd):

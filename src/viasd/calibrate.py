@@ -33,7 +33,7 @@ from viasd.decoding.tiers import TierThresholds, thresholds_beside
 from viasd.errors import NotWritableError, UsageError
 from viasd.models.loading import LoadedModel
 from viasd.validation import (atomic_write_bytes, atomic_write_text, check_float, check_int, check_writable_file, dumps_strict,
-                              read_json)
+                              open_regular, read_json)
 
 OFF = 2.0  # a threshold above 1 switches its tier off
 ALL_TO_FULL = TierThresholds(accept=OFF, slim=OFF, accept_draft=0.5, draft_confident=OFF)  # plain SD, in every grid
@@ -103,7 +103,7 @@ def _check_replaceable(path: Path, png: Path) -> None:
                                    "refusing to overwrite it (choose another --out, or remove it)")
     if png.exists():
         try:
-            with open(png, "rb") as f:
+            with open_regular(png) as f:
                 is_png = f.read(8) == b"\x89PNG\r\n\x1a\n"
         except OSError:
             is_png = False

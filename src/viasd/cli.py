@@ -72,10 +72,11 @@ def _generate(args: argparse.Namespace) -> int:
 
 
 def _models(args: argparse.Namespace) -> int:
-    from viasd.models.loading import cached_models, verify_cache, zoo_gguf_path
+    from viasd.models.loading import cached_models, check_cache_path, verify_cache, zoo_gguf_path
     from viasd.models.config import FAMILIES, FAMILY_SUPPORT, SUPPORTED_ARCHITECTURES
     from viasd.models.zoo import DEFAULT_MODEL, ZOO
 
+    check_cache_path()  # a cache path that is a file: one line, exit 2, as `generate` says it
     if args.verify:
         results = verify_cache()
         for entry, why in results:

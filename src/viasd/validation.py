@@ -13,6 +13,7 @@ import json
 import math
 import numbers
 import os
+import stat
 import tempfile
 from collections.abc import Sequence
 from pathlib import Path
@@ -276,27 +277,135 @@ def as_float(value) -> float | None:
     return None
 
 
+# ---------------------------------------------------------------------------------- reading files
+# Every small file viasd reads (route, thresholds, task and results files; the JSON it keeps in the
+# cache) goes through `read_bounded`: opened without waiting (a named pipe with no writer, a socket or
+# a terminal would block `open()` or `read()` for good), refused unless a regular file (devices only
+# where a caller allows them, for `read_capped`'s one-line refusals), read up to a cap. Binary files
+# (weights, GGUF, calibration sets) are opened with `open_regular`.
+
+_SPECIAL = ((stat.S_ISFIFO, "a named pipe (FIFO)"), (stat.S_ISSOCK, "a socket"), (stat.S_ISCHR, "a character device"),
+            (stat.S_ISBLK, "a block device"))
+
+
+def special_kind(mode: int) -> str | None:
+    """What a file of `st_mode` is when it is a FIFO, socket or device (None for anything else)."""
+    return next((name for test, name in _SPECIAL if test(mode)), None)
+
+
+class UnreadableFileError(OSError):
+    """A file `read_bounded` / `open_regular` refused or could not read: `fault` is "directory",
+    "special" (a FIFO, socket or device: `detail` says which), "large" (more than `cap` bytes),
+    "memory" or "os" (`detail`: the system's reason). A missing file is a FileNotFoundError instead."""
+
+    def __init__(self, path, fault: str, detail: str = "", cap: int = 0):
+        self.path, self.fault, self.detail, self.cap = Path(path), fault, detail, cap
+        super().__init__(self.describe())
+
+    def describe(self, what: str = "") -> str:
+        """One line naming the file and the fault (`what`: the kind of file it should be)."""
+        f, p = f"{what} file" if what else "file", self.path
+        if self.fault == "directory":
+            return f"{p}: is a directory, not a {f}"
+        if self.fault == "special":
+            return f"{p}: is {self.detail}, not a regular {f}"
+        if self.fault == "large":
+            return f"{p}: {f} is larger than {_size(self.cap)}, the most viasd reads (is it the right file?)"
+        if self.fault == "memory":
+            return f"{p}: {f} is too large to read (the limit is {_size(self.cap)})"
+        return f"{p}: cannot read {f} ({self.detail})"
+
+
+def _open_checked(path: Path, devices: bool) -> tuple[int, os.stat_result]:
+    """A read-only descriptor of `path` opened without blocking, and its stat; refuses a directory and
+    a FIFO or socket (a device too unless `devices`)."""
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
+    except FileNotFoundError:
+        raise
+    except OSError as e:  # a socket cannot be opened (ENXIO): say what it is
+        try:
+            kind = special_kind(os.stat(path).st_mode)
+        except OSError:
+            kind = None
+        raise UnreadableFileError(path, "special", kind) if kind else UnreadableFileError(path, "os", e.strerror or str(e)) from None
+    try:
+        st = os.fstat(fd)
+        kind = special_kind(st.st_mode)
+        if stat.S_ISDIR(st.st_mode):
+            raise UnreadableFileError(path, "directory")
+        if kind and not (devices and (stat.S_ISCHR(st.st_mode) or stat.S_ISBLK(st.st_mode))):
+            raise UnreadableFileError(path, "special", kind)
+    except BaseException:
+        os.close(fd)
+        raise
+    return fd, st
+
+
+def open_regular(path: str | Path):
+    """`open(path, "rb")` of a regular file only, never blocking: FileNotFoundError when missing,
+    UnreadableFileError (an OSError) for a directory, FIFO, socket or device."""
+    fd, _ = _open_checked(Path(path), devices=False)
+    return os.fdopen(fd, "rb")
+
+
+def read_bounded(path: str | Path, cap: int, devices: bool = False) -> bytes:
+    """The bytes of `path`, at most `cap` of them, without ever blocking: reads up to cap + 1 bytes and
+    refuses a file holding more (so /dev/zero or an endless file costs one bounded read, never all
+    memory). FileNotFoundError when missing; UnreadableFileError (an OSError) for a directory, a FIFO or
+    socket (a device too, unless `devices`: then it is read up to the cap), a read error or too much."""
+    path = Path(path)
+    fd, st = _open_checked(path, devices)
+    chunks, n = [], 0
+    try:
+        hint = st.st_size + 1 if stat.S_ISREG(st.st_mode) else cap + 1
+        while n <= cap:
+            chunk = os.read(fd, min(cap + 1 - n, max(hint - n, 1 << 16)))
+            if not chunk:
+                break
+            chunks.append(chunk)
+            n += len(chunk)
+    except OSError as e:  # (a device with nothing to read now: EAGAIN, not a wait)
+        raise UnreadableFileError(path, "os", e.strerror or str(e)) from None
+    except MemoryError:
+        raise UnreadableFileError(path, "memory", cap=cap) from None
+    finally:
+        os.close(fd)
+    if n > cap:
+        raise UnreadableFileError(path, "large", cap=cap)
+    return b"".join(chunks)
+
+
+def parse_json(data: bytes, where: str = "JSON"):
+    """JSON from UTF-8 bytes; every way content can be wrong (not UTF-8, not JSON, nested too deeply
+    for the parser) is a ValueError."""
+    try:
+        return json.loads(data.decode("utf-8"))
+    except RecursionError:
+        raise ValueError(f"{where}: nested too deeply") from None
+
+
+def read_json_bounded(path: str | Path, cap: int | None = None):
+    """A JSON file viasd keeps (in the cache, beside a model): FileNotFoundError when missing, another
+    OSError when it cannot be read as a regular file of at most `cap` bytes (default MAX_INPUT_BYTES),
+    ValueError for any content that is not JSON; never blocks, never a RecursionError."""
+    return parse_json(read_bounded(path, MAX_INPUT_BYTES if cap is None else cap), str(path))
+
+
 def read_capped(path: str | Path, what: str, error: type[UsageError] = MalformedFileError,
                 cap: int | None = None) -> bytes:
-    """The bytes of a user-named input file, at most `cap` of them: reads cap + 1 bytes and refuses
-    a file holding more (so /dev/zero or an endless pipe costs one bounded read, never all memory).
-    Missing, a directory or unreadable: one `error` naming the file."""
+    """The bytes of a user-named input file, at most `cap` of them (`read_bounded`; a device such as
+    /dev/zero is read up to the cap). Missing, a directory, a FIFO or socket, unreadable or too large:
+    one `error` naming the file."""
     path = Path(path)
-    cap = MAX_INPUT_BYTES if cap is None else cap
     try:
-        with open(path, "rb") as f:
-            data = f.read(cap + 1)
+        return read_bounded(path, MAX_INPUT_BYTES if cap is None else cap, devices=True)
     except FileNotFoundError:
         raise error(f"{path}: no such {what} file") from None
-    except IsADirectoryError:
-        raise error(f"{path}: is a directory, not a {what} file") from None
+    except UnreadableFileError as e:
+        raise error(e.describe(what)) from None
     except OSError as e:
         raise error(f"{path}: cannot read {what} file ({e.strerror or e})") from None
-    except MemoryError:
-        raise error(f"{path}: {what} file is too large to read (the limit is {_size(cap)})") from None
-    if len(data) > cap:
-        raise error(f"{path}: {what} file is larger than {_size(cap)}, the most viasd reads (is it the right file?)")
-    return data
 
 
 def _size(n: int) -> str:
@@ -304,8 +413,8 @@ def _size(n: int) -> str:
 
 
 def read_json(path: str | Path, what: str, error: type[UsageError] = MalformedFileError):
-    """Parse a JSON file; every way it can fail (missing, a directory, unreadable, not UTF-8, not
-    JSON) is one `error` (a UsageError) naming the file."""
+    """Parse a JSON file; every way it can fail (missing, a directory, a FIFO, unreadable, not UTF-8,
+    not JSON, nested too deeply) is one `error` (a UsageError) naming the file."""
     path = Path(path)
     text = read_capped(path, what, error)
     try:

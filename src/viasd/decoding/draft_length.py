@@ -24,6 +24,7 @@ from __future__ import annotations
 import json
 import os
 import statistics
+import sys
 import time
 from pathlib import Path
 
@@ -129,38 +130,69 @@ def _store_path() -> Path:
 
 
 def _read_store() -> dict:
+    """The kept measurements ({key: entry}); {} when there are none or the file is damaged in any way
+    (not a regular file, over `STORE_MAX_BYTES`, not JSON, nested too deeply: said once on stderr; the
+    next `store` writes a whole file in its place)."""
+    from viasd.validation import read_json_bounded
+
+    path = _store_path()
     try:
-        data = json.loads(_store_path().read_text())
-    except (OSError, ValueError):
+        data = read_json_bounded(path, STORE_MAX_BYTES)
+        if not isinstance(data, dict):
+            raise ValueError("not a JSON object")
+    except FileNotFoundError:
         return {}
-    return data if isinstance(data, dict) else {}
+    except (OSError, ValueError) as e:
+        global _store_warned
+        if not _store_warned:
+            _store_warned = True
+            why = str(e).removeprefix(f"{path}: ")
+            print(f"viasd: the kept pass times {path} are unreadable ({why}); measuring them again", file=sys.stderr, flush=True)
+        return {}
+    return data
+
+
+_store_warned = False  # the damaged store has been named on stderr (once a process)
+STORE_MAX_BYTES = 4 << 20  # a day of one boot's measurements is a few KiB
+
+
+def _entry_times(entry, rows: int | None = None) -> list[float] | None:
+    """An entry's times if it is whole (a list of plausible seconds, `rows` of them), else None."""
+    times = entry.get("times") if isinstance(entry, dict) else None
+    if isinstance(times, list) and (rows is None or len(times) == rows) and times and \
+            all(isinstance(t, (int, float)) and not isinstance(t, bool) and 0 < t < 3600 for t in times):
+        return [float(t) for t in times]
+    return None
+
+
+def _recent(entry, boot: str | None, now: float) -> bool:
+    """Whether a kept entry was measured on this boot, less than `STORE_MAX_AGE_S` ago."""
+    try:
+        return entry["boot"] == boot and type(entry["at"]) in (int, float) and 0 <= now - float(entry["at"]) < STORE_MAX_AGE_S
+    except (TypeError, KeyError, OverflowError):
+        return False
 
 
 def stored(key: str, rows: int) -> list[float] | None:
     """The kept measurement of `rows` row counts under `key`, if any and recent (None otherwise)."""
     entry = _read_store().get(key)
-    try:
-        times, age = entry["times"], time.time() - float(entry["at"])
-        if entry["boot"] == _boot_id() and 0 <= age < STORE_MAX_AGE_S and len(times) == rows and \
-                all(isinstance(t, (int, float)) and 0 < t < 3600 for t in times):
-            return [float(t) for t in times]
-    except (TypeError, KeyError, ValueError):
-        pass
-    return None
+    times = _entry_times(entry, rows)
+    return times if times is not None and _recent(entry, _boot_id(), time.time()) else None
 
 
 def store(key: str, times: list[float]) -> None:
-    """Keep a measurement under `key` (entries of other boots and stale ones dropped); never fails:
-    an unwritable cache directory only means the next process measures again."""
+    """Keep a measurement under `key` (entries of other boots, stale and malformed ones dropped); never
+    fails: an unwritable cache directory only means the next process measures again. The file is
+    replaced whole (a damaged one, a FIFO or a link to a device included)."""
     from viasd.validation import atomic_write_text
 
     boot, now = _boot_id(), time.time()
-    data = {k: e for k, e in _read_store().items()
-            if isinstance(e, dict) and e.get("boot") == boot and isinstance(e.get("at"), (int, float)) and now - e["at"] < STORE_MAX_AGE_S}
+    data = {k: {"times": t, "at": float(e["at"]), "boot": boot} for k, e in _read_store().items()
+            if _recent(e, boot, now) and (t := _entry_times(e)) is not None}
     data[key] = {"times": times, "at": now, "boot": boot}
     try:
         atomic_write_text(_store_path(), json.dumps(data))
-    except OSError:
+    except (OSError, ValueError):
         pass
 
 

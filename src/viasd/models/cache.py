@@ -8,6 +8,8 @@ import os
 import sys
 from pathlib import Path
 
+from viasd.validation import open_regular
+
 
 def cache_dir() -> Path:
     """`$VIASD_CACHE`, else `$XDG_CACHE_HOME/viasd`, else `~/.cache/viasd`."""
@@ -24,7 +26,7 @@ def _log(msg: str) -> None:
 def sha256_file(path: Path, progress: bool = False) -> str:
     h = hashlib.sha256()
     size = path.stat().st_size
-    with open(path, "rb") as f, _progress(size, f"sha256 {path.name}", progress) as bar:
+    with open_regular(path) as f, _progress(size, f"sha256 {path.name}", progress) as bar:
         while chunk := f.read(1 << 22):
             h.update(chunk)
             bar.update(len(chunk))

@@ -47,6 +47,7 @@ from viasd.models.config import SUPPORTED_ARCHITECTURES, ModelConfig
 from viasd.models.decoder import Decoder
 from viasd.models.vocabulary import Vocabulary, vocabulary_of
 from viasd.models.zoo import ZOO, ZooEntry
+from viasd.validation import open_regular, read_json_bounded, special_kind
 
 _META = "viasd-model.json"
 
@@ -104,7 +105,7 @@ def verify_sha256(path: Path, expected: str, what: str, progress: bool = False) 
 
 def gguf_architecture(path: Path) -> str:
     """Read `general.architecture` from a GGUF header; clear error for files that are not GGUF."""
-    with open(path, "rb") as f:
+    with open_regular(path) as f:
         if f.read(4) != b"GGUF":
             raise CorruptFileError(f"{path}: not a GGUF file (bad magic bytes)")
     try:
@@ -195,7 +196,7 @@ def sampled_hash(path: Path) -> str:
     h = hashlib.blake2b(digest_size=16)
     size = path.stat().st_size
     h.update(str(size).encode())
-    with open(path, "rb") as f:
+    with open_regular(path) as f:
         if size <= _WHOLE:
             h.update(f.read())
         else:
@@ -219,7 +220,7 @@ def write_meta(d: Path, meta: dict) -> None:
 def read_meta(d: Path) -> dict:
     """The directory's viasd-model.json; CorruptFileError when missing, unreadable or malformed."""
     try:
-        meta = json.loads((d / _META).read_text(encoding="utf-8"))
+        meta = read_json_bounded(d / _META)
     except FileNotFoundError:
         raise CorruptFileError(f"{d / _META} is missing") from None
     except (OSError, ValueError) as e:
@@ -238,15 +239,15 @@ def _safetensors_ok(path: Path) -> str | None:
     """Why a safetensors file is structurally broken (header, truncation), or None."""
     try:
         size = path.stat().st_size
-        with open(path, "rb") as f:
+        with open_regular(path) as f:
             n = int.from_bytes(f.read(8), "little")
             if n <= 0 or 8 + n > size:
                 return "header cut short"
-            header = json.loads(f.read(n))
+            header = json.loads(f.read(n))  # (n < size: a regular file's header, bounded)
         ends = [v["data_offsets"][1] for k, v in header.items() if k != "__metadata__"]
         if 8 + n + max(ends, default=0) != size:
             return f"{size} bytes, the header describes {8 + n + max(ends, default=0)} (truncated or padded)"
-    except (OSError, ValueError, KeyError, TypeError, IndexError, AttributeError) as e:
+    except (OSError, ValueError, KeyError, TypeError, IndexError, AttributeError, RecursionError) as e:
         return f"unreadable header ({type(e).__name__})"
     return None
 
@@ -332,16 +333,25 @@ def remove_orphans(parent: Path, idle_s: float = 60, max_age_s: float = 6 * 3600
     return removed
 
 
+def check_cache_path() -> Path:
+    """The cache directory, checked (without creating it) to be usable as one: a file there, or above
+    it, is a NotWritableError (what reads the cache, `viasd models`, says so as `generate` does)."""
+    from viasd.errors import NotWritableError
+
+    root = cache_dir()
+    if root.exists() and not root.is_dir():
+        raise NotWritableError(f"cache directory {root} (VIASD_CACHE) is a file, not a directory")
+    above = next((p for p in root.parents if p.exists() and not p.is_dir()), None) if not root.exists() else None
+    if above is not None:
+        raise NotWritableError(f"cache directory (VIASD_CACHE) {root}: {above} is a file, not a directory")
+    return root
+
+
 def check_cache_writable() -> Path:
     """The cache directory, checked (before any work) to be a directory viasd can write in."""
     from viasd.validation import check_writable_dir
 
-    root = cache_dir()
-    if root.exists() and not root.is_dir():
-        from viasd.errors import NotWritableError
-
-        raise NotWritableError(f"cache directory {root} (VIASD_CACHE) is a file, not a directory")
-    return check_writable_dir(root, "cache directory (VIASD_CACHE)")
+    return check_writable_dir(check_cache_path(), "cache directory (VIASD_CACHE)")
 
 
 # ------------------------------------------------------------------------------------------ loading
@@ -414,8 +424,8 @@ class LoadedModel:
 
 def _hf_eos(path: Path):
     try:
-        return json.loads((path / "config.json").read_text()).get("eos_token_id")
-    except (OSError, ValueError):
+        return read_json_bounded(path / "config.json").get("eos_token_id")
+    except (OSError, ValueError, AttributeError):
         return None
 
 
@@ -432,6 +442,7 @@ def resolve(source: str, progress: bool = True) -> tuple[Path, str | None]:
         _ensure_converted(out, lambda: fetch_zoo(entry, progress), {"source": source, "sha256": entry.sha256, "kind": "zoo"}, progress)
         return out, entry.sha256
     path = Path(source).expanduser()
+    _refuse_special(path, "a model file or directory")
     if path.is_file():
         if not os.access(path, os.R_OK):
             raise ModelNotFoundError(f"{path}: not readable")
@@ -609,7 +620,7 @@ def zoo_gguf_verified(entry: ZooEntry, progress: bool = True) -> Path:
     stamp = _zoo_stamp(dest)
     if dest.exists() and stamp.exists():
         try:
-            want = json.loads(stamp.read_text())
+            want = read_json_bounded(stamp)
         except (OSError, ValueError):
             want = None
         if want == {"sha256": entry.sha256, "sampled": sampled_hash(dest), "key": file_key(dest)}:
@@ -624,6 +635,9 @@ def _load_dir(source: str, path: Path, digest: str | None, dtype, device, pack, 
     CorruptFileError naming it."""
     from transformers import AutoConfig, AutoTokenizer
 
+    for f in path.glob("*"):  # what transformers reads would wait for good on a FIFO
+        if f.suffix in (".json", ".safetensors", ".model", ".txt", ".jinja", ".bin", ".tiktoken"):
+            _refuse_special(f, "a model file", CorruptFileError)
     try:
         hf_config = AutoConfig.from_pretrained(path)
     except Exception as e:
@@ -663,6 +677,16 @@ def _load_dir(source: str, path: Path, digest: str | None, dtype, device, pack, 
 
 def _first_line(e: BaseException) -> str:
     return (str(e).strip().splitlines() or [""])[0][:200]
+
+
+def _refuse_special(path: Path, what: str, error=ModelNotFoundError) -> None:
+    """One line for a FIFO, socket or device where a model's file should be (read, it would block or never end)."""
+    try:
+        kind = special_kind(path.stat().st_mode)
+    except (OSError, ValueError):
+        return
+    if kind:
+        raise error(f"{path}: is {kind}, not {what}")
 
 
 def same_vocabulary(verifier: LoadedModel, drafter: LoadedModel) -> bool:

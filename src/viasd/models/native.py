@@ -27,7 +27,7 @@ import torch
 from viasd.errors import CorruptFileError, CorruptGGUFError
 from viasd.models import ggml_kernels as gk
 from viasd.models.config import ModelConfig
-from viasd.validation import atomic_write_text
+from viasd.validation import atomic_write_text, read_json_bounded
 
 # the GGUF architecture name of each transformers model_type the runtime reads natively
 _GGUF_ARCH = {"llama": "llama", "mistral": "llama", "qwen2": "qwen2", "gemma2": "gemma2", "gemma3": "gemma3", "gemma3_text": "gemma3"}
@@ -96,7 +96,7 @@ def _read_index(index_path: Path, body_key: dict) -> dict | None:
     """The cached index at `index_path` if it is whole, built for this file (`body_key`) and its
     checksum matches; None otherwise (it is then rebuilt). Never raises for any content."""
     try:
-        doc = json.loads(index_path.read_text(encoding="utf-8"))
+        doc = read_json_bounded(index_path)
         body = {k: doc[k] for k in ("file", "key", "tensors")}
         if doc["checksum"] != _index_checksum(body) or {k: body[k] for k in body_key} != body_key:
             raise ValueError("checksum mismatch")
@@ -127,7 +127,7 @@ def index_damage(index_path: Path) -> str | None:
     """Why a cached tensor index is damaged (unreadable, checksum mismatch, unsound), or None
     (`viasd models --verify`)."""
     try:
-        doc = json.loads(index_path.read_text(encoding="utf-8"))
+        doc = read_json_bounded(index_path)
     except Exception as e:
         return f"unreadable ({type(e).__name__})"
     try:

@@ -93,9 +93,10 @@ def kernel_damage(so: Path, build_key: str | None = None) -> str | None:
     missing or unreadable, was made for another build, or its sha256 differs (truncated, garbled or
     replaced). `build_key`: the current build's (else the one the file name carries)."""
     from viasd.models.cache import sha256_file
+    from viasd.validation import read_json_bounded
 
     try:
-        rec = json.loads(_record_path(so).read_text(encoding="utf-8"))
+        rec = read_json_bounded(_record_path(so))
         sha, built_from = rec["sha256"], rec["built_from"]
         if not (isinstance(sha, str) and isinstance(built_from, str)):
             raise TypeError

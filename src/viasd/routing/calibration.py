@@ -16,7 +16,7 @@ import torch
 from viasd.models.cache import cache_dir
 from viasd.models.loading import LoadedModel
 from viasd.routing.route import ModelFingerprint
-from viasd.validation import atomic_write_bytes, check_int
+from viasd.validation import atomic_write_bytes, check_int, open_regular
 
 
 @dataclass
@@ -88,7 +88,8 @@ def greedy_continuation(decoder, ids: list[int], n: int) -> list[int]:
 def _load_calibration(path) -> Calibration | None:
     """A cached calibration set, or None (and the file removed) when it is unreadable or malformed."""
     try:
-        data = torch.load(path, weights_only=True)
+        with open_regular(path) as f:  # (a FIFO in its place: refused, never waited on)
+            data = torch.load(f, weights_only=True)
         calib = Calibration(**data)
         n = len(calib.sequences)
         if not (n and all(len(x) == n for x in (calib.prompt_lens, calib.topk_logp, calib.topk_idx))

@@ -30,6 +30,9 @@ def ended_by_server(job: Job) -> APIError:
     if job.cancel_reason == "stalled":
         return APIError(499, f"the stream was not read for {job.stall_timeout:g} s (or over {job.max_unread} events "
                              "waited unread): generation stopped", "invalid_request_error", code="stream_stalled")
+    if job.started is None:  # still queued when the drain ended it
+        return APIError(503, "the server is shutting down: the request was cancelled before it started", "server_error",
+                        code="shutting_down")
     return APIError(503, "the server is shutting down: generation stopped before its end", "server_error",
                     code="shutting_down")
 

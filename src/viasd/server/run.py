@@ -102,18 +102,49 @@ def serve_command(args: argparse.Namespace) -> int:
         from viasd.server.ray_serve import serve_replicas
 
         return serve_replicas(args, settings)
-    app = build_app(args.model, args.drafter, settings, weights=args.weights, device=args.device, progress=not args.quiet)
-    run_uvicorn(app, args.host, args.port, args.drain_timeout, args.log_level)
+    sock = listen_socket(args.host, args.port)  # before the model loads: a bind failure is one line, not minutes later
+    try:
+        app = build_app(args.model, args.drafter, settings, weights=args.weights, device=args.device, progress=not args.quiet)
+        run_uvicorn(app, args.host, args.port, args.drain_timeout, args.log_level, sock=sock)
+    finally:
+        sock.close()
     return 0
 
 
+def listen_socket(host: str, port: int, backlog: int = 2048):
+    """A TCP socket bound to (host, port) and listening, made as uvicorn makes its own (SO_REUSEADDR;
+    IPv6 for a host with a ':'; uvicorn's backlog). An address in use, a host this machine does not
+    have or cannot resolve: a UsageError (one line, exit 2)."""
+    import socket
+
+    sock = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET, socket.SOCK_STREAM)
+    try:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.bind((host, port))
+        sock.listen(backlog)
+    except (OSError, OverflowError, UnicodeError) as e:
+        sock.close()
+        reason = e.strerror if isinstance(e, OSError) and e.strerror else str(e)
+        raise UsageError(f"cannot listen on {_address(host, port)} (--host, --port): {reason}") from None
+    return sock
+
+
+def _address(host: str, port: int) -> str:
+    return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
+
+
 def run_uvicorn(app, host: str, port: int, drain_timeout: float = 30.0, log_level: str = "warning", sock=None) -> None:
+    """Serve `app` on `sock` (else a socket bound here to host:port), saying where once it listens."""
     import uvicorn
 
+    if sock is None:
+        sock = listen_socket(host, port)
     config = uvicorn.Config(app, host=host, port=port, log_level=log_level, timeout_graceful_shutdown=5, lifespan="off")
     server = DrainingServer(config, app.state.worker, drain_timeout)
-    print(f"viasd serve: {app.state.model.name} on http://{host}:{port}/v1 (Ctrl-C or SIGTERM drains)", file=sys.stderr)
-    server.run(sockets=[sock] if sock is not None else None)
+    bound_host, bound_port = sock.getsockname()[:2]  # the port the system chose for --port 0
+    print(f"viasd serve: {app.state.model.name} on http://{_address(bound_host, bound_port)}/v1 (Ctrl-C or SIGTERM drains)",
+          file=sys.stderr, flush=True)
+    server.run(sockets=[sock])
 
 
 try:
