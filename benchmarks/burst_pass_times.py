@@ -26,7 +26,7 @@ from common import per_model_run  # noqa: E402
 
 def main() -> None:
     from viasd import load_model
-    from viasd.decoding.draft_length import pass_times
+    from viasd.execution.timing import pass_times
     from viasd.server.engine import Job, Worker
 
     models, run_id, records = per_model_run(__doc__, Path(__file__).parent / "out" / "burst-pass-times.jsonl")

@@ -492,7 +492,7 @@ SRC = str(Path(__file__).resolve().parents[1] / "src")
 # of /dev/zero or a wait on a FIFO fails the test instead of taking the machine's memory or hanging
 _STORE_CHILD = """
 import os, resource, threading
-from viasd.decoding import draft_length as d
+from viasd.execution import timing as d
 vm = int(open('/proc/self/statm').read().split()[0]) * os.sysconf('SC_PAGE_SIZE')
 resource.setrlimit(resource.RLIMIT_AS, (vm + (1 << 30), resource.RLIM_INFINITY))
 guard = threading.Timer(30, os._exit, (97,))
@@ -521,7 +521,7 @@ def damage_store(path: Path, damage: str) -> None:
 
 @pytest.mark.parametrize("damage", ["dev-zero", "fifo", "socket", "deep"])
 def test_a_pass_times_store_that_is_not_a_file_or_not_json_is_ignored_and_rewritten(tmp_path, damage, monkeypatch, capsys):
-    from viasd.decoding import draft_length
+    from viasd.execution import timing
 
     store = tmp_path / "pass_times.json"
     damage_store(store, damage)
@@ -533,11 +533,11 @@ def test_a_pass_times_store_that_is_not_a_file_or_not_json_is_ignored_and_rewrit
         out, err = r.stdout, r.stderr
     else:
         monkeypatch.setenv("VIASD_CACHE", str(tmp_path))
-        monkeypatch.setattr(draft_length, "_store_warned", False, raising=False)
-        monkeypatch.setattr(draft_length, "_boot_id", lambda: "boot")
-        print(draft_length._read_store(), draft_length._read_store())  # (the child's steps, here)
-        draft_length.store("key", [0.25, 0.5])
-        print(draft_length.stored("key", 2))
+        monkeypatch.setattr(timing, "_store_warned", False, raising=False)
+        monkeypatch.setattr(timing, "_boot_id", lambda: "boot")
+        print(timing._read_store(), timing._read_store())  # (the child's steps, here)
+        timing.store("key", [0.25, 0.5])
+        print(timing.stored("key", 2))
         out, err = capsys.readouterr()
     assert out == "{} {}\n[0.25, 0.5]\n"
     lines = err.strip().splitlines()  # said once, however often it is read
@@ -546,17 +546,17 @@ def test_a_pass_times_store_that_is_not_a_file_or_not_json_is_ignored_and_rewrit
 
 
 def test_a_damaged_pass_times_store_gives_the_same_tokens_and_is_rewritten(tiny_q8, tmp_path, monkeypatch, capsys):
-    from viasd.decoding import draft_length
-    from viasd.models import compute
+    from viasd.execution import timing
+    from viasd import compute
 
     monkeypatch.setenv("VIASD_CACHE", str(tmp_path))
     monkeypatch.delenv("VIASD_NO_TIMING_CACHE")
-    monkeypatch.setattr(draft_length, "_boot_id", lambda: "boot-1")
-    monkeypatch.setattr(draft_length, "_store_warned", False, raising=False)
+    monkeypatch.setattr(timing, "_boot_id", lambda: "boot-1")
+    monkeypatch.setattr(timing, "_store_warned", False, raising=False)
     budget = compute.budget()
     monkeypatch.setattr(budget, "threads", budget.fixed or budget.cores)  # the machine idle: measurements are kept
     monkeypatch.setattr(budget, "update", lambda now=None: budget.threads)
-    decoder, store = tiny_q8.decoder, tmp_path / draft_length.STORE_NAME
+    decoder, store = tiny_q8.decoder, tmp_path / timing.STORE_NAME
     run = lambda: generate([1, 2, 3, 1, 2], tiny_q8, strategy="pld", max_new_tokens=24).token_ids  # noqa: E731
     try:
         decoder.__dict__.pop("_pass_times", None)

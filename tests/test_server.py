@@ -950,7 +950,7 @@ def test_a_member_measures_pass_times_in_a_step_of_its_own(tiny_q8, monkeypatch)
     first request of a burst timed its passes with the others' prompts run in the same steps, and
     kept 34-114 ms for smollm2's 1-5 rows (4.5-13 alone) for every later request of the process.
     Its tokens are unchanged: the measurement uses a scratch cache."""
-    from viasd.decoding.draft_length import pass_times
+    from viasd.execution.timing import pass_times
     from viasd import compute
     from viasd.execution import batching
     from viasd.execution.passes import Passes

@@ -12,7 +12,8 @@ import torch
 
 from viasd import generate
 from viasd.decoding.acceptance import SamplingParams
-from viasd.decoding.draft_length import DraftLength, expected_tokens, pass_times
+from viasd.decoding.draft_length import DraftLength, expected_tokens
+from viasd.execution.timing import pass_times
 from viasd.decoding.drafters import Draft, ModelDrafter, NgramDrafter, SelfDrafter
 from viasd.decoding.strategies import speculative_decode
 from viasd.decoding.verifier import DecodeRequest
@@ -311,12 +312,12 @@ def test_pass_times_are_kept_for_the_next_processes_of_a_boot(tiny_q8, tmp_path,
     measured before each first token: 1.3 s of qwen 1.5B's 2.0 s to `pld`'s) for the same model
     shapes, formats, kernels and cores, on the same boot, for a day; never a stale one, another boot's,
     a damaged file's or one taken on fewer cores than the process may use; `keep=False` never reads."""
-    from viasd.decoding import draft_length
+    from viasd.execution import timing
     from viasd import compute
 
     monkeypatch.setenv("VIASD_CACHE", str(tmp_path))
     monkeypatch.delenv("VIASD_NO_TIMING_CACHE")
-    monkeypatch.setattr(draft_length, "_boot_id", lambda: "boot-1")
+    monkeypatch.setattr(timing, "_boot_id", lambda: "boot-1")
     budget = compute.budget()
     monkeypatch.setattr(budget, "threads", budget.fixed or budget.cores)  # the machine idle
     monkeypatch.setattr(budget, "update", lambda now=None: budget.threads)
@@ -328,22 +329,22 @@ def test_pass_times_are_kept_for_the_next_processes_of_a_boot(tiny_q8, tmp_path,
     def measure(rows=3, last_only=False, keep=True):
         decoder.__dict__.pop("_pass_times", None)  # a new process: nothing kept in memory
         calls.clear()
-        return draft_length.pass_times(decoder, rows, last_only=last_only, keep=keep), len(calls)
+        return timing.pass_times(decoder, rows, last_only=last_only, keep=keep), len(calls)
 
     try:
         first, n = measure()
-        assert n == 12 and (tmp_path / draft_length.STORE_NAME).exists()
+        assert n == 12 and (tmp_path / timing.STORE_NAME).exists()
         assert measure() == (first, 0)  # read back, no pass
         assert measure(rows=2)[1] == 8 and measure(last_only=True)[1] == 12  # another measurement each
         assert measure(keep=False)[1] == 12  # the benchmark's recorded costs: always measured
-        monkeypatch.setattr(draft_length, "_boot_id", lambda: "boot-2")  # rebooted (or another machine)
+        monkeypatch.setattr(timing, "_boot_id", lambda: "boot-2")  # rebooted (or another machine)
         second, n = measure()
         assert n == 12 and measure() == (second, 0)
-        store = tmp_path / draft_length.STORE_NAME
+        store = tmp_path / timing.STORE_NAME
         data = json.loads(store.read_text())
         assert {e["boot"] for e in data.values()} == {"boot-2"}  # the old boot's entries dropped
         for entry in data.values():
-            entry["at"] -= draft_length.STORE_MAX_AGE_S + 1
+            entry["at"] -= timing.STORE_MAX_AGE_S + 1
         store.write_text(json.dumps(data))
         assert measure()[1] == 12  # stale: measured again
         store.write_text('{"torn')

@@ -360,7 +360,7 @@ def pass_costs(model, base: GenerateConfig) -> dict | None:
     token, and every predicted speed-up came out 17% high; measured here, not the draft-length policy's
     times, which requests have learnt into), and its full pass' weight bytes (None for
     models that do not count bytes: T5)."""
-    from viasd.decoding.draft_length import pass_times
+    from viasd.execution.timing import pass_times
 
     dec = model.decoder
     if dec.is_encoder_decoder or not hasattr(dec, "weight_bytes"):

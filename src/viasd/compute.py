@@ -59,7 +59,7 @@ def _pool() -> ThreadPoolExecutor:
         return _executor
 
 
-_members = threading.local()  # threads of a batch session (models/batching.py): their model work is the compute thread's
+_members = threading.local()  # threads of a batch session (execution/batching.py): their model work is the compute thread's
 
 
 def on_compute_thread() -> bool:

@@ -29,7 +29,8 @@ from typing import NamedTuple
 import torch
 
 from viasd.decoding.acceptance import SamplingParams, accept, argmax, settle
-from viasd.decoding.draft_length import DraftLength, PassTimer, draft_policy, propose
+from viasd.decoding.draft_length import DraftLength, draft_policy, propose
+from viasd.execution.timing import PassTimer
 from viasd.decoding.drafters import Draft, Drafter
 from viasd.decoding.tiers import Tier, TierThresholds, confident_round, round_tiers
 from viasd.decoding.verifier import DecodeRequest, Verifier, pass_bytes

@@ -7,7 +7,8 @@ Every loop goes through a `Verifier` (passes, commits, the cache invariant) and 
 from __future__ import annotations
 
 from viasd.decoding.acceptance import DeferralRule, accept, cascade_target_probs
-from viasd.decoding.draft_length import PassTimer, draft_policy, propose
+from viasd.decoding.draft_length import draft_policy, propose
+from viasd.execution.timing import PassTimer
 from viasd.decoding.drafters import Drafter
 from viasd.decoding.verifier import DecodeRequest, Verifier
 from viasd.models.decoder import Decoder

@@ -61,7 +61,7 @@ class NativeForward:
     def __init__(self, decoder: Decoder, pack: bool | str = True, attention: str | None = None):
         self.dec = decoder
         cfg = decoder.config
-        self.build_s = 0.0  # seconds spent building graphs (once per shape: `draft_length.PassTimer` leaves them out)
+        self.build_s = 0.0  # seconds spent building graphs (once per shape: `execution.timing.PassTimer` leaves them out)
         # the products' weights laid out for a faster kernel where this CPU has one for them
         # (`ggml_kernels.NativeTensor.pack`: viasd's row-exact kernel, else ggml's extra buffer types;
         # pack="ggml": ggml's only; pack="row-exact": the row-exact kernel on AVX2 CPUs too); the

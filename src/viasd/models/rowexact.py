@@ -79,7 +79,7 @@ def _build_key(cc: str) -> str:
 @functools.cache
 def source_digest() -> str:
     """sha256 of the kernels' C source: what a kept measurement of their speed stands for
-    (`draft_length.pass_times`)."""
+    (`execution.timing.pass_times`)."""
     return hashlib.sha256(_SOURCE.read_bytes()).hexdigest()
 
 

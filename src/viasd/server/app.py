@@ -40,7 +40,7 @@ class ServeSettings:
     max_queue: int = 64  # requests waiting behind the running ones; more get 503
     max_batch: int = 8  # requests decoded at once, their passes batched
     kv_budget: int | None = None  # bytes of KV cache the running requests may reserve (None: a quarter of free memory)
-    prefix_cache: int = 128 << 20  # bytes of recent prompts' K/V kept for reuse (models/prefix.py); 0: off
+    prefix_cache: int = 128 << 20  # bytes of recent prompts' K/V kept for reuse (execution/prefix.py); 0: off
     max_body_bytes: int = DEFAULT_MAX_BODY
     api_key: str | None = None
 
