@@ -28,7 +28,7 @@ import torch
 import torch.nn.functional as F
 
 from viasd.errors import UnsupportedArchitectureError
-from viasd.models import ggml_forward
+import viasd.models.ggml_forward as ggml_forward  # by full name: `from viasd.models import` names the package, which imports loading (a cycle)
 from viasd.models.config import ModelConfig
 from viasd.models.ggml_kernels import NativeTensor, QuantEmbedding, QuantLinear
 from viasd.models.kvcache import ROW_ATTENTION_MAX, KVCache, LayerMask, begin_pass

@@ -24,17 +24,15 @@ from __future__ import annotations
 import ctypes
 import time
 from collections import OrderedDict
-from typing import TYPE_CHECKING
 
 import torch
 
-from viasd.models import ggml_kernels as gk
-from viasd.models import rowexact
+import viasd.models.ggml_kernels as gk  # by full name: `from viasd.models import` names the package, which imports loading (a cycle)
+import viasd.models.rowexact as rowexact
 from viasd.models.ggml_kernels import F32, I32, QuantLinear, lib
 from viasd.models.kvcache import ROW_ATTENTION_MAX, KVCache, LayerMask
 
-if TYPE_CHECKING:  # annotations only: the decoder builds its graph from here
-    from viasd.models.decoder import Decoder
+# `Decoder` in annotations here is models.decoder's, not imported even for type checking: decoder imports this module
 
 F16, I64 = 1, 27
 _ROPE_NEOX = 2  # rotate-half RoPE, as transformers applies it to every family here

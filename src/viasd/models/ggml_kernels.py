@@ -28,9 +28,9 @@ from pathlib import Path
 
 import torch
 
-from viasd import compute
+import viasd.compute as compute  # by full name: `from viasd import` names the package, above models (a cycle)
 from viasd.errors import ViasdError
-from viasd.models import rowexact
+import viasd.models.rowexact as rowexact
 from viasd.models.ggml_abi import (BF16, F16, F32, GGML_MAX_DIMS, GGML_MAX_N_THREADS, GGML_MAX_NAME, GGML_MAX_OP_PARAMS,  # noqa: F401
                                    GGML_MAX_SRC, I32, _OBJECT_SIZE, _CPlan, _InitParams, _Tensor, _ThreadpoolParams)
 

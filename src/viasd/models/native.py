@@ -25,7 +25,7 @@ import numpy as np
 import torch
 
 from viasd.errors import CorruptFileError, CorruptGGUFError
-from viasd.models import ggml_kernels as gk
+import viasd.models.ggml_kernels as gk  # by full name: `from viasd.models import` names the package, which imports loading (a cycle)
 from viasd.models.config import ModelConfig
 from viasd.validation import atomic_write_text
 
