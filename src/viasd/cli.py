@@ -72,7 +72,9 @@ def _generate(args: argparse.Namespace) -> int:
 
 
 def _models(args: argparse.Namespace) -> int:
-    from viasd.models.loading import cached_models, check_cache_path, verify_cache, zoo_gguf_path
+    from viasd.models.cache import check_cache_path
+    from viasd.models.convert import cached_models, verify_cache
+    from viasd.models.download import zoo_gguf_path
     from viasd.models.config import FAMILIES, FAMILY_SUPPORT, SUPPORTED_ARCHITECTURES
     from viasd.models.zoo import DEFAULT_MODEL, ZOO
 

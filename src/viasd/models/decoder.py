@@ -73,67 +73,21 @@ class Decoder:
         native = native or {}
         if native and (device.type != "cpu" or dtype != torch.float32):
             raise ValueError("native weights run on the CPU with float32 activations")
-
-        def linear(names: list[str], bias: torch.Tensor | None = None) -> Linear:
-            if all(n in native for n in names):
-                return QuantLinear([native[n] for n in names], bias)
-            return PackedLinear(torch.cat([get(n) for n in names]), bias, pack)
-
-        gemma = config.family == "gemma"
-        if gemma and "model.embed_tokens.weight" not in state:  # a multimodal Gemma 3 checkpoint: its text model
-            state = {("model." + k[len("model.language_model."):] if k.startswith("model.language_model.") else k): w
-                     for k, w in state.items()}
-
-        def get(name: str) -> torch.Tensor:
-            if name not in state:
-                raise UnsupportedArchitectureError(f"checkpoint lacks tensor {name!r} expected for {config.architecture}")
-            return state[name].to(device=device, dtype=dtype)
-
-        def norm(name: str) -> torch.Tensor:
-            # Gemma's RMSNorm multiplies by (1 + w): folded into the weight once, here
-            if not gemma:
-                return get(name)
-            get(name)  # (a missing tensor: the clear error)
-            return (state[name].to(device=device, dtype=torch.float32) + 1.0).to(dtype)
-
-        layers = []
-        for i in range(config.n_layers):
-            p = f"model.layers.{i}."
-            qkv_b = torch.cat([get(p + f"self_attn.{n}_proj.bias") for n in "qkv"]) if config.qkv_bias else None
-            sliding = bool(config.sliding_layers and config.sliding_layers[i])
-            layers.append(
-                _Layer(
-                    attn_norm=norm(p + "input_layernorm.weight"),
-                    qkv=linear([p + f"self_attn.{n}_proj.weight" for n in "qkv"], qkv_b),
-                    o=linear([p + "self_attn.o_proj.weight"]),
-                    # Llama names its pre-MLP norm post_attention_layernorm; Gemma has both
-                    mlp_norm=norm(p + ("pre_feedforward_layernorm.weight" if config.sandwich_norms else "post_attention_layernorm.weight")),
-                    gate_up=linear([p + "mlp.gate_proj.weight", p + "mlp.up_proj.weight"]),
-                    down=linear([p + "mlp.down_proj.weight"]),
-                    post_attn_norm=norm(p + "post_attention_layernorm.weight") if config.sandwich_norms else None,
-                    post_mlp_norm=norm(p + "post_feedforward_layernorm.weight") if config.sandwich_norms else None,
-                    q_norm=norm(p + "self_attn.q_norm.weight") if config.qk_norm else None,
-                    k_norm=norm(p + "self_attn.k_norm.weight") if config.qk_norm else None,
-                    sliding=sliding,
-                    rope=1 if sliding and config.rope_local_theta is not None else 0,
-                )
-            )
-        head = "model.embed_tokens.weight" if config.tied_embeddings or "lm_head.weight" not in state else "lm_head.weight"
+        w = _Weights(config, state, dtype, device, pack, native)
+        layers = [_layer(w, i) for i in range(config.n_layers)]
+        head = "model.embed_tokens.weight" if config.tied_embeddings or "lm_head.weight" not in w.state else "lm_head.weight"
         if "model.embed_tokens.weight" in native:
             embed = QuantEmbedding(native["model.embed_tokens.weight"])
         else:
-            embed = Embedding(get("model.embed_tokens.weight"))
-        tables = [_rope_table(config.rope_theta, config.rope_factor, config.head_dim, config.max_positions)]
-        if any(layer.rope == 1 for layer in layers):
-            tables.append(_rope_table(config.rope_local_theta, 1.0, config.head_dim, config.max_positions))
-        angles = torch.stack(tables)  # [n_tables, max_positions, head_dim]
+            embed = Embedding(w.get("model.embed_tokens.weight"))
+        angles = _rope_angles(config, layers)  # [n_tables, max_positions, head_dim]
         decoder = cls(
             config=config,
             embed=embed,
             layers=layers,
-            norm=norm("model.norm.weight"),
-            lm_head=linear([head]),
-            _head_weight=None if head in native else get(head),
+            norm=w.norm("model.norm.weight"),
+            lm_head=w.linear([head]),
+            _head_weight=None if head in native else w.get(head),
             dtype=dtype,
             device=device,
             _cos=angles.cos().to(device=device, dtype=dtype),
@@ -306,6 +260,27 @@ class Decoder:
                 x = x * cfg.embed_scale
         # per RoPE table (global, local): [T, 1, head_dim]
         ropes = [(self._cos[t, start:end, None, :], self._sin[t, start:end, None, :]) for t in range(self._cos.shape[0])]
+        for i, layer in enumerate(self.layers[first:], start=first):
+            if i == save:
+                cache.hidden[start:end] = x
+                if not logits and route is not None and not any(route.attn[i:]) and not any(route.mlp[i:]):
+                    break  # nothing past here is kept, and no head
+            if route is None or route.attn[i]:
+                x = x + self._attention_block(i, layer, x, cache, start, ropes[layer.rope])
+            if route is None or route.mlp[i]:
+                x = x + self._mlp_block(layer, x)
+        if not logits:
+            return None
+        if last_only:
+            x = x[-1:]
+        return (self.lm_head if head is None else head.linear)(_rms_norm(x, self.norm, cfg.rms_eps)).float()
+
+    def _attention_block(self, i: int, layer: _Layer, x: torch.Tensor, cache: KVCache, start: int,
+                         rope: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+        """Layer i's attention sub-layer over rows `x` [T, hidden] at positions start..: its K/V rows
+        written into `cache`, then each row's attention; what it adds to the stream, [T, hidden]."""
+        cfg = self.config
+        n_tokens = x.shape[0]
         # Attention is batch-invariant: each query row attends alone to exactly the keys it sees, so a
         # row's result does not depend on which other rows share its pass (a drafted block or a single
         # token: the same kernel on the same data).
@@ -313,47 +288,101 @@ class Decoder:
         scale = cfg.attn_scale if cfg.attn_scale is not None else cfg.head_dim ** -0.5
         gqa = cfg.n_heads != cfg.n_kv_heads
         nq, nkv, hd = cfg.n_heads * cfg.head_dim, cfg.n_kv_heads * cfg.head_dim, cfg.head_dim
-        for i, layer in enumerate(self.layers[first:], start=first):
-            if i == save:
-                cache.hidden[start:end] = x
-                if not logits and route is not None and not any(route.attn[i:]) and not any(route.mlp[i:]):
-                    break  # nothing past here is kept, and no head
-            if route is None or route.attn[i]:
-                h = _rms_norm(x, layer.attn_norm, cfg.rms_eps)
-                qkv = layer.qkv(h)  # [T, nq + 2 nkv]
-                q = qkv[:, :nq].view(n_tokens, cfg.n_heads, hd)
-                k = qkv[:, nq : nq + nkv].view(n_tokens, cfg.n_kv_heads, hd)
-                v = qkv[:, nq + nkv :].view(n_tokens, cfg.n_kv_heads, hd)
-                if layer.q_norm is not None:
-                    q = _rms_norm(q, layer.q_norm, cfg.rms_eps)
-                    k = _rms_norm(k, layer.k_norm, cfg.rms_eps)
-                cos, sin = ropes[layer.rope]
-                q = q * cos + _rotate_half(q) * sin
-                k = k * cos + _rotate_half(k) * sin
-                cache.k[i, :, start:end] = k.transpose(0, 1)
-                cache.v[i, :, start:end] = v.transpose(0, 1)
-                qh = q.transpose(0, 1)[None]  # [1, n_heads, T, hd]
-                rows = []
-                for j in range(n_tokens):  # position p = start + j sees keys lo .. p
-                    p = start + j
-                    lo = max(0, p - window + 1) if layer.sliding else 0
-                    rows.append(_attention(qh[:, :, j : j + 1], cache.k[i, None, :, lo : p + 1], cache.v[i, None, :, lo : p + 1],
-                                           None, scale, cfg.attn_softcap, gqa))  # [1, n_heads, 1, hd]
-                attn = rows[0] if n_tokens == 1 else torch.cat(rows, dim=2)  # [1, n_heads, T, hd]
-                a = layer.o(attn[0].transpose(0, 1).reshape(n_tokens, nq))
-                if layer.post_attn_norm is not None:
-                    a = _rms_norm(a, layer.post_attn_norm, cfg.rms_eps)
-                x = x + a
-            if route is None or route.mlp[i]:
-                h = _rms_norm(x, layer.mlp_norm, cfg.rms_eps)
-                gate, up = layer.gate_up(h).chunk(2, dim=-1)
-                gate = F.silu(gate) if cfg.activation == "silu" else F.gelu(gate, approximate="tanh")
-                m_out = layer.down(gate * up)
-                if layer.post_mlp_norm is not None:
-                    m_out = _rms_norm(m_out, layer.post_mlp_norm, cfg.rms_eps)
-                x = x + m_out
-        if not logits:
-            return None
-        if last_only:
-            x = x[-1:]
-        return (self.lm_head if head is None else head.linear)(_rms_norm(x, self.norm, cfg.rms_eps)).float()
+        h = _rms_norm(x, layer.attn_norm, cfg.rms_eps)
+        qkv = layer.qkv(h)  # [T, nq + 2 nkv]
+        q = qkv[:, :nq].view(n_tokens, cfg.n_heads, hd)
+        k = qkv[:, nq : nq + nkv].view(n_tokens, cfg.n_kv_heads, hd)
+        v = qkv[:, nq + nkv :].view(n_tokens, cfg.n_kv_heads, hd)
+        if layer.q_norm is not None:
+            q = _rms_norm(q, layer.q_norm, cfg.rms_eps)
+            k = _rms_norm(k, layer.k_norm, cfg.rms_eps)
+        cos, sin = rope
+        q = q * cos + _rotate_half(q) * sin
+        k = k * cos + _rotate_half(k) * sin
+        end = start + n_tokens
+        cache.k[i, :, start:end] = k.transpose(0, 1)
+        cache.v[i, :, start:end] = v.transpose(0, 1)
+        qh = q.transpose(0, 1)[None]  # [1, n_heads, T, hd]
+        rows = []
+        for j in range(n_tokens):  # position p = start + j sees keys lo .. p
+            p = start + j
+            lo = max(0, p - window + 1) if layer.sliding else 0
+            rows.append(_attention(qh[:, :, j : j + 1], cache.k[i, None, :, lo : p + 1], cache.v[i, None, :, lo : p + 1],
+                                   None, scale, cfg.attn_softcap, gqa))  # [1, n_heads, 1, hd]
+        attn = rows[0] if n_tokens == 1 else torch.cat(rows, dim=2)  # [1, n_heads, T, hd]
+        a = layer.o(attn[0].transpose(0, 1).reshape(n_tokens, nq))
+        if layer.post_attn_norm is not None:
+            a = _rms_norm(a, layer.post_attn_norm, cfg.rms_eps)
+        return a
+
+    def _mlp_block(self, layer: _Layer, x: torch.Tensor) -> torch.Tensor:
+        """The layer's MLP sub-layer over rows `x` [T, hidden]: what it adds to the stream."""
+        cfg = self.config
+        h = _rms_norm(x, layer.mlp_norm, cfg.rms_eps)
+        gate, up = layer.gate_up(h).chunk(2, dim=-1)
+        gate = F.silu(gate) if cfg.activation == "silu" else F.gelu(gate, approximate="tanh")
+        m_out = layer.down(gate * up)
+        if layer.post_mlp_norm is not None:
+            m_out = _rms_norm(m_out, layer.post_mlp_norm, cfg.rms_eps)
+        return m_out
+
+
+class _Weights:
+    """A checkpoint's tensors as `Decoder.from_state_dict` takes them: on its device and dtype,
+    Gemma's norms folded, products on native weights where `native` holds all their parts."""
+
+    def __init__(self, config: ModelConfig, state: dict[str, torch.Tensor], dtype: torch.dtype, device: torch.device,
+                 pack: bool | str, native: dict[str, NativeTensor]):
+        self.config, self.dtype, self.device, self.pack, self.native = config, dtype, device, pack, native
+        self.gemma = config.family == "gemma"
+        if self.gemma and "model.embed_tokens.weight" not in state:  # a multimodal Gemma 3 checkpoint: its text model
+            state = {("model." + k[len("model.language_model."):] if k.startswith("model.language_model.") else k): w
+                     for k, w in state.items()}
+        self.state = state
+
+    def linear(self, names: list[str], bias: torch.Tensor | None = None) -> Linear:
+        if all(n in self.native for n in names):
+            return QuantLinear([self.native[n] for n in names], bias)
+        return PackedLinear(torch.cat([self.get(n) for n in names]), bias, self.pack)
+
+    def get(self, name: str) -> torch.Tensor:
+        if name not in self.state:
+            raise UnsupportedArchitectureError(f"checkpoint lacks tensor {name!r} expected for {self.config.architecture}")
+        return self.state[name].to(device=self.device, dtype=self.dtype)
+
+    def norm(self, name: str) -> torch.Tensor:
+        # Gemma's RMSNorm multiplies by (1 + w): folded into the weight once, here
+        if not self.gemma:
+            return self.get(name)
+        self.get(name)  # (a missing tensor: the clear error)
+        return (self.state[name].to(device=self.device, dtype=torch.float32) + 1.0).to(self.dtype)
+
+
+def _layer(w: _Weights, i: int) -> _Layer:
+    """Decoder layer i from the checkpoint's `model.layers.{i}.` tensors."""
+    config, p = w.config, f"model.layers.{i}."
+    qkv_b = torch.cat([w.get(p + f"self_attn.{n}_proj.bias") for n in "qkv"]) if config.qkv_bias else None
+    sliding = bool(config.sliding_layers and config.sliding_layers[i])
+    return _Layer(
+        attn_norm=w.norm(p + "input_layernorm.weight"),
+        qkv=w.linear([p + f"self_attn.{n}_proj.weight" for n in "qkv"], qkv_b),
+        o=w.linear([p + "self_attn.o_proj.weight"]),
+        # Llama names its pre-MLP norm post_attention_layernorm; Gemma has both
+        mlp_norm=w.norm(p + ("pre_feedforward_layernorm.weight" if config.sandwich_norms else "post_attention_layernorm.weight")),
+        gate_up=w.linear([p + "mlp.gate_proj.weight", p + "mlp.up_proj.weight"]),
+        down=w.linear([p + "mlp.down_proj.weight"]),
+        post_attn_norm=w.norm(p + "post_attention_layernorm.weight") if config.sandwich_norms else None,
+        post_mlp_norm=w.norm(p + "post_feedforward_layernorm.weight") if config.sandwich_norms else None,
+        q_norm=w.norm(p + "self_attn.q_norm.weight") if config.qk_norm else None,
+        k_norm=w.norm(p + "self_attn.k_norm.weight") if config.qk_norm else None,
+        sliding=sliding,
+        rope=1 if sliding and config.rope_local_theta is not None else 0,
+    )
+
+
+def _rope_angles(config: ModelConfig, layers: list[_Layer]) -> torch.Tensor:
+    """[n_tables, max_positions, head_dim] RoPE angles: the global table, then the local one where a layer uses it."""
+    tables = [_rope_table(config.rope_theta, config.rope_factor, config.head_dim, config.max_positions)]
+    if any(layer.rope == 1 for layer in layers):
+        tables.append(_rope_table(config.rope_local_theta, 1.0, config.head_dim, config.max_positions))
+    return torch.stack(tables)

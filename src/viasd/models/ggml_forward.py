@@ -162,66 +162,100 @@ class NativeForward:
         streams stored in each request's cache's `hidden` rows at its positions); `save`, the layer
         whose incoming stream it stores there; with no logits at all it ends at its last kept
         sub-layer; `head`: a reduced LM head's product instead of the full one."""
-        g, cfg, dec = lib(), self.dec.config, self.dec
+        cfg = self.dec.config
         n_rows = sum(n for n, _, _ in parts)
         per_layer = 48 + 14 * len(parts)  # tensors of a layer: its ops, and per request its views, writes and caches
         graph = gk._Graph(n_tensors=per_layer * cfg.n_layers + 64 + 8 * len(parts), n_nodes=per_layer * cfg.n_layers + 64 + 8 * len(parts),
                           exact_attention=max(n for n, _, _ in parts) <= ROW_ATTENTION_MAX)
-        ctx = graph.ctx
-        ids, pos = graph.tensor(I32, n_rows), graph.tensor(I32, n_rows)
-        items = []
-        streams = bool(first) or save is not None
-        for n, max_len, _ in parts:  # per request: cache rows written (its positions), masks, K/V caches, stored streams
-            items.append({"rows": graph.tensor(I64, n), "mask": graph.tensor(F16, max_len, n),  # 0 where a row sees a key
-                          "local_mask": graph.tensor(F16, max_len, n) if cfg.sliding_window is not None else None,
-                          "k": [graph.tensor(F32, cfg.head_dim, max_len, cfg.n_kv_heads) for _ in dec.layers],
-                          "v": [graph.tensor(F32, cfg.head_dim, max_len, cfg.n_kv_heads) for _ in dec.layers],
-                          "hidden": graph.tensor(F32, cfg.hidden, max_len) if streams else None})
-        leaves = {"ids": ids, "pos": pos, "items": items}
-        if first:  # [hidden, T] entering layer `first`: each request's rows from its own cache
-            x, offset = None, 0
-            for item, (n, _, _) in zip(items, parts):
-                own = g.get_rows(ctx, item["hidden"], pos if len(parts) == 1 else g.view_1d(ctx, pos, n, 4 * offset))
-                x = own if x is None else g.concat(ctx, x, own, 1)
-                offset += n
-        else:
-            x = g.get_rows(ctx, dec.embed.table._bind(graph), ids)  # [hidden, T]
-            if cfg.embed_scale is not None:
-                x = g.scale(ctx, x, cfg.embed_scale)
-        nq, nkv = cfg.n_heads * cfg.head_dim, cfg.n_kv_heads * cfg.head_dim
+        leaves = self._leaves(graph, parts, n_rows, streams=bool(first) or save is not None)
+        x = self._input_stream(graph, leaves, parts, first)
         writes = []
-        for i, layer in enumerate(dec.layers):
+        for i, layer in enumerate(self.dec.layers):
             if i < first:
                 continue
             if i == save:  # each request's rows of the stream entering layer i, into its own cache
-                offset = 0
-                for item, (n, _, _) in zip(items, parts):
-                    own = x if len(parts) == 1 else g.view_2d(ctx, x, cfg.hidden, n, x.contents.nb[1], offset * x.contents.nb[1])
-                    w = g.set_rows(ctx, item["hidden"], own, item["rows"])
-                    g.build_forward_expand(graph.graph, w)
-                    writes.append(w)
-                    offset += n
+                self._save_stream(graph, x, leaves["items"], parts, writes)
             if route is None or route.attn[i]:
-                theta = cfg.rope_theta if layer.rope == 0 else cfg.rope_local_theta
-                freq_scale = 1.0 / cfg.rope_factor if layer.rope == 0 else 1.0
-                h = self._norm(graph, x, layer.attn_norm)
-                q, k, v = self._segments(graph, layer.qkv, h, [nq, nkv, nkv], n_rows)
-                q = self._heads(graph, q, cfg.n_heads, n_rows, layer.q_norm, pos, theta, freq_scale)  # [d, H, T]
-                k = self._heads(graph, k, cfg.n_kv_heads, n_rows, layer.k_norm, pos, theta, freq_scale)  # [d, Hkv, T]
-                v = self._heads(graph, v, cfg.n_kv_heads, n_rows, None, None, 0.0, 1.0)
-                attn = self._attend(graph, i, layer, q, k, v, items, parts, writes)  # [d, H, T]
-                (a,) = self._segments(graph, layer.o, g.reshape_2d(ctx, attn, nq, n_rows), [cfg.hidden], n_rows)
-                if layer.post_attn_norm is not None:
-                    a = self._norm(graph, a, layer.post_attn_norm)
-                x = g.add(ctx, x, a)
+                x = self._attention_block(graph, i, layer, x, leaves, parts, n_rows, writes)
             if route is None or route.mlp[i]:
-                h = self._norm(graph, x, layer.mlp_norm)
-                gate, up = self._segments(graph, layer.gate_up, h, [cfg.intermediate, cfg.intermediate], n_rows)
-                act = (g.swiglu_split if cfg.activation == "silu" else g.geglu_split)(ctx, gate, up)
-                (m,) = self._segments(graph, layer.down, act, [cfg.hidden], n_rows)
-                if layer.post_mlp_norm is not None:
-                    m = self._norm(graph, m, layer.post_mlp_norm)
-                x = g.add(ctx, x, m)
+                x = self._mlp_block(graph, layer, x, n_rows)
+        return self._logits(graph, x, leaves, parts, n_rows, head, writes)
+
+    def _leaves(self, graph: gk._Graph, parts: tuple, n_rows: int, streams: bool) -> dict:
+        """The graph's inputs: token ids and positions of all rows, and per request the cache rows
+        written (its positions), masks, K/V caches and stored streams."""
+        cfg = self.dec.config
+        ids, pos = graph.tensor(I32, n_rows), graph.tensor(I32, n_rows)
+        items = []
+        for n, max_len, _ in parts:
+            items.append({"rows": graph.tensor(I64, n), "mask": graph.tensor(F16, max_len, n),  # 0 where a row sees a key
+                          "local_mask": graph.tensor(F16, max_len, n) if cfg.sliding_window is not None else None,
+                          "k": [graph.tensor(F32, cfg.head_dim, max_len, cfg.n_kv_heads) for _ in self.dec.layers],
+                          "v": [graph.tensor(F32, cfg.head_dim, max_len, cfg.n_kv_heads) for _ in self.dec.layers],
+                          "hidden": graph.tensor(F32, cfg.hidden, max_len) if streams else None})
+        return {"ids": ids, "pos": pos, "items": items}
+
+    def _input_stream(self, graph: gk._Graph, leaves: dict, parts: tuple, first: int) -> gk._T:
+        """[hidden, T]: the embedded tokens, or (from layer `first`) each request's rows of the stream
+        stored in its own cache."""
+        g, cfg, ctx, pos = lib(), self.dec.config, graph.ctx, leaves["pos"]
+        if first:
+            x, offset = None, 0
+            for item, (n, _, _) in zip(leaves["items"], parts):
+                own = g.get_rows(ctx, item["hidden"], pos if len(parts) == 1 else g.view_1d(ctx, pos, n, 4 * offset))
+                x = own if x is None else g.concat(ctx, x, own, 1)
+                offset += n
+            return x
+        x = g.get_rows(ctx, self.dec.embed.table._bind(graph), leaves["ids"])  # [hidden, T]
+        if cfg.embed_scale is not None:
+            x = g.scale(ctx, x, cfg.embed_scale)
+        return x
+
+    def _save_stream(self, graph: gk._Graph, x: gk._T, items: list[dict], parts: tuple, writes: list) -> None:
+        """Each request's rows of the stream `x` written into its own cache's `hidden` rows."""
+        g, cfg, ctx = lib(), self.dec.config, graph.ctx
+        offset = 0
+        for item, (n, _, _) in zip(items, parts):
+            own = x if len(parts) == 1 else g.view_2d(ctx, x, cfg.hidden, n, x.contents.nb[1], offset * x.contents.nb[1])
+            w = g.set_rows(ctx, item["hidden"], own, item["rows"])
+            g.build_forward_expand(graph.graph, w)
+            writes.append(w)
+            offset += n
+
+    def _attention_block(self, graph: gk._Graph, i: int, layer, x: gk._T, leaves: dict, parts: tuple, n_rows: int,
+                         writes: list) -> gk._T:
+        """x plus layer i's attention sub-layer (norm, QKV, RoPE, attention, output product)."""
+        g, cfg, ctx, pos = lib(), self.dec.config, graph.ctx, leaves["pos"]
+        nq, nkv = cfg.n_heads * cfg.head_dim, cfg.n_kv_heads * cfg.head_dim
+        theta = cfg.rope_theta if layer.rope == 0 else cfg.rope_local_theta
+        freq_scale = 1.0 / cfg.rope_factor if layer.rope == 0 else 1.0
+        h = self._norm(graph, x, layer.attn_norm)
+        q, k, v = self._segments(graph, layer.qkv, h, [nq, nkv, nkv], n_rows)
+        q = self._heads(graph, q, cfg.n_heads, n_rows, layer.q_norm, pos, theta, freq_scale)  # [d, H, T]
+        k = self._heads(graph, k, cfg.n_kv_heads, n_rows, layer.k_norm, pos, theta, freq_scale)  # [d, Hkv, T]
+        v = self._heads(graph, v, cfg.n_kv_heads, n_rows, None, None, 0.0, 1.0)
+        attn = self._attend(graph, i, layer, q, k, v, leaves["items"], parts, writes)  # [d, H, T]
+        (a,) = self._segments(graph, layer.o, g.reshape_2d(ctx, attn, nq, n_rows), [cfg.hidden], n_rows)
+        if layer.post_attn_norm is not None:
+            a = self._norm(graph, a, layer.post_attn_norm)
+        return g.add(ctx, x, a)
+
+    def _mlp_block(self, graph: gk._Graph, layer, x: gk._T, n_rows: int) -> gk._T:
+        """x plus the layer's MLP sub-layer (norm, gate/up, activation, down product)."""
+        g, cfg = lib(), self.dec.config
+        h = self._norm(graph, x, layer.mlp_norm)
+        gate, up = self._segments(graph, layer.gate_up, h, [cfg.intermediate, cfg.intermediate], n_rows)
+        act = (g.swiglu_split if cfg.activation == "silu" else g.geglu_split)(graph.ctx, gate, up)
+        (m,) = self._segments(graph, layer.down, act, [cfg.hidden], n_rows)
+        if layer.post_mlp_norm is not None:
+            m = self._norm(graph, m, layer.post_mlp_norm)
+        return g.add(graph.ctx, x, m)
+
+    def _logits(self, graph: gk._Graph, x: gk._T, leaves: dict, parts: tuple, n_rows: int, head: QuantLinear | None,
+                writes: list) -> tuple:
+        """The final norm and LM head over the rows whose logits the parts return (none: the graph ends
+        at its writes); (graph, leaves, logits tensor or None)."""
+        g, cfg, ctx, dec = lib(), self.dec.config, graph.ctx, self.dec
         out_rows = _logit_rows(parts)
         if not out_rows:
             graph.finish(expand=tuple(writes))

@@ -63,6 +63,63 @@ def _library_dir() -> Path:
     return Path(list(spec.submodule_search_locations)[0]) / "lib"
 
 
+# The functions bound, per area: attribute of `lib()` -> (C function, restype, *argtypes).
+_GRAPH_FUNCTIONS = {
+    "init": ("ggml_init", _P, _InitParams),
+    "free": ("ggml_free", None, _P),
+    "graph_overhead_custom": ("ggml_graph_overhead_custom", ctypes.c_size_t, ctypes.c_size_t, ctypes.c_bool),
+    "new_tensor_1d": ("ggml_new_tensor_1d", _T, _P, ctypes.c_int, ctypes.c_int64),
+    "new_tensor_2d": ("ggml_new_tensor_2d", _T, _P, ctypes.c_int, ctypes.c_int64, ctypes.c_int64),
+    "new_tensor_3d": ("ggml_new_tensor_3d", _T, _P, ctypes.c_int, ctypes.c_int64, ctypes.c_int64, ctypes.c_int64),
+    "mul_mat": ("ggml_mul_mat", _T, _P, _T, _T),
+    "get_rows": ("ggml_get_rows", _T, _P, _T, _T),
+    "new_graph_custom": ("ggml_new_graph_custom", _P, _P, ctypes.c_size_t, ctypes.c_bool),
+    "build_forward_expand": ("ggml_build_forward_expand", None, _P, _T),
+    "row_size": ("ggml_row_size", ctypes.c_size_t, ctypes.c_int, ctypes.c_int64),
+    "blck_size": ("ggml_blck_size", ctypes.c_int64, ctypes.c_int),
+    "type_name": ("ggml_type_name", ctypes.c_char_p, ctypes.c_int),
+    "graph_n_nodes": ("ggml_graph_n_nodes", ctypes.c_int, _P),
+    "graph_node": ("ggml_graph_node", _T, _P, ctypes.c_int),
+    "nbytes": ("ggml_nbytes", ctypes.c_size_t, _T),
+    "graph_plan": ("ggml_graph_plan", _CPlan, _P, ctypes.c_int, _P),
+    "graph_compute": ("ggml_graph_compute", ctypes.c_int, _P, ctypes.POINTER(_CPlan)),
+}
+_LAYER_OPS = {  # the ops of a decoder layer
+    "rms_norm": ("ggml_rms_norm", _T, _P, _T, ctypes.c_float),
+    "mul": ("ggml_mul", _T, _P, _T, _T),
+    "add": ("ggml_add", _T, _P, _T, _T),
+    "cont": ("ggml_cont", _T, _P, _T),
+    "swiglu_split": ("ggml_swiglu_split", _T, _P, _T, _T),  # silu(a) * b
+    "geglu_split": ("ggml_geglu_split", _T, _P, _T, _T),  # gelu_tanh(a) * b
+    "view_1d": ("ggml_view_1d", _T, _P, _T, ctypes.c_int64, ctypes.c_size_t),
+    "view_2d": ("ggml_view_2d", _T, _P, _T, ctypes.c_int64, ctypes.c_int64, ctypes.c_size_t, ctypes.c_size_t),
+    "view_3d": ("ggml_view_3d", _T, _P, _T, ctypes.c_int64, ctypes.c_int64, ctypes.c_int64, ctypes.c_size_t, ctypes.c_size_t,
+                ctypes.c_size_t),
+    "scale": ("ggml_scale", _T, _P, _T, ctypes.c_float),
+    "concat": ("ggml_concat", _T, _P, _T, _T, ctypes.c_int),
+    "permute": ("ggml_permute", _T, _P, _T, ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_int),
+    "reshape_2d": ("ggml_reshape_2d", _T, _P, _T, ctypes.c_int64, ctypes.c_int64),
+    "set_rows": ("ggml_set_rows", _T, _P, _T, _T, _T),
+    "flash_attn_ext": ("ggml_flash_attn_ext", _T, _P, _T, _T, _T, _T, ctypes.c_float, ctypes.c_float,
+                       ctypes.c_float),
+    "rope_ext": ("ggml_rope_ext", _T, _P, _T, _T, _T, ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_float,
+                 ctypes.c_float, ctypes.c_float, ctypes.c_float, ctypes.c_float, ctypes.c_float),
+    "reshape_3d": ("ggml_reshape_3d", _T, _P, _T, ctypes.c_int64, ctypes.c_int64, ctypes.c_int64),
+    "custom_4d": ("ggml_custom_4d", _T, _P, ctypes.c_int, ctypes.c_int64, ctypes.c_int64, ctypes.c_int64, ctypes.c_int64,
+                  ctypes.POINTER(_T), ctypes.c_int, _P, ctypes.c_int, _P),
+}
+_BACKEND_FUNCTIONS = {  # backend buffers: the extra buffer types that hold repacked weights
+    "buft_name": ("ggml_backend_buft_name", ctypes.c_char_p, _P),
+    "buft_alloc_buffer": ("ggml_backend_buft_alloc_buffer", _P, _P, ctypes.c_size_t),
+    "buft_get_alloc_size": ("ggml_backend_buft_get_alloc_size", ctypes.c_size_t, _P, _T),
+    "buffer_get_base": ("ggml_backend_buffer_get_base", _P, _P),
+    "buffer_free": ("ggml_backend_buffer_free", None, _P),
+    "tensor_alloc": ("ggml_backend_tensor_alloc", ctypes.c_int, _P, _T, _P),
+    "tensor_set": ("ggml_backend_tensor_set", None, _T, _P, ctypes.c_size_t, ctypes.c_size_t),
+    "dev_supports_op": ("ggml_backend_dev_supports_op", ctypes.c_bool, _P, _T),
+}
+
+
 class _Lib:
     """ctypes bindings of the ggml functions used here, and one thread pool for every graph."""
 
@@ -75,54 +132,22 @@ class _Lib:
             raise NativeWeightsUnavailable(f"the ggml library could not be loaded ({e}); reinstall ggml-py or use --weights float32") from None
 
         self._libs = (base, cpu)
-        fn = self.fn
-        self.tensor_overhead = fn("ggml_tensor_overhead", ctypes.c_size_t)
+        self.tensor_overhead = self.fn("ggml_tensor_overhead", ctypes.c_size_t)
         if self.tensor_overhead() != ctypes.sizeof(_Tensor) + _OBJECT_SIZE:
             raise NativeWeightsUnavailable(
                 f"the installed ggml library lays out its tensors differently from the version viasd binds "
                 f"({self.tensor_overhead()} bytes, expected {ctypes.sizeof(_Tensor) + _OBJECT_SIZE}): "
                 "install ggml-py==0.10.1, or use --weights float32"
             )
-        self.init = fn("ggml_init", _P, _InitParams)
-        self.free = fn("ggml_free", None, _P)
-        self.graph_overhead_custom = fn("ggml_graph_overhead_custom", ctypes.c_size_t, ctypes.c_size_t, ctypes.c_bool)
-        self.new_tensor_1d = fn("ggml_new_tensor_1d", _T, _P, ctypes.c_int, ctypes.c_int64)
-        self.new_tensor_2d = fn("ggml_new_tensor_2d", _T, _P, ctypes.c_int, ctypes.c_int64, ctypes.c_int64)
-        self.new_tensor_3d = fn("ggml_new_tensor_3d", _T, _P, ctypes.c_int, ctypes.c_int64, ctypes.c_int64, ctypes.c_int64)
-        self.mul_mat = fn("ggml_mul_mat", _T, _P, _T, _T)
-        self.get_rows = fn("ggml_get_rows", _T, _P, _T, _T)
-        self.new_graph_custom = fn("ggml_new_graph_custom", _P, _P, ctypes.c_size_t, ctypes.c_bool)
-        self.build_forward_expand = fn("ggml_build_forward_expand", None, _P, _T)
-        self.row_size = fn("ggml_row_size", ctypes.c_size_t, ctypes.c_int, ctypes.c_int64)
-        self.blck_size = fn("ggml_blck_size", ctypes.c_int64, ctypes.c_int)
-        self.type_name = fn("ggml_type_name", ctypes.c_char_p, ctypes.c_int)
-        self.graph_n_nodes = fn("ggml_graph_n_nodes", ctypes.c_int, _P)
-        self.graph_node = fn("ggml_graph_node", _T, _P, ctypes.c_int)
-        self.nbytes = fn("ggml_nbytes", ctypes.c_size_t, _T)
-        # the ops of a decoder layer
-        self.rms_norm = fn("ggml_rms_norm", _T, _P, _T, ctypes.c_float)
-        self.mul = fn("ggml_mul", _T, _P, _T, _T)
-        self.add = fn("ggml_add", _T, _P, _T, _T)
-        self.cont = fn("ggml_cont", _T, _P, _T)
-        self.swiglu_split = fn("ggml_swiglu_split", _T, _P, _T, _T)  # silu(a) * b
-        self.geglu_split = fn("ggml_geglu_split", _T, _P, _T, _T)  # gelu_tanh(a) * b
-        self.view_1d = fn("ggml_view_1d", _T, _P, _T, ctypes.c_int64, ctypes.c_size_t)
-        self.view_2d = fn("ggml_view_2d", _T, _P, _T, ctypes.c_int64, ctypes.c_int64, ctypes.c_size_t, ctypes.c_size_t)
-        self.view_3d = fn("ggml_view_3d", _T, _P, _T, ctypes.c_int64, ctypes.c_int64, ctypes.c_int64, ctypes.c_size_t,
-                          ctypes.c_size_t, ctypes.c_size_t)
-        self.scale = fn("ggml_scale", _T, _P, _T, ctypes.c_float)
-        self.concat = fn("ggml_concat", _T, _P, _T, _T, ctypes.c_int)
-        self.permute = fn("ggml_permute", _T, _P, _T, ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_int)
-        self.reshape_2d = fn("ggml_reshape_2d", _T, _P, _T, ctypes.c_int64, ctypes.c_int64)
-        self.set_rows = fn("ggml_set_rows", _T, _P, _T, _T, _T)
-        self.flash_attn_ext = fn("ggml_flash_attn_ext", _T, _P, _T, _T, _T, _T, ctypes.c_float, ctypes.c_float, ctypes.c_float)
-        self.rope_ext = fn("ggml_rope_ext", _T, _P, _T, _T, _T, ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_float,
-                           ctypes.c_float, ctypes.c_float, ctypes.c_float, ctypes.c_float, ctypes.c_float)
-        self.reshape_3d = fn("ggml_reshape_3d", _T, _P, _T, ctypes.c_int64, ctypes.c_int64, ctypes.c_int64)
-        self.custom_4d = fn("ggml_custom_4d", _T, _P, ctypes.c_int, ctypes.c_int64, ctypes.c_int64, ctypes.c_int64,
-                            ctypes.c_int64, ctypes.POINTER(_T), ctypes.c_int, _P, ctypes.c_int, _P)
-        self.graph_plan = fn("ggml_graph_plan", _CPlan, _P, ctypes.c_int, _P)
-        self.graph_compute = fn("ggml_graph_compute", ctypes.c_int, _P, ctypes.POINTER(_CPlan))
+        for table in (_GRAPH_FUNCTIONS, _LAYER_OPS, _BACKEND_FUNCTIONS):
+            for attr, (name, res, *args) in table.items():
+                setattr(self, attr, self.fn(name, res, *args))
+        self._start_cpu(n_threads)
+        self._find_extra_buffer_types()
+
+    def _start_cpu(self, n_threads: int) -> None:
+        """ggml's CPU backend initialised: the thread pool, the CPU's features, the log callback."""
+        fn = self.fn
         fn("ggml_cpu_init", None)()
         params = fn("ggml_threadpool_params_default", _ThreadpoolParams, ctypes.c_int)(n_threads)
         self.n_threads = n_threads
@@ -131,15 +156,10 @@ class _Lib:
                     for name in ("avx2", "avx512", "avx512_bf16", "amx_int8", "llamafile")}
         self._log_callback = _LogCallback(_log)  # kept alive: ggml calls it
         fn("ggml_log_set", None, _LogCallback, _P)(self._log_callback, None)
-        # backend buffers: the extra buffer types that hold repacked weights
-        self.buft_name = fn("ggml_backend_buft_name", ctypes.c_char_p, _P)
-        self.buft_alloc_buffer = fn("ggml_backend_buft_alloc_buffer", _P, _P, ctypes.c_size_t)
-        self.buft_get_alloc_size = fn("ggml_backend_buft_get_alloc_size", ctypes.c_size_t, _P, _T)
-        self.buffer_get_base = fn("ggml_backend_buffer_get_base", _P, _P)
-        self.buffer_free = fn("ggml_backend_buffer_free", None, _P)
-        self.tensor_alloc = fn("ggml_backend_tensor_alloc", ctypes.c_int, _P, _T, _P)
-        self.tensor_set = fn("ggml_backend_tensor_set", None, _T, _P, ctypes.c_size_t, ctypes.c_size_t)
-        self.dev_supports_op = fn("ggml_backend_dev_supports_op", ctypes.c_bool, _P, _T)
+
+    def _find_extra_buffer_types(self) -> None:
+        """The CPU device and the extra buffer types it offers for repacked weights."""
+        fn = self.fn
         reg = fn("ggml_backend_cpu_reg", _P)()
         self.cpu_device = fn("ggml_backend_reg_dev_get", _P, _P, ctypes.c_size_t)(reg, 0)
         get_extra = fn("ggml_backend_reg_get_proc_address", _P, _P, ctypes.c_char_p)(reg, b"ggml_backend_dev_get_extra_bufts")
@@ -234,62 +254,37 @@ class _Graph:
         for t in (*expand, *outputs):
             g.build_forward_expand(self.graph, t)
         nodes = [g.graph_node(self.graph, i) for i in range(g.graph_n_nodes(self.graph))]
-        per_call = {_addr(o) for o in outputs}
-        for o in outputs:  # an output that reshapes a node: the node writes where the output is bound
-            if o.contents.view_src:
-                if o.contents.view_offs or g.nbytes(o) != g.nbytes(ctypes.cast(o.contents.view_src, _T)):
-                    raise ValueError("a graph output may only be a node or a whole reshape of one")
-                self._reshaped_outputs[_addr(o)] = ctypes.cast(o.contents.view_src, _T)
-                per_call.add(o.contents.view_src)
-        root = lambda t: t.view_src or ctypes.addressof(t)  # noqa: E731  (view_src is always the root)
-        last_use: dict[int, int] = {}
-        for j, node in enumerate(nodes):
-            t = node.contents
-            last_use[root(t)] = max(last_use.get(root(t), j), j)
-            for src in t.src:
-                if src:
-                    r = root(ctypes.cast(src, _T).contents)
-                    last_use[r] = max(last_use.get(r, j), j)
-        free: list[tuple[int, int]] = []  # (offset, size) blocks, sorted by offset
-        top = 0
-
-        def alloc(size: int) -> int:
-            nonlocal top
-            for i, (off, sz) in enumerate(free):
-                if sz >= size:
-                    free[i : i + 1] = [(off + size, sz - size)] if sz > size else []
-                    return off
-            top += size
-            return top - size
-
-        def release(off: int, size: int) -> None:
-            free.append((off, size))
-            free.sort()
-            merged = [free[0]]
-            for o, sz in free[1:]:
-                if merged[-1][0] + merged[-1][1] == o:
-                    merged[-1] = (merged[-1][0], merged[-1][1] + sz)
-                else:
-                    merged.append((o, sz))
-            free[:] = merged
-
-        offsets: dict[int, int] = {}
-        live: dict[int, tuple[int, int]] = {}  # root -> (offset, size) while it is still read
-        for j, node in enumerate(nodes):
-            t = node.contents
-            a = ctypes.addressof(t)
-            if not t.view_src and a not in per_call and not t.data:
-                size = (g.nbytes(node) + 63) // 64 * 64
-                offsets[a] = alloc(size)
-                live[a] = (offsets[a], size)
-            for r in [r for r in live if last_use.get(r, -1) <= j]:  # read for the last time by node j
-                release(*live.pop(r))
+        per_call = self._per_call(outputs)
+        offsets, top = _lay_out(nodes, per_call)
         self._buffer = torch.empty(max(top, 1), dtype=torch.uint8)
         base = self._buffer.data_ptr()
         for node in nodes:
             t = node.contents
             if ctypes.addressof(t) in offsets:
                 t.data = base + offsets[ctypes.addressof(t)]
+        self._point_views(nodes)
+        for t in self._element_strides:
+            # ggml-py 0.10.1's AMX kernel adds a batch's byte offset to a float pointer: its output's
+            # batch stride is given in floats, now that its memory is laid out by the byte size
+            t.contents.nb[2] //= 4
+            t.contents.nb[3] //= 4
+        self._plan()
+
+    def _per_call(self, outputs: tuple[_T, ...]) -> set[int]:
+        """Addresses of the nodes bound per call: the outputs, and the node each reshaping output
+        reshapes (it writes where the output is bound)."""
+        g = lib()
+        per_call = {_addr(o) for o in outputs}
+        for o in outputs:
+            if o.contents.view_src:
+                if o.contents.view_offs or g.nbytes(o) != g.nbytes(ctypes.cast(o.contents.view_src, _T)):
+                    raise ValueError("a graph output may only be a node or a whole reshape of one")
+                self._reshaped_outputs[_addr(o)] = ctypes.cast(o.contents.view_src, _T)
+                per_call.add(o.contents.view_src)
+        return per_call
+
+    def _point_views(self, nodes: list[_T]) -> None:
+        """Views point into what they view; those of a per-call leaf are re-pointed by `bind`."""
         for node in nodes:
             t = node.contents
             if t.view_src:
@@ -298,11 +293,10 @@ class _Graph:
                     t.data = src.data + t.view_offs
                 else:  # a view of a per-call leaf
                     self._fixups.setdefault(t.view_src, []).append((t, t.view_offs))
-        for t in self._element_strides:
-            # ggml-py 0.10.1's AMX kernel adds a batch's byte offset to a float pointer: its output's
-            # batch stride is given in floats, now that its memory is laid out by the byte size
-            t.contents.nb[2] //= 4
-            t.contents.nb[3] //= 4
+
+    def _plan(self) -> None:
+        """ggml's plan for every thread of the pool, and its work buffer."""
+        g = lib()
         self.plan = g.graph_plan(self.graph, g.n_threads, g.threadpool)
         self.planned_threads = g.n_threads
         # ggml's reference flash attention: each (query row, head) over the keys in order, whatever the
@@ -331,6 +325,71 @@ class _Graph:
         if _lib is not None and getattr(self, "ctx", None):
             _lib.free(self.ctx)
             self.ctx = None
+
+
+def _last_uses(nodes: list[_T]) -> dict[int, int]:
+    """Root tensor (a view's is what it views) -> index of the last node that writes or reads it."""
+    root = lambda t: t.view_src or ctypes.addressof(t)  # noqa: E731  (view_src is always the root)
+    last_use: dict[int, int] = {}
+    for j, node in enumerate(nodes):
+        t = node.contents
+        last_use[root(t)] = max(last_use.get(root(t), j), j)
+        for src in t.src:
+            if src:
+                r = root(ctypes.cast(src, _T).contents)
+                last_use[r] = max(last_use.get(r, j), j)
+    return last_use
+
+
+def _lay_out(nodes: list[_T], per_call: set[int]) -> tuple[dict[int, int], int]:
+    """(node address -> offset in the graph's buffer, the buffer's size) for every node that needs
+    memory of its own (not a view, not bound per call, not already placed): each node's place is
+    reused once it is read for the last time, in execution order."""
+    g = lib()
+    last_use = _last_uses(nodes)
+    arena = _Arena()
+    offsets: dict[int, int] = {}
+    live: dict[int, tuple[int, int]] = {}  # root -> (offset, size) while it is still read
+    for j, node in enumerate(nodes):
+        t = node.contents
+        a = ctypes.addressof(t)
+        if not t.view_src and a not in per_call and not t.data:
+            size = (g.nbytes(node) + 63) // 64 * 64
+            offsets[a] = arena.alloc(size)
+            live[a] = (offsets[a], size)
+        for r in [r for r in live if last_use.get(r, -1) <= j]:  # read for the last time by node j
+            arena.release(*live.pop(r))
+    return offsets, arena.top
+
+
+class _Arena:
+    """First-fit blocks of one buffer: `top` its size so far, `free` its released (offset, size)
+    blocks, sorted by offset, neighbours merged."""
+
+    def __init__(self):
+        self.free: list[tuple[int, int]] = []
+        self.top = 0
+
+    def alloc(self, size: int) -> int:
+        free = self.free
+        for i, (off, sz) in enumerate(free):
+            if sz >= size:
+                free[i : i + 1] = [(off + size, sz - size)] if sz > size else []
+                return off
+        self.top += size
+        return self.top - size
+
+    def release(self, off: int, size: int) -> None:
+        free = self.free
+        free.append((off, size))
+        free.sort()
+        merged = [free[0]]
+        for o, sz in free[1:]:
+            if merged[-1][0] + merged[-1][1] == o:
+                merged[-1] = (merged[-1][0], merged[-1][1] + sz)
+            else:
+                merged.append((o, sz))
+        free[:] = merged
 
 
 class NativeTensor:
@@ -387,33 +446,8 @@ class NativeTensor:
         for name, buft in g.extra_buffer_types:
             if name not in allowed if allowed is not None else self.ggml_type in _SLOWER_PACKED.get(name, ()):
                 continue
-            mem = torch.empty(4 * g.tensor_overhead() + 1024, dtype=torch.uint8)
-            ctx = g.init(_InitParams(mem.numel(), mem.data_ptr(), True))
-            w = g.new_tensor_2d(ctx, self.ggml_type, self.cols, self.rows)
-            # does this type multiply `w` (its type and shape) by a row batch? asked as llama.cpp asks:
-            # a product whose weight sits in an empty buffer of the type
-            probe = g.mul_mat(ctx, w, g.new_tensor_3d(ctx, F32, self.cols, 1, 2))
-            dummy = g.buft_alloc_buffer(buft, 0)
-            w.contents.buffer = dummy
-            ok = bool(dummy) and g.dev_supports_op(g.cpu_device, probe)
-            w.contents.buffer = None
-            if dummy:
-                g.buffer_free(dummy)
-            if not ok:
-                g.free(ctx)
-                continue
-            buffer = g.buft_alloc_buffer(buft, g.buft_get_alloc_size(buft, w))
-            if not buffer or g.tensor_alloc(buffer, w, g.buffer_get_base(buffer)) != 0:
-                g.free(ctx)
-                raise MemoryError(f"ggml could not allocate {name} memory for a {self.rows}x{self.cols} weight")
-            g.tensor_set(w, self.data.data_ptr(), 0, self.nbytes)  # converts to the type's layout
-            # one weight for every row of a batch: its batch strides are 0 (the AMX kernel offsets the
-            # weight by batch index times these; ggml only reads them for dims of size 1 otherwise)
-            w.contents.nb[2] = w.contents.nb[3] = 0
-            self.packed = _Packed(name, w, mem, ctx, buffer)
-            if name == "CPU_REPACK" and self.ggml_type == Q4_K and rows:
-                self.packed.rows_op = _rows_op(self, rowexact.ROWS_Q4K8, w.contents.data)
-            return self.packed.label
+            if self._pack_into(name, buft, rows):
+                return self.packed.label
         # Q6_K, which ggml keeps plain here: its one-row results, several rows at a time
         if self.ggml_type == Q6_K and rows and (op := _rows_op(self, rowexact.ROWS_Q6K, self.data.data_ptr())):
             self.packed = _Packed("plain", None)
@@ -426,6 +460,38 @@ class NativeTensor:
         if takes and rowexact.available(False):
             return self._pack_row_exact()
         return None
+
+    def _pack_into(self, name: str, buft: int, rows: bool) -> bool:
+        """Lay the weight out in ggml's extra buffer type `buft` (`name`), if that type multiplies it
+        by a row batch; whether it did. `rows`: Q4_K in CPU_REPACK through the several-row kernel."""
+        g = lib()
+        mem = torch.empty(4 * g.tensor_overhead() + 1024, dtype=torch.uint8)
+        ctx = g.init(_InitParams(mem.numel(), mem.data_ptr(), True))
+        w = g.new_tensor_2d(ctx, self.ggml_type, self.cols, self.rows)
+        # does this type multiply `w` (its type and shape) by a row batch? asked as llama.cpp asks:
+        # a product whose weight sits in an empty buffer of the type
+        probe = g.mul_mat(ctx, w, g.new_tensor_3d(ctx, F32, self.cols, 1, 2))
+        dummy = g.buft_alloc_buffer(buft, 0)
+        w.contents.buffer = dummy
+        ok = bool(dummy) and g.dev_supports_op(g.cpu_device, probe)
+        w.contents.buffer = None
+        if dummy:
+            g.buffer_free(dummy)
+        if not ok:
+            g.free(ctx)
+            return False
+        buffer = g.buft_alloc_buffer(buft, g.buft_get_alloc_size(buft, w))
+        if not buffer or g.tensor_alloc(buffer, w, g.buffer_get_base(buffer)) != 0:
+            g.free(ctx)
+            raise MemoryError(f"ggml could not allocate {name} memory for a {self.rows}x{self.cols} weight")
+        g.tensor_set(w, self.data.data_ptr(), 0, self.nbytes)  # converts to the type's layout
+        # one weight for every row of a batch: its batch strides are 0 (the AMX kernel offsets the
+        # weight by batch index times these; ggml only reads them for dims of size 1 otherwise)
+        w.contents.nb[2] = w.contents.nb[3] = 0
+        self.packed = _Packed(name, w, mem, ctx, buffer)
+        if name == "CPU_REPACK" and self.ggml_type == Q4_K and rows:
+            self.packed.rows_op = _rows_op(self, rowexact.ROWS_Q4K8, w.contents.data)
+        return True
 
     def _pack_row_exact(self) -> str:
         self.packed = _Packed(ROW_EXACT, rowexact.RowExactWeight(self.ggml_type, self.data, self.rows, self.cols))

