@@ -77,3 +77,17 @@ def test_generate_streams_text_then_stats(capsys, smollm2):
     assert out.strip()  # the streamed text
     assert "[pld] " in err and "tok/s" in err and "mean accepted length" in err
     assert re.search(r"tokens in [\d.]+ s \([\d.]+ tok/s; first token after [\d.]+ s, then [\d.]+ tok/s\)", err), err
+
+
+def test_a_command_whose_extra_is_missing_says_what_to_install(tmp_path, monkeypatch, capsys):
+    """optuna, sacrebleu, rouge-score and matplotlib come with viasd[bench] only: a command that needs
+    one that is missing says so in one line, not with a traceback."""
+    import sys
+
+    from viasd.cli import main
+
+    monkeypatch.setitem(sys.modules, "optuna", None)  # (an import of it then fails as if not installed)
+    code = main(["search", "--budget", "0.5", "--out", str(tmp_path / "route.json"), "-q"])
+    err = capsys.readouterr().err
+    assert code == 1 and err.count("\n") == 1 and "Traceback" not in err
+    assert "viasd search needs optuna" in err and "pip install 'viasd[bench]'" in err

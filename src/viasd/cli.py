@@ -12,6 +12,7 @@ from viasd.errors import UsageError, ViasdError
 from viasd.validation import WEIGHT_FORMATS
 
 DEMO_PROMPT = "Explain in three sentences why the sky is blue."
+BENCH_EXTRA = ("optuna", "sacrebleu", "rouge_score", "matplotlib")  # what `pip install 'viasd[bench]'` adds (pyproject.toml)
 
 
 def read_stdin(what: str) -> bytes:
@@ -440,6 +441,12 @@ def main(argv: list[str] | None = None) -> int:
     except ViasdError as e:
         print(f"viasd: error: {e}", file=sys.stderr)
         return e.exit_code
+    except ModuleNotFoundError as e:
+        if (e.name or "").split(".")[0] not in BENCH_EXTRA:
+            raise
+        print(f"viasd: error: viasd {args.command} needs {e.name}, which viasd[bench] installs: "
+              "pip install 'viasd[bench]'", file=sys.stderr)
+        return 1
     except KeyboardInterrupt:
         print("\nviasd: interrupted", file=sys.stderr)
         return 130
