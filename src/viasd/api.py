@@ -44,9 +44,8 @@ class TextStream:
     """Turns token ids into text increments, holding back incomplete UTF-8 sequences.
 
     With a fast tokenizer that does not clean up spaces, through its own incremental decoder
-    (`tokenizers.decoders.DecodeStream`, as text-generation-inference streams): 2 us a token whatever
-    the answer's length. Decoding the whole answer again after every round, as before, cost 12 us a
-    token over a 64-token answer and 66 over a 512-token one (smollm2; its tokens take 4-5 ms)."""
+    (`tokenizers.decoders.DecodeStream`, as text-generation-inference streams): a constant cost a
+    token, where decoding the whole answer again after every round grows with the answer."""
 
     def __init__(self, model: LoadedModel, emit: Callable[[str], None]):
         self.model, self.emit = model, emit

@@ -355,11 +355,10 @@ def drop_torn_tail(out: Path) -> None:
 
 def pass_costs(model, base: GenerateConfig) -> dict | None:
     """A model's measured pass times for the time cost model (`report.cost_model`): seconds of a pass
-    of 1 .. R rows (R: the most a round of these settings verifies, + 1; medians of 9 rounds: with 3,
-    one slow spell priced qwen 1.5B's one-row pass at 35.7 ms where its `ar` decodes ran 30.5 ms a
-    token, and every predicted speed-up came out 17% high; measured here, not the draft-length policy's
-    times, which requests have learnt into), and its full pass' weight bytes (None for
-    models that do not count bytes: T5)."""
+    of 1 .. R rows (R: the most a round of these settings verifies, + 1; medians of 9 rounds, since one
+    slow spell in 3 skews every prediction; measured here, not the draft-length policy's times, which
+    requests have learnt into), and its full pass' weight bytes (None for models that do not count
+    bytes: T5)."""
     from viasd.execution.timing import pass_times
 
     dec = model.decoder

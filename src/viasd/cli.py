@@ -59,9 +59,8 @@ def _generate(args: argparse.Namespace) -> int:
     s = result.stats.to_dict()
     print()
     calls = ", ".join(f"{k} {v}" for k, v in s["calls"].items())
-    # the decoding rate after the first token beside the whole call's: a speculative strategy measures
-    # its pass costs before the first token (0.4 s for smollm2's `pld`), which a short answer's overall
-    # rate would otherwise charge to its decoding (86 tok/s overall, 175 after the first token)
+    # the rate after the first token beside the whole call's: a speculative strategy measures its pass
+    # costs before the first token, which a short answer's overall rate would charge to its decoding
     then = f"; first token after {s['first_token_s']:.2f} s, then {s['decode_tokens_per_s']:.1f} tok/s" \
         if s.get("first_token_s") is not None and s.get("decode_tokens_per_s") else ""
     print(

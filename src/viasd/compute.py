@@ -5,10 +5,9 @@ ggml links it). libgomp gives every thread that opens a parallel region its own 
 threads, kept while that thread lives, and as soon as the process holds more such workers than it
 has cores, every team stops spin-waiting between regions (`gomp_throttled_spin_count_var`: ~100
 spins instead of ~300000) and sleeps in the kernel instead. A forward pass is one or more regions,
-the sampler a few more; every one then begins by waking a sleeping worker. Measured on a 2-core
-machine (smollm2-135m, `ar`, 64 tokens): the thread that loaded the model decoded at 115-124 tok/s;
-the same call in a second thread at 70-89 tok/s, and the first thread fell to 82-94 once the second
-had run (session 11; on the AVX-512 machine 370 against 50-56). So the model work of a process runs
+the sampler a few more; every one then begins by waking a sleeping worker, and a decode in a second
+thread ran markedly slower than on the thread that loaded the model (docs/performance.md). So the
+model work of a process runs
 on a single thread, `viasd-compute`: `run(fn)` executes `fn` there (directly when already on it) and
 `submit(fn)` queues it. `load_model`, `generate`, the route search, calibration, the benchmark and
 the server's decode worker all go through it, so a user's own threads, the server and Ray Serve
@@ -16,8 +15,7 @@ replicas get the CLI's speed. (Code that calls a `Decoder` directly from other t
 it is only slower.)
 
 **How many cores.** Two threads that meet at a barrier after every op lose a time slice whenever
-another process shares one of their cores (one busy neighbour: smollm2 `ar` 354 -> 63 tok/s at two
-threads). `ThreadBudget` follows what the machine gives: every `INTERVAL` seconds it reads how much
+another process shares one of their cores. `ThreadBudget` follows what the machine gives: every `INTERVAL` seconds it reads how much
 CPU time the rest of the machine used (`/proc/stat` minus this process' own), and the graphs and
 torch then run on as many threads as there are cores left, at least one. After an idle spell (a server
 between requests) the first pass follows the machine's load over the spell's last quarter-second,

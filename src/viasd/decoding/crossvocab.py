@@ -1,4 +1,4 @@
-"""Drafting with a model of another vocabulary (issue 25): a drafter reads and writes text, not ids.
+"""Drafting with a model of another vocabulary: a drafter reads and writes text, not ids.
 
 Two conversions, as in transformers' universal assisted generation and its lossless variant
 (Timor et al., ICML 2025, "Lossless Speculative Decoding Algorithms for Heterogeneous Vocabularies"):

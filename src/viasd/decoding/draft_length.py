@@ -91,15 +91,11 @@ class DraftLength:
         """[k+1]: the passes of a round beside `others` other requests (a row each), in one-row passes:
         with no draft, one pass of their rows and this one's; with j drafts, that pass without this
         request's row plus a pass of its own j+1 rows, since a shared pass groups calls of equal row
-        buckets (`batching.padded_rows`) and reads every weight once per bucket (8 `pld` requests ran
-        2-3 passes a step and served 0.75x `ar`'s tokens/s). Past the measured row counts, each row
-        at the last measured row's cost. A pass of r rows never counts as more than one of r - 1 rows
-        and a one-row pass (it could be run as those two): measured times that a neighbour's work
-        inflated (the first request of a burst priced smollm2's 1-5 rows at [20, 37, 68, 71, 133] ms,
-        whose row takes 4 ms, timing them in steps that ran the others' prompts too; `pass_times` now
-        measures in a step of its own) made a step's pass of 7 rows look dearer
-        than 6 rows plus a round of 2 of its own, and 8 streamed `pld` requests drafted beside each
-        other (mean accepted length 1.28, 0.84x `ar`'s tokens/s). A round with drafts of lossless
+        buckets (`batching.padded_rows`) and reads every weight once per bucket. Past the measured row
+        counts, each row at the last measured row's cost. A pass of r rows never counts as more than
+        one of r - 1 rows and a one-row pass (it could be run as those two), so that times a
+        neighbour's work inflated cannot price a step's shared pass above a split one and make
+        requests draft beside each other. A round with drafts of lossless
         VIA-SD pays its slim and its resumed full pass instead of one full pass (`check_share +
         verify_share` of it)."""
         costs = self.costs
@@ -168,12 +164,9 @@ class DraftLength:
         tokenizer calls, sampling). The passes a round makes beyond one per draft are learnt apart:
         a drafter of another vocabulary drafts a token more than it keeps (the last converted one may
         still grow). The round's own time is learnt only from rounds that follow one with drafts: a
-        request's first drafting round pays what is done once (45 ms beyond the passes of qwen 1.5B's
-        smollm2 drafter), and a probe after rounds without drafts first reads every token committed
-        meanwhile (a pass of 10-20 rows), which steady drafting never does. Learnt from every round
-        as the price of each pass, such rounds made qwen 1.5B's smollm2 drafter look 0.2 of a verifier
-        pass a pass instead of 0.1, and no draft length paid again (1.05x `ar` against 1.19x at a
-        fixed 4 on the tuning prompts)."""
+        request's first drafting round pays what is done once, and a probe after rounds without drafts
+        first reads every token committed meanwhile, which steady drafting never does; priced into
+        every pass, such rounds would make a drafter look twice as dear and stop drafting for good."""
         passes = drafted if passes is None else passes
         if drafted > 0 and passes > 0 and self.passes.alone():
             self.extra_passes = 0.5 * self.extra_passes + 0.5 * max(0, passes - drafted)

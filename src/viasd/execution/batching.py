@@ -32,8 +32,8 @@ from viasd.models.kvcache import ROW_ATTENTION_MAX
 if TYPE_CHECKING:
     from viasd.models.decoder import Decoder
 
-MAX_WAIT_S = 0.005  # a pass waits at most this long for members still busy elsewhere (8 smollm2 clients:
-# 160 tok/s and TTFT p50 0.49 s against 145-148 and 0.9-1.2 s at 50 ms; 1 ms: 144, 0.22 s)
+MAX_WAIT_S = 0.005  # a pass waits at most this long for members still busy elsewhere (longer: fewer, fuller
+# passes but a slower first token; shorter: passes that leave members behind)
 
 MAX_DEFER = 16  # steps a call waits at most for cheaper models' calls (`lockstep`): four times the
 # default draft length (`--k` 4), so that a member drafting long rounds cannot hold the others for good
@@ -110,8 +110,7 @@ class BatchSession:
         """`fn()` on the compute thread in a step of its own: no member's pass runs beside it or
         between its passes, which call the decoders' `forward` themselves. For measuring pass times
         from a member: through the shared steps, the first request of a burst timed its passes with
-        the others' prompts run in the same steps and priced smollm2's 1-5 rows at 34-114 ms where
-        alone they take 4.5-13, for every later request of the process."""
+        the others' prompts run in the same steps, and kept those inflated times for the process."""
         if self._inline == threading.get_ident():  # the compute thread itself: the others wait meanwhile
             return fn()
         return self._park(_Call(None, (fn,), {}))

@@ -207,8 +207,7 @@ def _measure(decoder: Decoder, rows: int, reps: int, last_only: bool) -> list[fl
 class PassTimer:
     """Seconds of model work on `decoders` less the forward graphs built meanwhile: a graph is built
     once per shape and cache length (each request's caches have their own), so a round that built
-    three (7-12 ms each) would otherwise price every later round as dear (a first round of qwen
-    1.5B's smollm2 drafter took 26 ms beyond its passes, and the policy stopped drafting).
+    some would otherwise price every later round as dear, and the policy would stop drafting.
 
         with PassTimer(decoder) as t:
             ...

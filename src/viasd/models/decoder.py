@@ -102,7 +102,7 @@ class Decoder:
         products from layer `from_layer` on (a resumed pass) and the LM head (`head`: True the full
         one, a `ReducedHead`, or False: none); norms and the embedding rows of a pass are negligible.
         In the weights' stored format: a native model's file blocks, a float model's floats. What a
-        pass costs one token when decoding is bound by weight bandwidth (issue 11's cost accounting)."""
+        pass costs one token when decoding is bound by weight bandwidth(the cost accounting of `DecodeStats`)."""
         key = (route if route is not None and not route.is_full else None, from_layer, head if isinstance(head, bool) else len(head))
         cached = self.__dict__.setdefault("_weight_bytes", {})
         if key not in cached:

@@ -454,9 +454,8 @@ class NativeTensor:
             self.packed.rows_op = op
             return self.packed.label
         # No layout of ggml's for it here: the row-exact kernel's AVX2 variant, which beats ggml's plain
-        # one-row kernel (smollm2's Q4_1 on a 2-core AVX2 EPYC, session 11: ar 166 against 104 tok/s; a
-        # pass of 8 rows 22.6 against 46.8 ms); qwen's Q4_K keeps CPU_REPACK (28 against 24 tok/s) and
-        # its Q6_K ggml's plain blocks, both through the several-row kernels (`_rows_op`).
+        # one-row kernel (docs/performance.md); Q4_K keeps CPU_REPACK and Q6_K ggml's plain blocks, both
+        # through the several-row kernels (`_rows_op`).
         if takes and rowexact.available(False):
             return self._pack_row_exact()
         return None
@@ -499,8 +498,7 @@ class NativeTensor:
 
 
 # weight types a buffer type holds but multiplies more slowly one row at a time than the plain kernel
-# (`python benchmarks/pack_types.py`, run 20261130T010828-0e0e5b: AMX Q6_K 0.35 / 1.43 ms at 1 / 4 rows of
-# 8960x1536 against 0.34 / 1.07 plain)
+# (`python benchmarks/pack_types.py` measures it)
 _SLOWER_PACKED = {"AMX": (14,)}  # Q6_K
 
 

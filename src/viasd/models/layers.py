@@ -51,7 +51,7 @@ Linear = PackedLinear | QuantLinear
 
 
 class ReducedHead:
-    """The LM head over a subset of the vocabulary (issue 11 item 3): the full head's rows for `ids`,
+    """The LM head over a subset of the vocabulary: the full head's rows for `ids`,
     multiplied alone, so a slim or drafting pass reads N of the V head rows. Its logits at those ids
     are the full head's (bit for bit on native weights: rows are independent); every other id gets
     -inf (probability 0), so a draft outside the subset is one the pass cannot judge.

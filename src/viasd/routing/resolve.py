@@ -78,7 +78,7 @@ def slim_vocab(verifier: LoadedModel) -> tuple[int, ...] | None:
 
 
 def drafter_head(verifier: LoadedModel, drafter: LoadedModel) -> "ReducedHead | None":
-    """A drafter model's reduced LM head (issue 11 item 3, for drafting passes): the vocabulary of
+    """A drafter model's reduced LM head(for drafting passes): the vocabulary of
     the verifier's shipped slim route, the calibration corpus' most frequent tokens, which a drafter
     with the same tokenizer shares (None: no shipped route with a vocabulary, or a drafter without
     reduced heads). A small drafter spends a larger share of its pass on the head than its verifier

@@ -1,4 +1,4 @@
-"""The vocabulary of a reduced LM head (issue 11 item 3): the N tokens a slim or drafting pass scores.
+"""The vocabulary of a reduced LM head: the N tokens a slim or drafting pass scores.
 
 A slim pass along a route reads the route's layers and the whole LM head; on smollm2-135m the head
 (49152 x 576, tied to the embedding) is 31% of a full pass' weight bytes, so a route keeping 60% of
