@@ -76,7 +76,7 @@ def leave_member() -> None:
 
 def submit(fn: Callable[..., T], *args, **kwargs) -> Future:
     """Queue `fn(*args, **kwargs)` on the compute thread (in order, one at a time), in a copy of the
-    caller's context variables (as asyncio runs its callbacks: e.g. `prefix.serving`)."""
+    caller's context variables (as asyncio runs its callbacks)."""
     return _pool().submit(contextvars.copy_context().run, fn, *args, **kwargs)
 
 

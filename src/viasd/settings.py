@@ -4,7 +4,7 @@ flag, and which strategies read it.
 `GenerateConfig` is the declaration: one dataclass field per setting (grouped by the kind of strategy
 that reads it), each carrying a `Setting` as metadata. What accepts settings is derived from it:
 - the Python API's checks: `check_settings` (types and ranges) inside `GenerateConfig.validate`;
-- the CLI's flags of `viasd generate` and `viasd serve` (`cli.add_setting_flags`);
+- the CLI's flags of `viasd generate`, `serve`, `bench` and `calibrate` (`add_arguments`, `from_args`);
 - the server's request schema: the `viasd` extension object and OpenAI's sampling fields
   (`server.schemas`);
 - the benchmark's method options (`METHOD+name=value`, `bench.parse_methods`).

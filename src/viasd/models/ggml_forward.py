@@ -323,7 +323,7 @@ class NativeForward:
 
     def __call__(self, tokens: torch.Tensor, start: int, cache: KVCache, route: LayerMask | None, last_only: bool,
                  first: int = 0, save: int | None = None, with_logits: bool = True, head=None) -> torch.Tensor | None:
-        """(`head`: a `runtime.ReducedHead`; the logits are then its N columns, [T, N].)"""
+        """(`head`: a `layers.ReducedHead`; the logits are then its N columns, [T, N].)"""
         n = tokens.shape[0]
         rows = (0, 0) if not with_logits else (n - 1, 1) if last_only else (0, n)
         return self.run([(tokens, start, cache, rows)], route, first, save, head)[0]

@@ -2,7 +2,7 @@
 thread of its own running `viasd.generate`, their forward passes stacked into shared passes on the
 process' compute thread (`viasd.execution.batching`); a bounded FIFO of admitted requests behind them.
 
-The HTTP side (app.py) runs on the asyncio loop; a request becomes a `Job` whose events (text pieces,
+The HTTP side (routes_completions.py) runs on the asyncio loop; a request becomes a `Job` whose events (text pieces,
 then done / cancelled / error) the worker posts back to the loop. Stop strings and cancellation go
 through the engine's own hook: the `on_text` callback (called after each committed round that
 produces text) raises `StopGeneration`, and `generate` returns what was committed so far.

@@ -1,5 +1,5 @@
 """Request bodies of the OpenAI-compatible API (pydantic, strict: "10" is not an integer) and the
-`viasd` extension object. Response bodies are plain dicts shaped as OpenAI's (see app.py)."""
+`viasd` extension object. Response bodies are plain dicts shaped as OpenAI's (see responses.py)."""
 
 from __future__ import annotations
 
