@@ -330,8 +330,9 @@ def range_text(d: Declared) -> str:
     s = d.spec
     if s.lo is None and s.hi is None:
         return ""
-    lo = "" if s.lo is None else f"{s.lo:g}"
-    hi = "inf" if s.allow_inf or s.hi is None else f"{s.hi:g}"
+    num = (lambda x: str(int(x))) if d.kind in ("int", "layers") else (lambda x: f"{x:g}")  # noqa: E731
+    lo = "" if s.lo is None else num(s.lo)
+    hi = "inf" if s.allow_inf or s.hi is None else num(s.hi)
     return f"{'(' if s.lo_open else '['}{lo}, {hi}{')' if hi == 'inf' else ']'}"
 
 

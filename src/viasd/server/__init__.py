@@ -4,8 +4,9 @@
     from viasd.server import create_app, ServeSettings
     app = create_app(load_model("smollm2-135m"), settings=ServeSettings(defaults={"strategy": "pld"}))
 
-One model per process, one request decoding at a time, a bounded FIFO queue in front; more
-processes through Ray Serve (`viasd serve --replicas N`, server/ray_serve.py).
+One model (and drafter) per process; up to `--max-batch` requests decoding at once, their passes
+batched on the compute thread, a bounded FIFO queue behind them; more processes through Ray Serve
+(`viasd serve --replicas N`, server/ray_serve.py).
 """
 
 from viasd.server.app import APIError, ServeSettings, create_app
