@@ -10,9 +10,9 @@ install:
 demo: install
 	viasd generate
 
-## test: install and run the whole test suite (fetches smollm2-135m once into the cache)
+## test: install and run the whole test suite, one worker per core (fetches the zoo models it needs once into the cache)
 test: install
-	$(PYTHON) -m pytest -q
+	$(PYTHON) -m pytest -q -n auto
 
 bench:
 	$(PIP) -e '.[test]'

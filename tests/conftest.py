@@ -22,6 +22,8 @@ from viasd.models.kvcache import LayerMask
 # pass times are measured in each test, never read from what an earlier process kept (the tests that
 # count a measurement's passes; test_pass_times_are_kept_for_the_next_processes_of_a_boot turns it on)
 os.environ["VIASD_NO_TIMING_CACHE"] = "1"
+if os.environ.get("PYTEST_XDIST_WORKER"):  # `make test` runs two workers on the two cores: the tests' own torch
+    torch.set_num_threads(1)  # work (tiny models on this thread) on one each; the compute thread follows the machine
 
 GREEDY = SamplingParams()
 NO_EOS: frozenset[int] = frozenset()
