@@ -13,7 +13,7 @@ import torch
 from viasd.api import GenerateConfig
 from viasd.bench import load_tasks
 from viasd.decoding.acceptance import SamplingParams, logits_to_probs
-from viasd.decoding.strategies import autoregressive_decode
+from viasd.decoding.strategies import autoregressive_decode, speculative_decode
 from viasd.decoding.verifier import DecodeRequest
 from viasd.models import convert as convert_module
 from viasd.models.loading import LoadedModel, load_model
@@ -270,6 +270,11 @@ def gemma3_f32() -> LoadedModel:
 def run_ar(model: LoadedModel, prompt: list[int], n: int, eos: frozenset[int] = NO_EOS) -> list[int]:
     """Plain greedy decoding: what every lossless strategy must reproduce."""
     return autoregressive_decode(model.decoder, DecodeRequest(prompt, n, GREEDY, eos))
+
+
+def run_sd(model, drafter, prompt, n, k=4, eos=NO_EOS):
+    req = DecodeRequest(prompt, n, GREEDY, eos)
+    return speculative_decode(model.decoder, drafter, req, k), req.stats
 
 
 def reference_logits(model: LoadedModel, tokens: list[int], n_full: int, route: LayerMask | None) -> torch.Tensor:
