@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import sys
 from pathlib import Path
 
 import pytest
@@ -13,7 +14,7 @@ import torch
 from viasd.api import GenerateConfig
 from viasd.bench import load_tasks
 from viasd.decoding.acceptance import SamplingParams, logits_to_probs
-from viasd.decoding.strategies import autoregressive_decode
+from viasd.decoding.strategies import autoregressive_decode, speculative_decode
 from viasd.decoding.verifier import DecodeRequest
 from viasd.models import convert as convert_module
 from viasd.models.loading import LoadedModel, load_model
@@ -24,6 +25,16 @@ from viasd.models.kvcache import LayerMask
 os.environ["VIASD_NO_TIMING_CACHE"] = "1"
 if os.environ.get("PYTEST_XDIST_WORKER"):  # `make test` runs two workers on the two cores: the tests' own torch
     torch.set_num_threads(1)  # work (tiny models on this thread) on one each; the compute thread follows the machine
+
+# Test files import this file's helpers as `from conftest import ...`. A folder's own conftest.py (tests/server/) is
+# imported under the same module name (no __init__.py files: pytest's "prepend" import mode), which replaces this
+# one in sys.modules: once pytest has registered it, this one is put back.
+_THIS = sys.modules[__name__]
+
+
+def pytest_plugin_registered(plugin):
+    if plugin is not _THIS and getattr(plugin, "__name__", None) == "conftest":
+        sys.modules["conftest"] = _THIS
 
 GREEDY = SamplingParams()
 NO_EOS: frozenset[int] = frozenset()
@@ -270,6 +281,11 @@ def gemma3_f32() -> LoadedModel:
 def run_ar(model: LoadedModel, prompt: list[int], n: int, eos: frozenset[int] = NO_EOS) -> list[int]:
     """Plain greedy decoding: what every lossless strategy must reproduce."""
     return autoregressive_decode(model.decoder, DecodeRequest(prompt, n, GREEDY, eos))
+
+
+def run_sd(model, drafter, prompt, n, k=4, eos=NO_EOS):
+    req = DecodeRequest(prompt, n, GREEDY, eos)
+    return speculative_decode(model.decoder, drafter, req, k), req.stats
 
 
 def reference_logits(model: LoadedModel, tokens: list[int], n_full: int, route: LayerMask | None) -> torch.Tensor:

@@ -146,7 +146,7 @@ def _loop_args(spec: Strategy, config: GenerateConfig, verifier: LoadedModel) ->
         extra["adaptive_k"] = adaptive
     # resumed full passes equal full ones bit for bit only where every product is row-exact (native
     # weights); oneDNN's float products round a row computed alone otherwise, and with bfloat16 weights
-    # that changed a token of lossless VIA-SD on the AMD EPYC with AVX-512 (tests/test_native.py)
+    # that changed a token of lossless VIA-SD on the AMD EPYC with AVX-512 (tests/models/test_native.py)
     resume = v.resume and getattr(verifier.decoder, "native", False)  # (T5: float weights, no resuming)
     if spec.multitier:
         extra["resume_layer"] = resume_layer(slim, resume)

@@ -10,7 +10,7 @@ from viasd.api import generate
 from viasd.execution.passes import Passes
 from viasd.execution.prefix import MIN_REUSE, PrefixCache
 
-from test_server import LiveServer, metric
+from live_server import LiveServer, metric
 
 
 def _kv(n: int, fill: float = 1.0) -> tuple[torch.Tensor, torch.Tensor]:

@@ -438,7 +438,7 @@ def test_without_the_ggml_kernels_native_falls_back_or_says_why(fake_gguf, monke
 def test_tiny_native_reduced_head_and_resumed_pass_are_exact(tiny_native):
     """On native weights a reduced head's logits are the full head's bit for bit at its ids (rows of
     the file's blocks, multiplied alone), and a full pass resumed after a slim pass equals a full pass."""
-    from test_runtime import resumed_after_slim
+    from test_decoder import resumed_after_slim
 
     from viasd.models.kvcache import LayerMask
 

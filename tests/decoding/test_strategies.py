@@ -20,7 +20,7 @@ from viasd.decoding.verifier import DecodeRequest
 from viasd.models.kvcache import LayerMask
 from viasd.routing.resolve import default_draft_layers
 
-from conftest import GREEDY, NO_EOS, exact_marginals, run_ar
+from conftest import GREEDY, NO_EOS, exact_marginals, run_ar, run_sd
 
 
 class RandomDrafter:
@@ -34,11 +34,6 @@ class RandomDrafter:
 
     def propose(self, context, k) -> Draft:
         return Draft(torch.randint(0, self.vocab, (k,), generator=self.g).tolist(), None)
-
-
-def run_sd(model, drafter, prompt, n, k=4, eos=NO_EOS):
-    req = DecodeRequest(prompt, n, GREEDY, eos)
-    return speculative_decode(model.decoder, drafter, req, k), req.stats
 
 
 def tiny_drafters(tiny, tiny_drafter):

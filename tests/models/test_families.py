@@ -14,9 +14,8 @@ from viasd.models.loading import load_model
 from viasd.models.config import ModelConfig
 from viasd.models.kvcache import LayerMask
 
-from conftest import GREEDY, reference_logits, run_ar, save_tiny_gemma
-from test_runtime import cached_logits, hf_logits
-from test_strategies import run_sd
+from conftest import GREEDY, reference_logits, run_ar, run_sd, save_tiny_gemma
+from test_decoder import cached_logits, hf_logits
 
 GEMMAS = ["gemma2", "gemma3_text"]
 

@@ -487,7 +487,7 @@ import stat
 import subprocess
 import sys
 
-SRC = str(Path(__file__).resolve().parents[1] / "src")
+SRC = str(Path(__file__).resolve().parents[2] / "src")
 
 # after its imports, the child may take 1 GiB more address space and 30 s at most: an unbounded read
 # of /dev/zero or a wait on a FIFO fails the test instead of taking the machine's memory or hanging
