@@ -384,7 +384,7 @@ def test_a_prompt_from_a_closed_stdin_is_one_line_exit_2():
 
 
 def test_a_fifo_as_an_input_file_is_one_line_not_a_wait(tmp_path):
-    """Issue 42: a named pipe given as a route or thresholds file is refused at once (opened without
+    """A named pipe given as a route or thresholds file is refused at once (opened without
     blocking, then found not a regular file), never waited on. In a child process (one for the three
     options), so that a regression fails instead of hanging the suite."""
     import subprocess

@@ -11,7 +11,7 @@ from viasd.bench import done_keys, load_tasks, parse_methods, run_bench
 from viasd.cli import main
 from viasd.errors import UsageError
 
-from conftest import BENCH_BASE, BENCH_METHODS, bench_tasks, load_records_tolerant
+from support import BENCH_BASE, BENCH_METHODS, bench_tasks, load_records_tolerant
 
 
 def test_bad_methods_tasks_and_files(tmp_path):

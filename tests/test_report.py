@@ -11,7 +11,7 @@ from viasd.cli import main
 from viasd.errors import UsageError
 from viasd.report import load_records, report, summarize
 
-from conftest import BENCH_BASE, BENCH_METHODS, bench_tasks, load_records_tolerant
+from support import BENCH_BASE, BENCH_METHODS, bench_tasks, load_records_tolerant
 
 
 def test_report_renders_bench_records(tiny, tmp_path):

@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from conftest import GREEDY, NO_EOS, bpe_tokenizer, exact_marginals, run_ar, save_tiny
+from support import GREEDY, NO_EOS, bpe_tokenizer, exact_marginals, run_ar, save_tiny
 from viasd.api import generate
 from viasd.decoding.acceptance import SamplingParams
 from viasd.decoding.crossvocab import Conversion, CrossVocabDrafter, DrafterContext, complete_utf8

@@ -20,7 +20,7 @@ from viasd.decoding.verifier import DecodeRequest
 from viasd.models.kvcache import LayerMask
 from viasd.routing.resolve import default_draft_layers
 
-from conftest import GREEDY, NO_EOS, exact_marginals, run_ar, run_sd
+from support import GREEDY, NO_EOS, exact_marginals, run_ar, run_sd
 
 
 class RandomDrafter:

@@ -22,7 +22,7 @@ from viasd.models.loading import load_model
 from viasd.models.kvcache import LayerMask
 from viasd.routing.resolve import default_slim_layers
 
-from conftest import GREEDY, exact_marginals, reference_logits, run_ar
+from support import GREEDY, exact_marginals, reference_logits, run_ar
 SLIM = [0, 1, 3]  # tiny model (4 layers): slim route
 DRAFT = [0, 3]  # tiny model: self-drafting route
 
@@ -229,7 +229,7 @@ def test_tiered_round_without_a_draft_makes_no_slim_pass(tiny):
 def test_lossless_sampling_follows_the_verifier_distribution(tmp_path):
     """N = 3000 sampled decodes of 5 tokens (the first from the prefill, then slim-verified blocks of 2
     checked by the full model); the first three tokens' marginals within TV 0.05 of exact."""
-    from conftest import save_tiny
+    from support import save_tiny
     from viasd.models.loading import load_model
 
     words = [f"w{i}" for i in range(6)] + ["<eos>", "<unk>"]

@@ -478,7 +478,7 @@ def test_models_verify_checks_index_kernels_and_downloads(zoo_tiny, fake_cc, mon
 
 
 # ------------------------------------------------------------------------------------------------
-# Issue 42: files that are not what they seem. The kept pass times (pass_times.json) are read
+# Files that are not what they seem. The kept pass times (pass_times.json) are read
 # without blocking, with a cap and without a traceback on any content; a damaged store is ignored
 # (one line) and rewritten, and the output is the same tokens. `viasd models` refuses a cache path
 # that is a file as `generate` does.

@@ -10,7 +10,7 @@ import torch
 from viasd.models.loading import load_model
 from viasd.models.kvcache import LayerMask
 
-from conftest import reference_logits, save_tiny
+from support import reference_logits, save_tiny
 
 
 def hf_logits(path, ids: torch.Tensor) -> torch.Tensor:

@@ -14,7 +14,7 @@ from viasd.models.loading import load_model
 from viasd.models.config import ModelConfig
 from viasd.models.kvcache import LayerMask
 
-from conftest import GREEDY, reference_logits, run_ar, run_sd, save_tiny_gemma
+from support import GREEDY, reference_logits, run_ar, run_sd, save_tiny_gemma
 from test_decoder import cached_logits, hf_logits
 
 GEMMAS = ["gemma2", "gemma3_text"]

@@ -13,7 +13,7 @@ from viasd.models.loading import load_model
 from viasd.models.native import native_names, quantize
 from viasd.models.decoder import Decoder
 
-from conftest import run_ar, write_tiny_gguf
+from support import run_ar, write_tiny_gguf
 
 Q8_0, Q4_0, Q4_1 = 8, 2, 3
 
@@ -302,7 +302,7 @@ def test_tiny_native_lossless_strategies_equal_ar(tiny_native):
 
 
 def test_tiny_native_cache_matches_cache_free_reference(tiny_native):
-    from conftest import reference_logits
+    from support import reference_logits
     from viasd.models.kvcache import LayerMask
 
     tokens = list(range(3, 30))

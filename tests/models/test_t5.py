@@ -14,7 +14,7 @@ from viasd.decoding.verifier import DecodeRequest, Verifier
 from viasd.models.loading import load_model
 from viasd.models.kvcache import LayerMask
 
-from conftest import TINY_VOCAB, reference_logits, tiny_tokenizer
+from support import TINY_VOCAB, reference_logits, tiny_tokenizer
 
 EOS, PAD = TINY_VOCAB.index("<eos>"), TINY_VOCAB.index("<pad>")
 

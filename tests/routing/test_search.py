@@ -18,7 +18,7 @@ from viasd.models.kvcache import LayerMask
 from viasd.routing import Route
 from viasd.routing.search import build_calibration, evaluate_route, kept_from_scores, kept_within_bytes, search_route
 
-from conftest import save_tiny
+from support import save_tiny
 
 PLANTED = [0, 2, 5, 7]  # the informative layers; the others are no-ops
 
@@ -54,7 +54,7 @@ def bpe_pair_models(tmp_path_factory):
     token added (another vocabulary, whose extra token has a zero embedding)."""
     from safetensors.torch import load_file, save_file
 
-    from conftest import bpe_tokenizer
+    from support import bpe_tokenizer
 
     tok = bpe_tokenizer(300, ["the quick brown fox jumps over the lazy dog", "hello world, hello there"] * 20)
     v_dir = save_tiny(tmp_path_factory.mktemp("bv"), seed=3, tokenizer=tok)
@@ -218,7 +218,7 @@ def test_routes_vocab_adds_a_head_and_routes_show_draws_it(planted, planted_dir,
 def test_the_calibration_text_is_ar_s_greedy_continuation(tiny):
     from viasd.routing.search import greedy_continuation
 
-    from conftest import run_ar
+    from support import run_ar
 
     prompt = [1, 5, 9, 3]
     assert greedy_continuation(tiny.decoder, prompt, 30) == run_ar(tiny, prompt, 30)

@@ -13,7 +13,7 @@ openai = pytest.importorskip("openai")
 pytest.importorskip("fastapi")
 from viasd import generate  # noqa: E402
 from viasd.server import ServeSettings, create_app  # noqa: E402
-from conftest import native_q8  # noqa: E402
+from support import native_q8  # noqa: E402
 from live_server import LiveServer, metric  # noqa: E402
 from helpers import GatedWorker, wait_for  # noqa: E402
 

@@ -88,7 +88,7 @@ def test_sigterm_drains_in_flight_requests_and_refuses_new_ones(smollm2):
 
 @pytest.mark.parametrize("where", ["port-in-use", "unknown-host"])
 def test_a_bind_failure_is_one_line_and_exit_2_before_any_model_loads(capsys, tmp_path, where):
-    """Issue 42: the server binds before it loads the model (whose path here does not exist: a load
+    """The server binds before it loads the model (whose path here does not exist: a load
     would say so first) and a bind failure is one line, exit 2, not uvicorn's log and exit 3."""
     with socket.socket() as busy:
         busy.bind(("127.0.0.1", 0))
@@ -101,7 +101,7 @@ def test_a_bind_failure_is_one_line_and_exit_2_before_any_model_loads(capsys, tm
 
 
 def test_port_0_is_announced_as_the_port_the_server_listens_on(tiny_dir, tmp_path):
-    """Issue 42: the banner comes once the socket listens and names the port the system chose."""
+    """The banner comes once the socket listens and names the port the system chose."""
     import re
 
     env = {**os.environ, "PYTHONPATH": SRC + os.pathsep + os.environ.get("PYTHONPATH", "")}

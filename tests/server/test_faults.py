@@ -105,7 +105,7 @@ def test_a_drain_that_times_out_ends_the_stream_with_an_error_and_done(tiny):
 
 
 def test_a_drain_that_cuts_queued_requests_says_they_never_started(tiny):
-    """Issue 42: a request still queued when the drain's time is up gets a 503 saying it never
+    """A request still queued when the drain's time is up gets a 503 saying it never
     started; the running one's says its generation stopped before its end."""
     worker = GatedWorker(tiny, max_queue=4, max_batch=1)
     app = create_app(tiny, settings=ServeSettings(served_name="tiny", max_queue=4), worker=worker)
