@@ -1,4 +1,5 @@
-"""The package's import structure: layers, written once here, and no import cycle anywhere in src/.
+"""The package's structure: layers, written once here, no import cycle anywhere in src/, and no function
+longer than a screen.
 
 A module may import modules of its own package or of a lower layer, never of a higher one nor of
 another package of its own layer. Imports inside functions count; those under `if TYPE_CHECKING:`
@@ -146,3 +147,16 @@ def test_the_checks_see_a_cycle_and_an_upward_import(tmp_path, monkeypatch):
         test_no_import_cycle()
     with pytest.raises(AssertionError, match="viasd.models.a imports viasd.server.app"):
         test_every_import_points_down_the_layers()
+
+
+MAX_FUNCTION_LINES = 60
+
+
+def test_no_function_is_longer_than_a_screen():
+    """Every function in src/ fits in MAX_FUNCTION_LINES lines (decorators and docstring included)."""
+    long = []
+    for path in sorted(SRC.rglob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)) and node.end_lineno - node.lineno + 1 > MAX_FUNCTION_LINES:
+                long.append(f"{path.relative_to(SRC)}:{node.lineno} {node.name} ({node.end_lineno - node.lineno + 1} lines)")
+    assert not long, "functions over the limit:\n" + "\n".join(long)
