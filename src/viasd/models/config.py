@@ -40,6 +40,14 @@ def _rope_theta(params: dict | None, default: float) -> tuple[float, float]:
     return float(params.get("rope_theta", default)), factor
 
 
+def _shapes(hf) -> dict:
+    """The `ModelConfig` fields every decoder-only family reads alike from a transformers config."""
+    return dict(architecture=hf.model_type, n_layers=hf.num_hidden_layers, hidden=hf.hidden_size,
+                n_heads=hf.num_attention_heads, n_kv_heads=getattr(hf, "num_key_value_heads", None) or hf.num_attention_heads,
+                head_dim=getattr(hf, "head_dim", None) or hf.hidden_size // hf.num_attention_heads,
+                intermediate=hf.intermediate_size, vocab_size=hf.vocab_size, rms_eps=float(hf.rms_norm_eps))
+
+
 @dataclass(frozen=True)
 class ModelConfig:
     architecture: str
@@ -91,18 +99,9 @@ class ModelConfig:
             max_pos = min(hf.max_position_embeddings, hf.sliding_window)
         else:
             max_pos = hf.max_position_embeddings
-        head_dim = getattr(hf, "head_dim", None) or hf.hidden_size // hf.num_attention_heads
         return cls(
-            architecture=arch,
-            n_layers=hf.num_hidden_layers,
-            hidden=hf.hidden_size,
-            n_heads=hf.num_attention_heads,
-            n_kv_heads=getattr(hf, "num_key_value_heads", None) or hf.num_attention_heads,
-            head_dim=head_dim,
-            intermediate=hf.intermediate_size,
-            vocab_size=hf.vocab_size,
+            **_shapes(hf),
             rope_theta=float(theta),
-            rms_eps=float(hf.rms_norm_eps),
             qkv_bias=arch == "qwen2" or bool(getattr(hf, "attention_bias", False)),
             tied_embeddings=bool(getattr(hf, "tie_word_embeddings", False)),
             max_positions=int(max_pos),
@@ -128,19 +127,10 @@ class ModelConfig:
         else:  # gemma2: one RoPE for both kinds
             theta, factor = _rope_theta(rope, getattr(hf, "rope_theta", 10000.0))
             local = None
-        head_dim = getattr(hf, "head_dim", None) or hf.hidden_size // hf.num_attention_heads
         window = getattr(hf, "sliding_window", None)
         return cls(
-            architecture=arch,
-            n_layers=n_layers,
-            hidden=hf.hidden_size,
-            n_heads=hf.num_attention_heads,
-            n_kv_heads=getattr(hf, "num_key_value_heads", None) or hf.num_attention_heads,
-            head_dim=head_dim,
-            intermediate=hf.intermediate_size,
-            vocab_size=hf.vocab_size,
+            **_shapes(hf),
             rope_theta=theta,
-            rms_eps=float(hf.rms_norm_eps),
             qkv_bias=bool(getattr(hf, "attention_bias", False)),
             tied_embeddings=bool(getattr(hf, "tie_word_embeddings", True)),
             max_positions=int(hf.max_position_embeddings),
