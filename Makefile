@@ -12,7 +12,7 @@ demo: install
 
 ## test: install and run the whole test suite, one worker per core (fetches the zoo models it needs once into the cache)
 test: install
-	$(PYTHON) -m pytest -q -n auto
+	$(PYTHON) -m pytest -q -n auto --dist worksteal
 
 bench:
 	$(PIP) -e '.[test]'
