@@ -21,8 +21,6 @@ from helpers import GatedWorker, wait_for  # noqa: E402
 def test_concurrent_requests_share_passes_and_each_answer_equals_serving_alone(tiny_q8, tiny_drafter):
     """Mixed strategies, prompt lengths and arrival times on one batched server: every greedy answer
     equals the request decoded alone, and passes did carry rows of several requests."""
-    from viasd.execution import batching
-
     app = create_app(tiny_q8, tiny_drafter, settings=ServeSettings(served_name="tiny", max_batch=6,
                                                                 defaults={"slim_layers": (0, 1, 3)}))
     asks = [("w1 w2 w3", {"strategy": "ar"}, 40), ("w5 w6 w5 w6 w5", {"strategy": "pld"}, 30),
@@ -51,9 +49,7 @@ def test_speculative_members_draft_together_and_verify_together(tiny_q8, tiny_dr
     """`batching.lockstep`: while a drafter's calls are parked, the verifier's wait for them, so no
     step runs a drafter pass and a verifier pass at once (run as they came, three `sd` requests
     started apart would each pay both in most steps); each answer equals the request alone."""
-    from viasd import compute
     from viasd.execution import batching
-    from viasd.execution.passes import Passes
 
     drafter = native_q8(tiny_drafter)  # 2 layers against the verifier's 4: its passes read fewer bytes
     assert drafter.decoder.weight_bytes() < tiny_q8.decoder.weight_bytes()
@@ -69,18 +65,7 @@ def test_speculative_members_draft_together_and_verify_together(tiny_q8, tiny_dr
     prompts, alone = [p for p, _ in full], [a for _, a in full]
     assert len(prompts) == 3
 
-    def member(i):
-        time.sleep(0.01 * i)  # started apart: not in step by chance
-        return session.member(generate, prompts[i], tiny_q8, passes=Passes(session), **kw).token_ids
-
-    def compute_thread():
-        while not all(f.done() for f in futures):
-            session.step(idle_timeout=0.05)
-
-    with ThreadPoolExecutor(3) as pool:
-        futures = [pool.submit(member, i) for i in range(3)]
-        compute.run(compute_thread)
-        assert [f.result(timeout=60) for f in futures] == alone
+    assert members_decode(session, tiny_q8, prompts, **kw) == alone
     verifier = tiny_q8.decoder.weight_bytes()
     assert all(len(set(costs)) == 1 for costs in steps), [s for s in steps if len(set(s)) > 1][:3]
     assert max(costs.count(verifier) for costs in steps) == 3  # all three verified in one pass
@@ -91,9 +76,7 @@ def test_lossless_viasd_members_share_resumed_and_stream_storing_passes(tiny_q8,
     and lower passes store the streams entering it: such passes of several requests share a pass
     (each request reading and writing its own cache's streams), and every answer equals the request
     alone. Run one by one, 8 served VIA-SD requests delivered 0.28x `ar`'s tokens/s."""
-    from viasd import compute
     from viasd.execution import batching
-    from viasd.execution.passes import Passes
     from viasd.models.decoder import Decoder
 
     shared = []  # per shared pass: (resumed, stores streams) of each call
@@ -116,18 +99,7 @@ def test_lossless_viasd_members_share_resumed_and_stream_storing_passes(tiny_q8,
     assert {r.config["resume_layer"] for r in alone} == {2}
     assert all(r.stats.calls["lower"] > 0 for r in alone)  # some rows no slim pass processed went through layers 0-1 alone
 
-    def member(i):
-        time.sleep(0.01 * i)
-        return session.member(generate, prompts[i], tiny_q8, passes=Passes(session), **kw).token_ids
-
-    def compute_thread():
-        while not all(f.done() for f in futures):
-            session.step(idle_timeout=0.05)
-
-    with ThreadPoolExecutor(3) as pool:
-        futures = [pool.submit(member, i) for i in range(3)]
-        compute.run(compute_thread)
-        assert [f.result(timeout=60) for f in futures] == [r.token_ids for r in alone]
+    assert members_decode(session, tiny_q8, prompts, **kw) == [r.token_ids for r in alone]
     assert any(len(kinds) >= 2 and all(resumed for resumed, _ in kinds) for kinds in shared)
     assert any(len(kinds) >= 2 and all(stores and not resumed for resumed, stores in kinds) for kinds in shared)
 
@@ -273,3 +245,23 @@ def test_a_member_run_on_the_compute_thread_serves_the_members_that_join_it(tiny
     assert results == alone
     assert shared[0] > 0  # the joined members' rows were computed in the inline request's steps
     assert session.members == 0
+
+
+def members_decode(session, model, prompts, **kw) -> list[list[int]]:
+    """Each prompt decoded by a member of `session` in a thread of its own (started 10 ms apart: not in
+    step by chance), the compute thread stepping the session until all end; their token ids."""
+    from viasd import compute
+    from viasd.execution.passes import Passes
+
+    def member(i):
+        time.sleep(0.01 * i)
+        return session.member(generate, prompts[i], model, passes=Passes(session), **kw).token_ids
+
+    def compute_thread():
+        while not all(f.done() for f in futures):
+            session.step(idle_timeout=0.05)
+
+    with ThreadPoolExecutor(len(prompts)) as pool:
+        futures = [pool.submit(member, i) for i in range(len(prompts))]
+        compute.run(compute_thread)
+        return [f.result(timeout=60) for f in futures]
