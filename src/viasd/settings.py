@@ -326,7 +326,7 @@ def check_settings(settings: dict) -> None:
 
 
 def range_text(d: Declared) -> str:
-    """The declared range, as help text shows it ("0..64", "(0, 1]", ">= 0")."""
+    """The declared range, as help text shows it ("[0, 64]", "(0, 1]", "[0, inf)")."""
     s = d.spec
     if s.lo is None and s.hi is None:
         return ""
