@@ -13,7 +13,8 @@ import torch
 
 from viasd.decoding.acceptance import DeferralRule, SamplingParams
 from viasd.decoding.crossvocab import Conversion, CrossVocabDrafter
-from viasd.decoding.drafters import Drafter, ModelDrafter, NgramDrafter, SelfDrafter
+from viasd.decoding.drafters import Drafter, GrammarDrafter, ModelDrafter, NgramDrafter, SelfDrafter
+from viasd.decoding.grammar import Constraint, check_format, grammar_of
 from viasd.decoding.multitier import resume_layer
 from viasd.decoding.registry import DraftKind, LoopArgs, Mode, Strategy
 from viasd.decoding.stats import DecodeResult, DecodeStats
@@ -132,7 +133,9 @@ def _loop_args(spec: Strategy, config: GenerateConfig, verifier: LoadedModel) ->
         resolved = resolve_route(verifier, "slim", v.slim_layers, v.slim_route)
         slim, slim_file = resolved.mask, resolved.path
         extra["slim_fraction"] = round(slim.fraction, 4)
-        head = route_head(verifier, resolved) if v.reduced_head else None
+        # (not under a grammar: a reduced head may score no token the grammar allows)
+        constrained = check_format(config.response_format)[0] != "text"
+        head = route_head(verifier, resolved) if v.reduced_head and not constrained else None
         extra["slim_head_vocab"] = len(head) if head is not None else None
         if Mode(v.mode) is Mode.TIERED:
             thresholds = v.tier_thresholds(slim_file)
@@ -226,9 +229,13 @@ def generate(
     params = SamplingParams(config.temperature, config.top_p)
     stats = DecodeStats(prompt_tokens=len(ids))
     stream = TextStream(verifier, on_text) if on_text else None
-    req = DecodeRequest(ids, config.max_new_tokens, params, verifier.eos_token_ids, stats, generator, stream, passes or Passes())
+    constraint = constraint_for(verifier, config.response_format)
+    req = DecodeRequest(ids, config.max_new_tokens, params, verifier.eos_token_ids, stats, generator, stream, passes or Passes(),
+                        constraint)
     args, extra = _loop_args(spec, config, verifier)
     chosen = _make_drafter(kind, verifier, drafter, config, params, generator, progress) if kind else None
+    if constraint is not None and (chosen is not None or config.grammar_drafts):
+        chosen = GrammarDrafter(chosen, constraint, force=config.grammar_drafts)
     record = {"model": verifier.name, "drafter": getattr(drafter, "name", drafter), **config.settings(),
               "draft": kind.value if kind else None, **extra}
     record.update(_drafter_record(chosen))
@@ -238,6 +245,25 @@ def generate(
         out = list(stream.ids)
     stats.finish()
     return DecodeResult(text=verifier.decode(out), token_ids=out, stats=stats, config=record)
+
+
+def constraint_for(model: LoadedModel, response_format: dict | None) -> Constraint | None:
+    """The request's grammar on `model`'s vocabulary (None: unconstrained). The grammar tokenizer is built
+    once per model (a second for a 150k vocabulary)."""
+    grammar = grammar_of(response_format)
+    if grammar is None:
+        return None
+    tokenizer = model.__dict__.get("_grammar_tokenizer")
+    if tokenizer is None:
+        import llguidance.hf
+
+        try:
+            tokenizer = llguidance.hf.from_tokenizer(model.tokenizer, n_vocab=model.config.vocab_size,
+                                                     eos_token=sorted(model.eos_token_ids) or None)
+        except Exception as e:  # a slow or unusual tokenizer llguidance cannot read
+            raise UsageError(f"{model.name}: its tokenizer cannot be used for constrained decoding ({e})") from None
+        model.__dict__["_grammar_tokenizer"] = tokenizer
+    return Constraint.compile(grammar, tokenizer, model.config.vocab_size)
 
 
 def _checked_request(prompt, config: GenerateConfig | None, settings: dict, on_text) -> GenerateConfig:

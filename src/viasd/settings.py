@@ -22,6 +22,7 @@ from types import SimpleNamespace
 
 from viasd.decoding.acceptance import DEFERRAL_RULES, DeferralRule
 from viasd.decoding.crossvocab import Conversion
+from viasd.decoding.grammar import grammar_of
 from viasd.decoding.registry import DEFAULT_STRATEGY, STRATEGIES, DraftKind, Mode, Strategy, strategy
 from viasd.decoding.tiers import TierThresholds, load_thresholds, thresholds_beside
 from viasd.errors import InvalidArgumentError, UsageError
@@ -201,6 +202,12 @@ class GenerateConfig:
     seed: int = setting(0, "the sampler's seed", lo=0, hi=SEED_MAX, server="openai")
     chat: bool | None = setting(None, "wrap the prompt in the model's chat template (default: when the model has one)",
                                 server=None)
+    response_format: dict | None = setting(
+        None, "constrain the output (every strategy; lossless ones stay lossless): OpenAI's {'type': 'json_object'} or "
+        "{'type': 'json_schema', 'json_schema': {'schema': {...}}}, or {'type': 'regex', 'regex': R} or {'type': "
+        "'grammar', 'grammar': LARK}", flags=("--json-schema", "--json-object", "--regex", "--grammar"), server="openai")
+    grammar_drafts: bool = setting(True, "under a constraint, the tokens the grammar alone determines are drafted for "
+                                   "free in front of the drafter's (and by ar) and verified in the same pass")
     drafting: DraftOptions = field(default_factory=DraftOptions)
     viasd: ViasdOptions = field(default_factory=ViasdOptions)
     cascade: CascadeOptions = field(default_factory=CascadeOptions)
@@ -273,6 +280,8 @@ def _kind(hint) -> tuple[str, bool]:
     base = args[0] if optional else hint
     if typing.get_origin(base) is tuple:
         return "layers", optional
+    if base is dict:
+        return "format", optional
     return {int: "int", float: "float", bool: "bool", str: "str"}[base], optional
 
 
@@ -309,6 +318,9 @@ def check_setting(d: Declared, value) -> object:
         return value
     if d.kind == "choice":
         return check_choice(s.label or name, value, s.choices)
+    if d.kind == "format":
+        grammar_of(value)  # the shape, then the library's own verdict on the schema, regex or grammar
+        return value
     if d.kind == "layers":
         layers = check_layers(name, value)
         if len(layers) > s.hi + 1:
@@ -389,6 +401,9 @@ def add_arguments(parser, skip: tuple[str, ...] = (), only: tuple[str, ...] | No
     for d in SETTINGS.values():
         if d.name in skip or (only is not None and d.name not in only):
             continue
+        if d.kind == "format":
+            _add_format(parser)
+            continue
         d = dataclasses.replace(d, default=defaults.get(d.name, d.default))
         s = d.spec
         if s.group and s.group not in groups:
@@ -410,9 +425,39 @@ def add_arguments(parser, skip: tuple[str, ...] = (), only: tuple[str, ...] | No
         where.add_argument(*d.flags, **kw)
 
 
+def _add_format(parser) -> None:
+    """`response_format`'s flags: one of a JSON schema file, any JSON object, a regex, a Lark grammar file."""
+    group = parser.add_argument_group("structured output (every strategy; lossless ones stay lossless)")
+    one = group.add_mutually_exclusive_group()
+    one.add_argument("--json-schema", metavar="FILE.json", dest="fmt_json_schema",
+                     help="the output is JSON valid under this JSON schema (strict)")
+    one.add_argument("--json-object", action="store_true", dest="fmt_json", help="the output is a JSON object")
+    one.add_argument("--regex", metavar="R", dest="fmt_regex", help="the output matches this regular expression")
+    one.add_argument("--grammar", metavar="FILE.lark", dest="fmt_grammar",
+                     help="the output follows this Lark grammar (llguidance's syntax; %%json {schema} embeds a JSON schema)")
+
+
+def format_from_args(args) -> dict | None:
+    """The `response_format` the structured-output flags give (their files read), or None."""
+    from viasd.validation import read_capped, read_json
+
+    if getattr(args, "fmt_json_schema", None):
+        schema = read_json(Path(args.fmt_json_schema), "JSON schema")
+        return {"type": "json_schema", "json_schema": {"name": Path(args.fmt_json_schema).stem, "schema": schema, "strict": True}}
+    if getattr(args, "fmt_json", False):
+        return {"type": "json_object"}
+    if getattr(args, "fmt_regex", None) is not None:
+        return {"type": "regex", "regex": args.fmt_regex}
+    if getattr(args, "fmt_grammar", None):
+        return {"type": "grammar", "grammar": read_capped(Path(args.fmt_grammar), "grammar").decode("utf-8", "replace")}
+    return None
+
+
 def from_args(args) -> dict:
     """The settings an argparse namespace holds (flags added by `add_arguments`), by their names."""
     out = {name: getattr(args, name) for name in SETTINGS if hasattr(args, name)}
+    if hasattr(args, "fmt_json"):
+        out["response_format"] = format_from_args(args)
     for name, d in SETTINGS.items():
         if d.kind == "layers" and out.get(name) is not None:
             out[name] = tuple(out[name])

@@ -213,22 +213,24 @@ def propose(drafter: Drafter, tokens: list[int], k: int, policy: DraftLength | N
     """Up to k drafts of `drafter` after `tokens`; with a policy, as many as it chooses. A free
     drafter proposes k and is cut; the first token cut off comes back too (`peek`), so that the policy
     scores the drafter on it even in rounds that verify no draft (else an acceptance estimate that
-    chose no draft could never learn otherwise)."""
+    chose no draft could never learn otherwise). A grammar's forced tokens (`drafters.GrammarDrafter`)
+    come first in every draft, beyond k and whatever the policy chooses: they cost no drafting."""
     if k <= 0:
         return NO_DRAFT, None
     if policy is None:
         return drafter.propose(tokens, k), None
     if policy.free_drafts:
         proposal = drafter.propose(tokens, k)
-        j = min(policy.choose(), len(proposal))
+        j = min(proposal.forced + policy.choose(), len(proposal))
         return proposal.cut(j), proposal.tokens[j] if j < len(proposal) else None
     j = min(policy.choose(), k)
-    if j == 0:
+    if j == 0 and not getattr(drafter, "forces", False):
         return NO_DRAFT, None
     stats = getattr(drafter, "stats", None)
     calls = stats.calls[CallKind.DRAFT] if stats is not None else None
     with PassTimer(getattr(drafter, "decoder", None)) as timer:
         draft = drafter.propose(tokens, j)
     passes = stats.calls[CallKind.DRAFT] - calls if calls is not None else None
-    policy.observe_drafting(timer.seconds, len(draft), passes)
+    if j:
+        policy.observe_drafting(timer.seconds, len(draft) - draft.forced, passes)
     return draft, None

@@ -17,6 +17,7 @@ import numpy as np
 import torch
 
 from viasd.decoding.acceptance import SamplingParams
+from viasd.decoding.grammar import FORCED_MAX, Constraint
 from viasd.decoding.stats import DecodeStats
 from viasd.decoding.verifier import CallKind, Verifier, pass_bytes
 from viasd.execution.passes import Passes
@@ -31,13 +32,16 @@ class Draft:
     # [k', V] q of each proposal, None for deterministic drafters. When sampling, the distribution
     # the token was drawn from; when greedy, softmax(logits): the drafter's confidence.
     probs: torch.Tensor | None
+    forced: int = 0  # the first `forced` tokens are the grammar's (`GrammarDrafter`), q one-hot
 
     def __len__(self) -> int:
         return len(self.tokens)
 
     def cut(self, n: int) -> "Draft":
         """The first n proposals."""
-        return self if n >= len(self.tokens) else Draft(self.tokens[:n], None if self.probs is None else self.probs[:n])
+        if n >= len(self.tokens):
+            return self
+        return Draft(self.tokens[:n], None if self.probs is None else self.probs[:n], min(self.forced, n))
 
 
 NO_DRAFT = Draft([], None)
@@ -262,3 +266,44 @@ def ngram_lookup(context: np.ndarray, k: int, max_ngram: int, min_ngram: int) ->
             begin = int(hits[-1]) + n
             return context[begin : begin + k].tolist()
     return []
+
+
+class GrammarDrafter:
+    """Constrained decoding's drafts: the tokens the grammar alone determines after the context (at
+    most `FORCED_MAX`, free: no model proposes them), then `inner`'s proposal after those, cut to its
+    longest grammar-valid prefix. `inner` None: the forced tokens only (`ar` under a grammar).
+
+    `forces`: `draft_length.propose` takes the forced tokens whatever draft length it chooses.
+    The forced tokens are the grammar's tokenization of its forced bytes: where the model would choose
+    another one, the verifier rejects them as it rejects any draft, so the output is unchanged."""
+
+    def __init__(self, inner: Drafter | None, constraint: Constraint, force: bool = True):
+        self.inner, self.constraint, self.force = inner, constraint, force  # force False: cut the drafts only
+        self.free = inner is None or getattr(inner, "free", False)
+        self.forces = force
+
+    def __getattr__(self, name: str):
+        # what the draft-length policy reads of a drafter (stats, decoder, verifier_share) is the inner one's
+        if name == "inner":
+            raise AttributeError(name)
+        return getattr(self.inner, name) if self.inner is not None else None
+
+    def begin(self, max_len: int, verifier: Verifier) -> None:
+        self.verifier = verifier
+        if self.inner is not None:
+            self.inner.begin(max_len, verifier)
+
+    def propose(self, context: list[int], k: int) -> Draft:
+        """The forced tokens, then up to k of `inner`'s (k = 0: the forced ones only)."""
+        ahead = context[len(self.verifier.tokens) :]  # past the committed tokens (lossless VIA-SD's block)
+        forced = self.constraint.forced(ahead)[:FORCED_MAX] if self.force else []
+        if self.inner is None or k <= 0:
+            return Draft(forced, None, len(forced))
+        own = self.inner.propose(context + forced, k)
+        own = own.cut(self.constraint.valid(own.tokens, ahead + forced))
+        if own.tokens and own.probs is None:  # a deterministic drafter: so is the whole draft
+            return Draft(forced + own.tokens, None, len(forced))
+        # the forced tokens' q: one-hot (a drafter with probabilities keeps them for every token)
+        one_hot = torch.nn.functional.one_hot(torch.tensor(forced, dtype=torch.long), self.constraint.vocab_size).float()
+        probs = torch.cat([one_hot, own.probs.float()]) if own.tokens else one_hot
+        return Draft(forced + own.tokens, probs if forced or own.tokens else None, len(forced))

@@ -70,12 +70,14 @@ def viasd_lossless_decode(decoder: Decoder, drafter: Drafter, route: LayerMask, 
         req.stats.observe_full_check(len(s.block), n)
         if s.rescue is not None and n >= s.rescue:  # the full model judged the slim verifier's replacement
             req.stats.observe_rescue(n > s.rescue)
+        own = [t == Tier.ACCEPT and not f for t, f in zip(s.origin, s.forced)]  # the drafter's drafts
         if policy is not None:  # drafts both verifiers kept, of all the block's; a free drafter's unverified proposal too
-            policy.observe(s.drafted, s.origin[:n].count(Tier.ACCEPT))
+            policy.observe(s.drafted - sum(s.forced), sum(own[:n]))
             if s.peek is not None:
                 policy.observe(1, int(x == s.peek))
         # 3. commit; drafter tokens the full model rejected (or the budget cut) no longer count as accepted
         kept = v.commit(s.block[:n] + [x], s.origin[:n] + [Tier.FULL])
+        req.stats.observe_grammar(sum(s.forced), sum(s.forced[: min(n, kept)]))
         req.stats.accepted -= s.origin.count(Tier.ACCEPT) - s.origin[: min(n, kept)].count(Tier.ACCEPT)
     return v.out
 
@@ -99,6 +101,7 @@ class _SlimBlock(NamedTuple):
     block_q: torch.Tensor | None  # [len(block), V] q' at each position (sampling only)
     rescue: int | None  # where the slim verifier replaced a rejected draft (None: it did not)
     drafted: int  # drafts proposed in the block's rounds
+    forced: list[bool]  # [len(block)] which tokens are grammar-forced drafts
     peek: int | None  # a free drafter's proposal the policy cut when the block is empty (scored on the full model's token)
 
 
@@ -117,6 +120,7 @@ def _slim_stage(v: Verifier, drafter: Drafter, route: LayerMask, k: int, full_bl
     block: list[int] = []
     origin: list[Tier] = []
     block_q: list[torch.Tensor] = []
+    forced: list[bool] = []
     drafted, peek = 0, None
     q = lambda: torch.cat(block_q) if block_q else None  # noqa: E731
     while len(block) < min(full_block, v.budget - 1):
@@ -134,13 +138,14 @@ def _slim_stage(v: Verifier, drafter: Drafter, route: LayerMask, k: int, full_bl
         v.keep_slim(route, len(block) + n)  # slim K/V now covers the block and the accepted drafts
         block += draft.tokens[:n] + [x]
         origin += [Tier.ACCEPT] * n + [Tier.SLIM]
+        forced += [i < draft.forced for i in range(n)] + [False]
         if not params.greedy:
             block_q.append(params.probs(slim_logits[: n + 1]))
         if n < len(draft):
-            return _SlimBlock(block, origin, q(), len(block) - 1, drafted, None)
+            return _SlimBlock(block, origin, q(), len(block) - 1, drafted, forced, None)
         if any(t in v.req.eos for t in block[-n - 1 :]):
             break
-    return _SlimBlock(block, origin, q(), None, drafted, peek)
+    return _SlimBlock(block, origin, q(), None, drafted, forced, peek)
 
 
 def viasd_tiered_decode(decoder: Decoder, drafter: Drafter, route: LayerMask, req: DecodeRequest, k: int,
@@ -229,8 +234,9 @@ class _TieredLoop:
             new, origin = self._full_decides(draft, new, origin, i)
         kept_drafts = _common_prefix(new, draft.tokens)
         stats.observe_round(len(draft), kept_drafts)  # settled by the slim or the full verifier
-        if self.policy is not None:
-            self.policy.observe(len(draft), kept_drafts)
+        stats.observe_grammar(draft.forced, min(kept_drafts, draft.forced))
+        if self.policy is not None:  # the drafter's own drafts (a grammar's forced ones are not its)
+            self.policy.observe(len(draft) - draft.forced, max(0, kept_drafts - draft.forced))
             if peek is not None and kept_drafts == len(draft) and len(new) > len(draft):
                 self.policy.observe(1, int(new[len(draft)] == peek))  # the proposed token after the verified drafts
         kept = v.commit(new, origin, checked=i is not None)

@@ -93,6 +93,11 @@ class Strategy:
         return f"{self.name}/{Mode(mode).value}" if self.multitier else self.name
 
 
+def _ar(decoder: Decoder, drafter: Drafter | None, req: DecodeRequest, a: LoopArgs) -> list[int]:
+    # under a grammar, its forced tokens are drafted (`drafters.GrammarDrafter` with no drafter of its own)
+    return autoregressive_decode(decoder, req) if drafter is None else speculative_decode(decoder, drafter, req, 1)
+
+
 def _sd(decoder: Decoder, drafter: Drafter | None, req: DecodeRequest, a: LoopArgs) -> list[int]:
     return speculative_decode(decoder, drafter, req, a.k, adaptive=a.adaptive)
 
@@ -102,7 +107,7 @@ def _cascade(decoder: Decoder, drafter: Drafter | None, req: DecodeRequest, a: L
 
 
 STRATEGIES: dict[str, Strategy] = {s.name: s for s in (
-    Strategy("ar", "autoregressive decoding (the baseline)", lambda d, _, r, a: autoregressive_decode(d, r), None),
+    Strategy("ar", "autoregressive decoding (the baseline)", _ar, None),
     Strategy("sd", "speculative decoding with a separate drafter model (--drafter)", _sd, DraftKind.MODEL),
     Strategy("pld", "speculative decoding with prompt-lookup n-gram drafts (no drafter model)", _sd, DraftKind.PLD),
     Strategy("self-sd", "speculative decoding drafting with a route of the verifier's own layers", _sd, DraftKind.SELF),

@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import time
 from collections import Counter
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 
 from viasd.decoding.tiers import Tier
@@ -65,6 +66,12 @@ class DecodeStats:
     # was wrong: what a slim tier can rescue)
     rescues: int = 0
     rescues_kept: int = 0
+    # constrained decoding: tokens the grammar alone determined and drafted, those the full verifier
+    # kept, rows masked, and the host seconds the masks took
+    grammar_drafted: int = 0
+    grammar_accepted: int = 0
+    grammar_masks: int = 0
+    grammar_s: float = 0.0
     # decode-only seconds (after the first token) inside model passes (`pass_seconds`: the request's
     # `Passes.seconds`); the rest of the decode-only time is host time: sampling, acceptance, drafts'
     # conversion, streaming
@@ -115,6 +122,19 @@ class DecodeStats:
         self.rescues += 1
         self.rescues_kept += kept
 
+    def observe_grammar(self, n_forced: int, n_kept: int) -> None:
+        """n_forced grammar-forced drafts were judged by the full verifier and n_kept of them kept."""
+        self.grammar_drafted += n_forced
+        self.grammar_accepted += n_kept
+
+    @contextmanager
+    def grammar_clock(self, rows: int) -> Iterator[None]:
+        """Time `rows` grammar masks (host time)."""
+        t0 = time.perf_counter()
+        yield
+        self.grammar_s += time.perf_counter() - t0
+        self.grammar_masks += rows
+
     def observe_tiers(self, tiers: list[int]) -> None:
         self.tiers.update(tiers)
 
@@ -146,6 +166,9 @@ class DecodeStats:
             converted_kept=self.converted_kept + other.converted_kept,
             junction_splits=self.junction_splits + other.junction_splits,
             rescues=self.rescues + other.rescues, rescues_kept=self.rescues_kept + other.rescues_kept,
+            grammar_drafted=self.grammar_drafted + other.grammar_drafted,
+            grammar_accepted=self.grammar_accepted + other.grammar_accepted,
+            grammar_masks=self.grammar_masks + other.grammar_masks, grammar_s=self.grammar_s + other.grammar_s,
             decode_pass_s=self.decode_pass_s + other.decode_pass_s,
         )
 
@@ -207,6 +230,10 @@ class DecodeStats:
             "junction_splits": self.junction_splits,
             "slim_rescues": self.rescues,
             "slim_rescue_agreement": round(self.rescues_kept / self.rescues, 4) if self.rescues else None,
+            # constrained decoding: tokens the grammar drafted, those kept, and the masks' host time
+            "grammar_drafted": self.grammar_drafted,
+            "grammar_accepted": self.grammar_accepted,
+            "grammar_mask_us": round(1e6 * self.grammar_s / self.grammar_masks, 1) if self.grammar_masks else None,
             "acceptance_per_position": [round(a / d, 4) if d else 0.0 for a, d in zip(self.accepted_at, self.drafted_at)],
         }
 

@@ -21,6 +21,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from viasd.decoding.acceptance import SamplingParams
+from viasd.decoding.grammar import FORCED_MAX, Constraint
 from viasd.decoding.stats import DecodeStats
 from viasd.decoding.tiers import Tier
 from viasd.execution.passes import Passes
@@ -53,6 +54,7 @@ class DecodeRequest:
     generator: torch.Generator | None = None
     on_tokens: Callable[[list[int]], None] | None = None  # called with each batch of newly committed ids
     passes: Passes = field(default_factory=Passes)  # how its model passes run (a server's batch, prefix caches)
+    constraint: Constraint | None = None  # its grammar (`response_format`): every pass' logits are masked by it
 
     def __post_init__(self) -> None:
         if self.stats.pass_seconds is None:
@@ -72,6 +74,7 @@ class Verifier:
 
     def __init__(self, decoder: Decoder, req: DecodeRequest, max_len: int, resume_layer: int | None = None):
         self.decoder, self.req, self.stats, self.passes = decoder, req, req.stats, req.passes
+        self.constraint = req.constraint
         self.stats.full_pass_bytes = pass_bytes(decoder, None)
         self.cache: KVCache = decoder.new_cache(max_len)
         if resume_layer is not None and not decoder.is_encoder_decoder:
@@ -100,6 +103,8 @@ class Verifier:
         Every strategy starts the same way, so every lossless one runs the prompt through exactly the
         passes `ar` runs: with batch-invariant passes (see `models.decoder`) their outputs are then equal
         token for token, not merely equal up to rounding."""
+        if req.constraint is not None:  # room for the grammar's forced drafts (`drafters.GrammarDrafter`)
+            max_len += FORCED_MAX
         verifier = cls(decoder, req, max_len, resume_layer)
         if drafter is not None:
             drafter.begin(max_len, verifier)
@@ -127,7 +132,7 @@ class Verifier:
             return None
         logits = self.passes.forward(self.decoder, torch.tensor(self.tokens), 0, self.cache, last_only=True)
         self.stats.observe_call(CallKind.FULL, verifier_share=1.0, bytes_read=pass_bytes(self.decoder, None))
-        return logits[0]
+        return self._masked(logits[:1], [])[0]
 
     def full(self, ahead: list[int], n_rows: int | None = None) -> torch.Tensor:
         """One full pass over the pending positions, the last committed token and `ahead` (tokens past
@@ -170,7 +175,15 @@ class Verifier:
         first = self.cache.resume_layer if resume else 0
         share = (1.0 if route is None else route.fraction) - (first / self.decoder.config.n_layers)
         self.stats.observe_call(kind, verifier_share=share, bytes_read=pass_bytes(self.decoder, route, first, head), rows=len(seq) - start)
-        return logits[len(seq) - start - n_rows :]
+        return self._masked(logits[len(seq) - start - n_rows :], ahead)
+
+    def _masked(self, rows: torch.Tensor, ahead: list[int]) -> torch.Tensor:
+        """rows [n, V]: the logits of the last n positions of tokens + ahead, with what the request's
+        grammar forbids at each set to -inf (unchanged without a grammar)."""
+        if self.constraint is None:
+            return rows
+        with self.stats.grammar_clock(rows.shape[0]):
+            return self.constraint.mask(rows.clone(), ahead)
 
     def commit(self, new: list[int], tiers: list[int] | None = None, checked: bool = True) -> int:
         """Commit `new`, cut at the token budget and after the first end token; record the kept
@@ -180,6 +193,8 @@ class Verifier:
         end = next((i + 1 for i, t in enumerate(new) if t in self.req.eos), None)
         self.done = end is not None or len(new) >= self.budget
         new = new[:end]
+        if self.constraint is not None:
+            self.constraint.commit(new)
         self.tokens += new
         self.out += new
         if tiers is not None:
@@ -206,6 +221,8 @@ class Verifier:
                                f"{len(self.origins)} of {len(self.out)} recorded")
         removed = self.origins[-n:]
         del self.tokens[-n:], self.out[-n:], self.origins[-n:]
+        if self.constraint is not None:
+            self.constraint.retract(n)
         self.stats.tiers.subtract(removed)
         self.stats.new_tokens -= n
         self.done = False
