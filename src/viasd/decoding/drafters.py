@@ -80,6 +80,8 @@ class _AutoregressiveDrafter:
 
     route: LayerMask | None = None
     head: ReducedHead | None = None  # a drafting route's reduced LM head
+    # under a grammar (`GrammarDrafter`): the tokens allowed after the drafted ones, [V] bool
+    grammar: Callable[[list[int]], torch.Tensor] | None = None
     verifier_share = 0.0
     owner = "drafter"  # whose passes these are (the cost model prices them by that model's pass times)
 
@@ -117,6 +119,12 @@ class _AutoregressiveDrafter:
                 start += feed.shape[0]
             if first is not None and not tokens:
                 logits = torch.full_like(logits, float("-inf")).index_copy_(0, first, logits[first])
+            if self.grammar is not None:  # draft only what the grammar allows: a cut draft is a wasted pass
+                allowed = self.grammar(tokens)[: logits.shape[-1]]
+                allowed = torch.nn.functional.pad(allowed, (0, logits.shape[-1] - allowed.shape[0]))  # (a wider head's padding)
+                logits = logits.masked_fill(~allowed, float("-inf"))
+                if not torch.isfinite(logits).any():  # (a reduced head holding no allowed token)
+                    break
             q = self.params.confidence(logits)  # [V]
             token = self.params.draw(q, self.generator)
             probs.append(q)
@@ -299,7 +307,14 @@ class GrammarDrafter:
         forced = self.constraint.forced(ahead)[:FORCED_MAX] if self.force else []
         if self.inner is None or k <= 0:
             return Draft(forced, None, len(forced))
-        own = self.inner.propose(context + forced, k)
+        masks = type(self.inner) in (ModelDrafter, SelfDrafter)  # the verifier's vocabulary: masked as it drafts
+        if masks:
+            self.inner.grammar = lambda drafted: self.constraint.allowed_after(ahead + forced + drafted)
+        try:
+            own = self.inner.propose(context + forced, k)
+        finally:
+            if masks:
+                self.inner.grammar = None
         own = own.cut(self.constraint.valid(own.tokens, ahead + forced))
         if own.tokens and own.probs is None:  # a deterministic drafter: so is the whole draft
             return Draft(forced + own.tokens, None, len(forced))

@@ -142,6 +142,14 @@ class Constraint:
         bits = np.unpackbits(self._bits.numpy().view(np.uint8), bitorder="little")[: self.vocab_size]
         return torch.from_numpy(bits.astype(bool))
 
+    def allowed_after(self, tokens: list[int]) -> torch.Tensor:
+        """[V] bool: the tokens allowed after the committed ones and `tokens` (grammar-valid)."""
+        self._consume(tokens)
+        try:
+            return self.allowed()
+        finally:
+            self._rollback(len(tokens))
+
     def mask(self, logits: torch.Tensor, ahead: list[int]) -> torch.Tensor:
         """logits [n_rows, V] of the last n_rows positions of (committed + ahead), masked in place: each
         row's disallowed tokens to -inf. Rows before the last committed token (tiered VIA-SD's pending
