@@ -140,7 +140,7 @@ class Constraint:
         self.matcher.unsafe_compute_mask_ptr(self._bits.data_ptr(), self._bits.numel() * 4)
         self.masks_computed += 1
         bits = np.unpackbits(self._bits.numpy().view(np.uint8), bitorder="little")[: self.vocab_size]
-        return torch.from_numpy(bits.astype(bool))
+        return torch.from_numpy(bits.view(bool))  # (0 or 1 bytes: a valid bool view, no copy)
 
     def allowed_after(self, tokens: list[int]) -> torch.Tensor:
         """[V] bool: the tokens allowed after the committed ones and `tokens` (grammar-valid)."""
@@ -151,8 +151,8 @@ class Constraint:
             self._rollback(len(tokens))
 
     def mask(self, logits: torch.Tensor, ahead: list[int]) -> torch.Tensor:
-        """logits [n_rows, V] of the last n_rows positions of (committed + ahead), masked in place: each
-        row's disallowed tokens to -inf. Rows before the last committed token (tiered VIA-SD's pending
+        """logits [n_rows, V] of the last n_rows positions of (committed + ahead) -> a copy with each
+        row's disallowed tokens at -inf. Rows before the last committed token (tiered VIA-SD's pending
         ones) take the grammar back over the committed tokens they predict, and forward again."""
         n_rows = logits.shape[0]
         back = max(0, n_rows - len(ahead) - 1)
@@ -161,12 +161,13 @@ class Constraint:
         seq = replay + ahead  # the tokens the rows predict, all but the last row's
         first = len(seq) + 1 - n_rows  # seq[:first] consumed before the first row's state
         self._consume(seq[:first])
+        allowed = torch.empty(n_rows, logits.shape[-1], dtype=torch.bool)  # [n_rows, V]
         for i in range(n_rows):
-            logits[i].masked_fill_(~self.allowed(), float("-inf"))
+            allowed[i] = self.allowed()[: logits.shape[-1]]
             if i < n_rows - 1:
                 self._consume([seq[first + i]])
         self._rollback(len(ahead))
-        return logits
+        return torch.where(allowed, logits, float("-inf"))  # (a new tensor: a pass' logits may be its buffer)
 
     def valid(self, tokens: list[int], ahead: list[int] = ()) -> int:
         """How many of `tokens` (after the committed tokens and `ahead`) the grammar accepts in a row."""

@@ -183,7 +183,7 @@ class Verifier:
         if self.constraint is None:
             return rows
         with self.stats.grammar_clock(rows.shape[0]):
-            return self.constraint.mask(rows.clone(), ahead)
+            return self.constraint.mask(rows, ahead)
 
     def commit(self, new: list[int], tiers: list[int] | None = None, checked: bool = True) -> int:
         """Commit `new`, cut at the token budget and after the first end token; record the kept
