@@ -304,10 +304,11 @@ class GrammarDrafter:
     def propose(self, context: list[int], k: int) -> Draft:
         """The forced tokens, then up to k of `inner`'s (k = 0: the forced ones only)."""
         ahead = context[len(self.verifier.tokens) :]  # past the committed tokens (lossless VIA-SD's block)
-        forced = self.constraint.forced(ahead)[:FORCED_MAX] if self.force else []
+        masks = type(self.inner) in (ModelDrafter, SelfDrafter)  # the verifier's vocabulary: masked as it drafts
+        # the forced bytes' last token a masked drafter model tokenizes as the model would; else a guess
+        forced = self.constraint.forced(ahead, tail=not masks or k <= 0)[:FORCED_MAX] if self.force else []
         if self.inner is None or k <= 0:
             return Draft(forced, None, len(forced))
-        masks = type(self.inner) in (ModelDrafter, SelfDrafter)  # the verifier's vocabulary: masked as it drafts
         if masks:
             self.inner.grammar = lambda drafted: self.constraint.allowed_after(ahead + forced + drafted)
         try:

@@ -100,6 +100,7 @@ class Constraint:
 
     matcher: object  # llguidance.LLMatcher, at the state after the committed tokens
     vocab_size: int  # V, the logits' width (may exceed the tokenizer's)
+    tokenizer: object = None  # llguidance.LLTokenizer (tokenizes the forced bytes)
     committed: list[int] = field(default_factory=list)  # the tokens the matcher consumed
 
     def __post_init__(self) -> None:
@@ -129,7 +130,7 @@ class Constraint:
         matcher = llguidance.LLMatcher(tokenizer, grammar, log_level=0, limits=_limits())
         if matcher.is_error():
             raise InvalidArgumentError(f"response_format: {matcher.get_error().strip()}")
-        return cls(matcher, vocab_size)
+        return cls(matcher, vocab_size, tokenizer)
 
     def _check(self, ok: bool) -> None:
         if not ok or self.matcher.is_error():
@@ -179,12 +180,23 @@ class Constraint:
         self._rollback(len(ahead))
         return n
 
-    def forced(self, ahead: list[int] = ()) -> list[int]:
-        """The tokens the grammar alone determines after the committed tokens and `ahead`."""
+    def forced(self, ahead: list[int] = (), tail: bool = True) -> list[int]:
+        """The tokens of what the grammar alone determines after the committed tokens and `ahead`.
+        llguidance's own forced tokens (`compute_ff_tokens`) stop before the last token that could
+        still merge with free text (`":"` after a key); with `tail`, the tokenizer's tokens of all the
+        forced bytes instead, that one included: a guess the verifier may reject, which costs a row,
+        where leaving it out costs a pass whenever it was right (a drafter model guesses it better)."""
         self._consume(list(ahead))
-        forced = list(self.matcher.compute_ff_tokens()) if not (self._after_stop or self.matcher.is_stopped()) else []
-        self._rollback(len(ahead))
-        return forced
+        try:
+            if self._after_stop or self.matcher.is_stopped():
+                return []
+            forced_bytes = self.matcher.compute_ff_bytes()
+            if not tail or not forced_bytes or self.tokenizer is None:
+                return list(self.matcher.compute_ff_tokens())
+            tokens = self.tokenizer.tokenize_bytes(forced_bytes)
+            return tokens[: self.matcher.validate_tokens(tokens)]
+        finally:
+            self._rollback(len(ahead))
 
     def commit(self, tokens: list[int]) -> None:
         self._consume(list(tokens))
