@@ -381,9 +381,9 @@ def test_adaptive_draft_lengths_keep_every_drafter_lossless(tiny, tiny_drafter, 
 
 @pytest.mark.parametrize("kind", ["model", "model-head", "pld"])
 def test_sampled_tokens_follow_the_verifier_distribution(small_vocab_pair, kind):
-    """N = 3000 sampled decodes of 4 tokens: the first from the prefill, the next three from one
+    """N = 1500 sampled decodes of 4 tokens: the first from the prefill, the next three from one
     verification of k = 2 drafts (accepts, recoveries and bonuses); each position's empirical
-    distribution is within TV 0.05 of the exact marginal (sampling noise alone: ~0.015 with 8 tokens).
+    distribution is within TV 0.05 of the exact marginal (sampling noise alone: ~0.02 with 8 tokens).
     model-head: the drafter scores 4 of the 8 tokens only (a reduced head), so its proposal
     distribution is 0 on the others, which the verifier must still produce in their share."""
     verifier, drafter_model = small_vocab_pair
@@ -392,7 +392,7 @@ def test_sampled_tokens_follow_the_verifier_distribution(small_vocab_pair, kind)
     marginals = exact_marginals(verifier, prompt, params, n=4)
     g = torch.Generator().manual_seed(7)
     counts = torch.zeros(4, marginals[0].shape[0])
-    n = 3000
+    n = 1500
     drafted = accepted = 0
     for _ in range(n):
         head = drafter_model.decoder.reduced_head([0, 2, 3, 5]) if kind == "model-head" else None
