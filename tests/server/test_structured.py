@@ -14,7 +14,6 @@ httpx = pytest.importorskip("httpx")
 openai = pytest.importorskip("openai")
 jsonschema = pytest.importorskip("jsonschema")
 pytest.importorskip("fastapi")
-from viasd import generate  # noqa: E402
 from viasd.models.loading import load_model  # noqa: E402
 from viasd.server import ServeSettings, create_app  # noqa: E402
 from viasd.server.tools import GENERIC, HERMES, LLAMA3, ToolPlan, ToolStream, chat_prompt, family_of, grammar, split  # noqa: E402
@@ -216,18 +215,16 @@ def test_families_grammars_and_parsers(tiny_qwen):
 
 
 def test_generic_template_gets_the_tools_in_a_system_message(tiny_qwen):
-    plain = tiny_qwen  # (its template swapped for one that knows no tools, then restored)
-    template = tiny_qwen.tokenizer.chat_template
+    template = tiny_qwen.tokenizer.chat_template  # swapped for one that knows no tools, then restored
     tiny_qwen.tokenizer.chat_template = "{% for m in messages %}<{{ m.role }}>{{ m.content }}\n{% endfor %}<assistant>"
     try:
-        assert family_of(plain.tokenizer) == GENERIC
+        assert family_of(tiny_qwen.tokenizer) == GENERIC
         plan = ToolPlan([t["function"] for t in TOOLS], "required", False, GENERIC)
-        ids = chat_prompt(plain, HI, plan)
-        text = plain.tokenizer.decode(ids)
-        assert text.startswith("<system># Tools") and '"name": "get_weather"' in text and text.endswith("<user>hi\n<assistant>")
-        out = generate(ids, plain, strategy="pld", max_new_tokens=60, progress=False,
-                       response_format={"type": "grammar", "grammar": grammar(plan)})
-        calls = split(out.text, GENERIC, final=True).calls
-        assert len(calls) == 1 and calls[0][2]
+        call = {"id": "c", "type": "function", "function": {"name": "get_time", "arguments": {"utc": True}}}
+        messages = HI + [{"role": "assistant", "content": None, "tool_calls": [call]}, {"role": "tool", "tool_call_id": "c", "content": "12:00"}]
+        text = tiny_qwen.tokenizer.decode(chat_prompt(tiny_qwen, messages, plan))
+        assert text.startswith("<system># Tools") and '"name": "get_weather"' in text
+        assert text.endswith('<user>hi\n<assistant><tool_call>\n{"name": "get_time", "arguments": {"utc": true}}\n</tool_call>\n'
+                             "<user><tool_response>\n12:00\n</tool_response>\n<assistant>")
     finally:
         tiny_qwen.tokenizer.chat_template = template
