@@ -173,6 +173,9 @@ BAD = {  # request fields -> (status, param)
     "bad function name": ({"tools": [{"type": "function", "function": {"name": "a b"}}]}, 422, "tools.0.function.name"),
     "bad tool_choice": ({"tools": TOOLS, "tool_choice": "always"}, 422, "tool_choice"),
     "tool message without content": ({"messages": [{"role": "tool", "tool_call_id": "x"}]}, 400, "messages"),
+    "user message without content": ({"messages": [{"role": "user", "content": None}]}, 400, "messages"),
+    "tool calls in a user message": ({"messages": [{"role": "user", "content": "x", "tool_calls": [
+        {"id": "c", "type": "function", "function": {"name": "f", "arguments": "{}"}}]}]}, 400, "messages"),
 }
 
 

@@ -260,12 +260,13 @@ def chat_prompt(model, messages: list[dict], plan: ToolPlan | None):
     tool calls and results in the conversation) the token ids of the template given the tools."""
     from viasd.api import check_messages
 
-    if plan is None and not any(m.get("tool_calls") or m["role"] == "tool" for m in messages):
-        return messages
-    generic = (plan.family if plan is not None else family_of(model.tokenizer)) == GENERIC
-    messages = prompt_messages(messages, plan, generic)
-    tools = plan.template_tools() if plan is not None and not generic else None
     try:
+        check_messages(messages)  # (a null content outside an assistant's tool calls, ...)
+        if plan is None and not any(m.get("tool_calls") or m["role"] == "tool" for m in messages):
+            return messages
+        generic = (plan.family if plan is not None else family_of(model.tokenizer)) == GENERIC
+        messages = prompt_messages(messages, plan, generic)
+        tools = plan.template_tools() if plan is not None and not generic else None
         return model.encode(check_messages(messages), True, tools=tools)
     except UsageError as e:
         raise APIError(400, str(e), param="messages", code="invalid_value") from None
