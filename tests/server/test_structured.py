@@ -231,3 +231,32 @@ def test_generic_template_gets_the_tools_in_a_system_message(tiny_qwen):
                              "<user><tool_response>\n12:00\n</tool_response>\n<assistant>")
     finally:
         tiny_qwen.tokenizer.chat_template = template
+
+
+def test_tags_that_are_tokens_of_their_own():
+    """Qwen2.5's <tool_call> is one added token, which llguidance reads as a special one: the grammar names
+    it by id; where decoding drops it, the answer is decoded again around it. Bare JSON calls (Qwen2.5-Coder
+    answers those under `auto`) are calls too."""
+    import llguidance
+    import llguidance.hf
+
+    from viasd.decoding.grammar import grammar_of
+    from viasd.server.tools import tag_tokens
+
+    tok = bpe_tokenizer(300, CORPUS)
+    tok.add_special_tokens({"additional_special_tokens": ["<tool_call>", "</tool_call>"]})
+    tags = tag_tokens(tok)
+    assert tags is not None and tok.decode(list(tags), skip_special_tokens=True) == ""
+    plan = ToolPlan([t["function"] for t in TOOLS], "auto", True, HERMES, tags, True, tok)
+    matcher = llguidance.LLMatcher(llguidance.hf.from_tokenizer(tok, n_vocab=len(tok)),
+                                   grammar_of({"type": "grammar", "grammar": grammar(plan)}), log_level=0)
+    call = '\n{"name": "get_time", "arguments": {"utc": true}}\n'
+    ids = tok.encode("ok ", add_special_tokens=False) + [tags[0]] + tok.encode(call, add_special_tokens=False) + [tags[1]]
+    assert all(matcher.consume_token(t) for t in ids) and matcher.is_accepting()
+    text = plan.answer_text(tok.decode(ids, skip_special_tokens=True), ids)
+    assert text == "ok <tool_call>" + call + "</tool_call>"
+    assert split(text, HERMES, final=True).calls == [["get_time", '{"utc": true}', True]]
+    bare = '{"name": "get_weather", "arguments": {"city": "Oslo", "unit": "c"}}'
+    assert split(bare, HERMES, final=True) == split(bare, GENERIC, final=True)
+    assert split(bare, HERMES, final=True).calls == [["get_weather", '{"city": "Oslo", "unit": "c"}', True]]
+    assert split(bare[:20], HERMES, final=False).content == ""  # (held: it may be a call)

@@ -47,9 +47,9 @@ class Reply:
     """The answer to one submitted job; `watcher` (the task that notices a client leaving) ends with it."""
 
     def __init__(self, job: Job, endpoint: str, chat: bool, served: str, metrics: Metrics, watcher: asyncio.Task,
-                 tools: str | None = None):
+                 tools=None):
         self.job, self.endpoint, self.chat, self.served, self.metrics, self.watcher = job, endpoint, chat, served, metrics, watcher
-        self.tools = tools  # the template family of the tool calls the answer may hold (tools.py), or None
+        self.tools = tools  # the ToolPlan of the tool calls the answer may hold (tools.py), or None
         self.id = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex
         self.created = int(time.time())
 
@@ -104,7 +104,8 @@ class Reply:
         if self.chat:
             message, finish = {"role": "assistant", "content": job.text}, job.finish_reason
             if self.tools is not None:
-                message, finish = whole_message(job.text, finish, self.tools)
+                text = self.tools.answer_text(job.text, job.result.token_ids)
+                message, finish = whole_message(text, finish, self.tools.family)
             choice = {"index": 0, "message": message, "logprobs": None, "finish_reason": finish}
         else:
             choice = {"index": 0, "text": job.text, "logprobs": None, "finish_reason": job.finish_reason}

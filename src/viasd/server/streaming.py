@@ -29,20 +29,22 @@ async def answer_stream(reply: Reply, include_usage: bool) -> Response:
 
 async def events(reply: Reply, event: tuple, include_usage: bool):
     done = False
-    calls = ToolStream(reply.tools) if reply.tools is not None else None  # text and tool-call fragments
+    plan = reply.tools
+    calls = ToolStream(plan.family) if plan is not None else None  # text and tool-call fragments
     try:
         if reply.chat:
             yield sse(reply.chunk("", first_chunk=True))
         while True:
             kind = event[0]
             if kind == "text" and calls is not None:
-                for delta in calls.feed(event[1]):
+                # (tags that decoding drops are not in the text: such an answer is sent at its end)
+                for delta in calls.feed(event[1]) if not plan.dropped else []:
                     yield sse(reply.delta_chunk(delta))
             elif kind == "text":
                 yield sse(reply.chunk(event[1]))
             elif kind in ("done", "error", "cancelled"):
                 done = True
-                for delta in calls.feed("", final=True) if calls is not None and kind == "done" else []:
+                for delta in final_deltas(reply, calls) if calls is not None and kind == "done" else []:
                     yield sse(reply.delta_chunk(delta))
                 for data in last_events(reply, event, include_usage, bool(calls and calls.sent)):
                     yield sse(data)
@@ -51,6 +53,14 @@ async def events(reply: Reply, event: tuple, include_usage: bool):
     finally:
         if not done:  # the client went away (or the server stops): end the decode within a round
             reply.abandon()
+
+
+def final_deltas(reply: Reply, calls: ToolStream) -> list[dict]:
+    """The deltas the end of an answer that may call tools adds (all of it where decoding drops the tags)."""
+    plan, job = reply.tools, reply.job
+    if not plan.dropped:
+        return calls.feed("", final=True)
+    return calls.feed(plan.answer_text(job.text, job.result.token_ids), final=True)
 
 
 def last_events(reply: Reply, event: tuple, include_usage: bool, called: bool = False) -> list:

@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import json
 import uuid
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from viasd.decoding.grammar import grammar_of
 from viasd.errors import UsageError
@@ -54,6 +54,25 @@ class ToolPlan:
     choice: str
     parallel: bool
     family: str
+    # ids of <tool_call>, </tool_call> where each is a token of its own (llguidance reads added tokens as
+    # special ones, which the text "<tool_call>" never matches), and whether decoding drops them
+    tags: tuple[int, int] | None = None
+    dropped: bool = False
+    tokenizer: object = field(default=None, repr=False)
+
+    def answer_text(self, text: str, ids: list[int]) -> str:
+        """An answer's text with its tool-call tags: where decoding drops them (special tokens), the
+        answer decoded again around them."""
+        if not self.dropped:
+            return text
+        out, piece = [], []
+        for t in ids:
+            if t in self.tags:
+                out += [self.tokenizer.decode(piece, skip_special_tokens=True), OPEN if t == self.tags[0] else CLOSE]
+                piece = []
+            else:
+                piece.append(t)
+        return "".join(out) + self.tokenizer.decode(piece, skip_special_tokens=True)
 
     @property
     def args_key(self) -> str:
@@ -91,7 +110,18 @@ def plan_of(req, tokenizer) -> ToolPlan | None:
     if fmt is not None and fmt.type != "text" or req.viasd is not None and (req.viasd.regex or req.viasd.grammar):
         raise APIError(400, "response_format constrains the answer and tools would too: give tool_choice 'none' or no "
                             "response_format", param="response_format", code="invalid_value")
-    return ToolPlan(functions, named or choice or "auto", req.parallel_tool_calls is not False, family_of(tokenizer))
+    family = family_of(tokenizer)
+    tags = tag_tokens(tokenizer) if family != LLAMA3 else None
+    dropped = tags is not None and not any(tokenizer.decode([i], skip_special_tokens=True) for i in tags)
+    return ToolPlan(functions, named or choice or "auto", req.parallel_tool_calls is not False, family, tags, dropped, tokenizer)
+
+
+def tag_tokens(tokenizer) -> tuple[int, int] | None:
+    """The ids of <tool_call> and </tool_call> where each is one token of `tokenizer` (Qwen2.5's)."""
+    ids = [tokenizer.encode(tag, add_special_tokens=False) for tag in (OPEN, CLOSE)]
+    if any(len(i) != 1 or i[0] == tokenizer.unk_token_id for i in ids):
+        return None
+    return ids[0][0], ids[1][0]
 
 
 def parameters(function: dict) -> dict:
@@ -107,18 +137,23 @@ def grammar(plan: ToolPlan) -> str:
                   "required": ["name", plan.args_key], "additionalProperties": False, "x-guidance": _JSON_STYLE}
         lines.append(f"fn_{i}: %json {json.dumps(schema)}")
     several = plan.parallel and plan.choice in ("auto", "required")
+    sep = '"; "' if plan.family == LLAMA3 else r'"\n"'
+    lines.append("bare: fn" + (f" ({sep} fn)*" if several else ""))
+    lines.append(r"TEXT: /([^{](.|\n)*)?/")  # text that does not open a JSON call
     if plan.family == LLAMA3:
-        lines.append("calls: fn" + (' ("; " fn)*' if several else ""))
-        lines.append("start: " + ("TEXT | calls" if plan.choice == "auto" else "calls"))
-        lines.append(r"TEXT: /([^{](.|\n)*)?/")  # text that does not open a call
+        lines.append("start: " + ("TEXT | bare" if plan.choice == "auto" else "bare"))
         return "\n".join(lines)
-    lines.append(r'body: "\n" fn "\n' + CLOSE + '"')
-    lines.append("more: " + (rf'("\n{OPEN}" body)*' if several else '""'))
-    if plan.choice == "auto":  # text, or text up to the first <tool_call> then calls
-        lines += ["start: TEXT | trig body more", f'trig[lazy]: TEXT "{OPEN}"']
-    else:
-        lines.append(f'start: "{OPEN}" body more')
-    lines.append(r"TEXT: /(.|\n)*/")
+    # the tags as text, or as the tokens they are (llguidance reads added tokens as special)
+    open_, close = (f"<[{plan.tags[0]}]>", f"<[{plan.tags[1]}]>") if plan.tags else (f'"{OPEN}"', f'"{CLOSE}"')
+    lines.append(rf'body: "\n" fn "\n" {close}')
+    # (the newline after the last call: where models end their turn; a call after it is not forced)
+    lines.append("more: " + (rf'("\n" {open_} body)* "\n"?' if several else r'"\n"?'))
+    if plan.choice != "auto":
+        lines.append(f"start: {open_} body more")
+    elif plan.tags:  # text, text then tagged calls, or bare JSON calls (Qwen2.5-Coder answers those)
+        lines.append(f"start: TEXT | TEXT {open_} body more | bare")
+    else:  # the tag as text, matched lazily
+        lines += ["start: TEXT | trig body more | bare", f"trig[lazy]: TEXT {open_}"]
     return "\n".join(lines)
 
 
@@ -159,7 +194,9 @@ def split(text: str, family: str, final: bool) -> Calls:
     """The text and calls of an answer so far; not `final`: only what later tokens cannot change (a
     partial tag or closing held back), so a stream's pieces always add up to the whole answer's."""
     if family == LLAMA3:
-        return _split_llama3(text, final)
+        return _split_bare(text, final, "parameters", "; ")
+    if text.startswith("{"):  # bare JSON calls, without tags
+        return _split_bare(text, final, "arguments", "\n")
     at = text.find(OPEN)
     if at < 0:
         return Calls(text if final else _hold(text, OPEN).rstrip(), [])
@@ -182,8 +219,9 @@ def split(text: str, family: str, final: bool) -> Calls:
     return Calls(text[:at].rstrip(), calls)
 
 
-def _split_llama3(text: str, final: bool) -> Calls:
-    head, key = '{"name": "', '", "parameters": '
+def _split_bare(text: str, final: bool, args_key: str, sep: str) -> Calls:
+    """JSON calls `{"name": ..., args_key: {...}}` separated by `sep` (Llama 3's form)."""
+    head, key = '{"name": "', f'", "{args_key}": '
     if not text.startswith("{"):
         return Calls(text, [])
     calls, pos = [], 0
@@ -198,7 +236,7 @@ def _split_llama3(text: str, final: bool) -> Calls:
             calls.append([text[pos + len(head):name_end], rest if final else _hold(rest, "}"), False])
             break
         calls.append([text[pos + len(head):name_end], text[start:end], True])
-        pos = end + 1 + len("; ")
+        pos = end + 1 + len(sep)
     return Calls("" if calls or not final else text, calls)
 
 
@@ -276,7 +314,7 @@ def chat_prompt(model, messages: list[dict], plan: ToolPlan | None):
 
 
 def whole_message(text: str, finish_reason: str, family: str) -> tuple[dict, str]:
-    """A whole answer's `message` and `finish_reason` when tools may be called."""
+    """A whole answer's `message` and `finish_reason` when tools may be called (`text`: `answer_text`'s)."""
     parsed = split(text, family, True)
     if not parsed.calls:
         return {"role": "assistant", "content": text}, finish_reason
