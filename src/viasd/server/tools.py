@@ -5,13 +5,14 @@ llguidance Lark grammar whose calls are `%json` objects of each function's name 
 schema, and parsed back per template family (as llama.cpp's common/chat.cpp and vLLM's parsers do):
 
 - "hermes" (Qwen2.5, Hermes 2 Pro: the template mentions `<tool_call>`):
-  `<tool_call>\\n{"name": "f", "arguments": {...}}\\n</tool_call>`, several separated by a newline;
+  `<tool_call>\\n{"name": "f", "arguments": {...}}\\n</tool_call>`, several separated by a newline
+  (under "auto", bare `{"name": "f", "arguments": {...}}` objects too: Qwen2.5-Coder answers those);
 - "llama3" (Llama 3.1+ JSON tool calling: `<|python_tag|>` in the template): `{"name": "f", "parameters": {...}}`;
 - "generic" (a template that knows no tools): the tools described in a system message, the Hermes form expected.
 
 `tool_choice` "required" or a named function: the whole answer is the calls; "auto": text, or calls
-after a lazily matched `<tool_call>` (llguidance's lazy lexeme, what its StructTag builds); "none": no
-grammar (the tools stay out of the prompt).
+after a lazily matched `<tool_call>` (llguidance's lazy lexeme, what its StructTag builds; the token
+itself where the tokenizer has one); "none": no grammar (the tools stay out of the prompt).
 """
 
 from __future__ import annotations
@@ -209,8 +210,8 @@ def split(text: str, family: str, final: bool) -> Calls:
             break  # the call's name is not there yet (or not in this form)
         start = name_end + len(key)
         end = text.find("}\n" + CLOSE, start)
-        if end < 0:  # still open: its arguments so far
-            calls.append([text[pos + len(head):name_end], text[start:] if final else _hold(text[start:], "}\n" + CLOSE), False])
+        if end < 0:  # still open: its arguments so far (cut by max_tokens: the value, if it is whole)
+            calls.append([text[pos + len(head):name_end], _value(text, start) if final else _hold(text[start:], "}\n" + CLOSE), False])
             break
         calls.append([text[pos + len(head):name_end], text[start:end], True])
         pos = end + len("}\n" + CLOSE) + 1  # (the newline between calls)
@@ -232,8 +233,7 @@ def _split_bare(text: str, final: bool, args_key: str, sep: str) -> Calls:
         start = name_end + len(key)
         end = _object_end(text, start)
         if end is None:  # still open: its arguments so far (the outer brace held back)
-            rest = text[start:]
-            calls.append([text[pos + len(head):name_end], rest if final else _hold(rest, "}"), False])
+            calls.append([text[pos + len(head):name_end], _value(text, start) if final else _hold(text[start:], "}"), False])
             break
         calls.append([text[pos + len(head):name_end], text[start:end], True])
         pos = end + 1 + len(sep)
@@ -247,6 +247,14 @@ def _object_end(text: str, start: int) -> int | None:
     except ValueError:
         return None
     return end if text.startswith("}", end) else None
+
+
+def _value(text: str, start: int) -> str:
+    """The JSON value at `start` if it is whole, else the rest of the text (an answer cut short)."""
+    try:
+        return text[start:json.JSONDecoder().raw_decode(text, start)[1]]
+    except ValueError:
+        return text[start:]
 
 
 def _hold(text: str, tag: str) -> str:
