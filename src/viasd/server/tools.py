@@ -114,7 +114,12 @@ def plan_of(req, tokenizer) -> ToolPlan | None:
     family = family_of(tokenizer)
     tags = tag_tokens(tokenizer) if family != LLAMA3 else None
     dropped = tags is not None and not any(tokenizer.decode([i], skip_special_tokens=True) for i in tags)
-    return ToolPlan(functions, named or choice or "auto", req.parallel_tool_calls is not False, family, tags, dropped, tokenizer)
+    plan = ToolPlan(functions, named or choice or "auto", req.parallel_tool_calls is not False, family, tags, dropped, tokenizer)
+    try:  # (the functions' schemas together: over the size limit, say)
+        grammar_of({"type": "grammar", "grammar": grammar(plan)})
+    except UsageError as e:
+        raise APIError(400, f"tools: {e}".replace("response_format: ", ""), param="tools", code="invalid_value") from None
+    return plan
 
 
 def tag_tokens(tokenizer) -> tuple[int, int] | None:
