@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 import re
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 
@@ -107,7 +108,7 @@ def test_forced_tool_calls_parse_into_declared_functions(oc, choice):
 
 
 def test_auto_answers_text_or_valid_calls(oc):
-    r = chat(oc, tools=TOOLS, tool_choice="auto")
+    r = chat(oc, tools=TOOLS, tool_choice="auto", max_tokens=24)
     message = r.choices[0].message
     if message.tool_calls:
         check_calls(message.tool_calls)
@@ -134,7 +135,7 @@ def streamed(oc, **kw):
 
 @pytest.mark.parametrize("choice", ["required", "auto"])
 def test_streamed_answers_equal_whole_ones(oc, choice):
-    kw = dict(tools=TOOLS, tool_choice=choice, parallel_tool_calls=True, max_tokens=40)
+    kw = dict(tools=TOOLS, tool_choice=choice, parallel_tool_calls=True, max_tokens=24)
     whole = chat(oc, **kw).choices[0]
     calls = [(c.function.name, c.function.arguments) for c in whole.message.tool_calls or []]
     assert streamed(oc, **kw) == (whole.message.content, calls, whole.finish_reason)
@@ -144,7 +145,7 @@ def test_tool_results_are_accepted_back_through_the_template(oc, tiny_qwen):
     call = {"id": "call_1", "type": "function", "function": {"name": "get_weather", "arguments": '{"city": "Oslo", "unit": "c"}'}}
     messages = [{"role": "user", "content": "Weather in Oslo?"}, {"role": "assistant", "content": None, "tool_calls": [call]},
                 {"role": "tool", "tool_call_id": "call_1", "content": '{"temp": 3}'}]
-    r = chat(oc, messages=messages, tools=TOOLS, max_tokens=8)
+    r = chat(oc, messages=messages, tools=TOOLS, max_tokens=4)
     as_template = [messages[0], {"role": "assistant", "content": None, "tool_calls": [
         {**call, "function": {"name": "get_weather", "arguments": {"city": "Oslo", "unit": "c"}}}]}, messages[2]]
     ids = tiny_qwen.encode(as_template, True, tools=TOOLS)
@@ -198,6 +199,9 @@ def test_families_grammars_and_parsers(tiny_qwen):
     from viasd.api import constraint_for
 
     assert family_of(tiny_qwen.tokenizer) == HERMES
+    llama = "<|start_header_id|>ipython<|end_header_id|>{{ '{\"name\": \"' + t.name + '\", \"parameters\": ' }}<|python_tag|>"
+    assert family_of(SimpleNamespace(chat_template=llama)) == LLAMA3
+    assert family_of(SimpleNamespace(chat_template={"default": "x", "tool_use": "<tool_call>"})) == HERMES
     functions = [t["function"] for t in TOOLS]
     cases = {LLAMA3: '{"name": "get_weather", "parameters": {"city": "Paris", "unit": "f"}}; {"name": "get_time", "parameters": {"utc": true}}',
              GENERIC: 'ok <tool_call>\n{"name": "get_time", "arguments": {"utc": false}}\n</tool_call>'}
