@@ -4,7 +4,10 @@ setting, and start from the same defaults."""
 
 from __future__ import annotations
 
+import json
 import math
+import tempfile
+from pathlib import Path
 
 import pytest
 
@@ -44,7 +47,30 @@ def values(d: Declared) -> list:
         return list(s.choices) + ["no-such-" + d.name]
     if d.kind == "layers":
         return [(0, 1), (-1,), (int(s.hi),), (int(s.hi) + 1,)]
+    if d.kind == "format":
+        return FORMATS
     return ["some/file.json"]
+
+
+SCHEMA = {"type": "object", "properties": {"n": {"type": "integer"}}, "required": ["n"]}
+FORMATS = [{"type": "json_object"}, {"type": "json_schema", "json_schema": {"name": "n", "schema": SCHEMA, "strict": True}},
+           {"type": "json_schema", "json_schema": {"name": "bad", "schema": {"type": "no-such-type"}}},
+           {"type": "regex", "regex": "[a-z]+"}, {"type": "regex", "regex": "("}, {"type": "grammar", "grammar": 'start: "a" | "b"'},
+           {"type": "grammar", "grammar": "start: undefined_rule"}, {"type": "no-such-format"}]
+
+
+def format_argv(v: dict, tmp: Path) -> list[str] | None:
+    """The CLI's flags for a response_format (its files written to `tmp`); None where no flag spells it."""
+    kind = v["type"]
+    if kind == "json_object":
+        return ["--json-object"]
+    if kind == "regex":
+        return ["--regex", v["regex"]]
+    if kind in ("json_schema", "grammar"):
+        path = tmp / ("schema.json" if kind == "json_schema" else "g.lark")
+        path.write_text(json.dumps(v["json_schema"]["schema"]) if kind == "json_schema" else v["grammar"])
+        return ["--" + kind.replace("_", "-"), str(path)]
+    return None
 
 
 def text(d: Declared, v) -> str:
@@ -63,11 +89,16 @@ def api_accepts(d: Declared, v) -> bool:
     return True
 
 
-def cli_accepts(d: Declared, v) -> bool:
+def cli_accepts(d: Declared, v) -> bool | None:
     argv = ["generate", "hi"]
     for name, value in {**context(d), d.name: v}.items():
         dd = SETTINGS[name]
-        if dd.kind == "bool":
+        if dd.kind == "format":
+            flags = format_argv(value, Path(tempfile.mkdtemp()))
+            if flags is None:
+                return None
+            argv += flags
+        elif dd.kind == "bool":
             argv.append(dd.flags[0] if value else "--no-" + dd.flags[0][2:])
         elif dd.kind == "layers":
             argv += [dd.flags[0], *map(str, value)]
@@ -94,7 +125,9 @@ def server_accepts(d: Declared, v) -> bool | None:
         return None
     body = {"model": "m", "prompt": "hi", "viasd": dict(context(d))}
     value = list(v) if isinstance(v, tuple) else v
-    if d.spec.server == "openai":
+    if d.kind == "format" and value["type"] in ("regex", "grammar"):  # viasd's own: in the extension object
+        body["viasd"][value["type"]] = value[value["type"]]
+    elif d.spec.server == "openai":
         body["max_tokens" if d.name == "max_new_tokens" else d.name] = value
     else:
         body["viasd"][d.name] = value
@@ -107,8 +140,8 @@ def server_accepts(d: Declared, v) -> bool | None:
 
 
 def bench_accepts(d: Declared, v) -> bool | None:
-    """None for the strategy itself, which a method's name gives."""
-    if d.name == "strategy":
+    """None for the strategy itself, which a method's name gives, and for an output format (no option sets it)."""
+    if d.name == "strategy" or d.kind == "format":
         return None
     given = context(d)  # the method's name gives the strategy and mode; the setting itself is an option
     options = {n: x for n, x in given.items() if n not in ("strategy", "mode")} | {d.name: v}

@@ -158,16 +158,30 @@ def _loop_args(spec: Strategy, config: GenerateConfig, verifier: LoadedModel) ->
     return LoopArgs(config.k, Mode(v.mode), v.full_block, slim, thresholds, cascade, adaptive, resume, head, v.correct), extra
 
 
-def check_messages(messages: Sequence[dict]) -> list[dict[str, str]]:
-    """A conversation as chat messages, checked: roles user/assistant/system, string contents,
-    ending with a user turn (the model answers it)."""
+def check_messages(messages: Sequence[dict]) -> list[dict]:
+    """A conversation as chat messages, checked: roles user/assistant/system with string contents,
+    assistant turns that call tools (`tool_calls`, content may be None) and `tool` results (`tool_call_id`,
+    content), ending with a user turn or a tool result (the model answers it)."""
     for i, m in enumerate(messages):
-        if not isinstance(m, dict) or set(m) != {"role", "content"} or m["role"] not in ("user", "assistant", "system") or not isinstance(m["content"], str):
-            raise UsageError(f"message {i}: expected {{'role': 'user'|'assistant'|'system', 'content': str}}, got {m!r}")
-        check_text(f"message {i} content", m["content"])
-    if messages[-1]["role"] != "user":
-        raise UsageError("a conversation must end with a user message for the model to answer")
+        if not isinstance(m, dict) or not _message_ok(m):
+            raise UsageError(f"message {i}: expected {{'role': 'user'|'assistant'|'system', 'content': str}} (or an "
+                             f"assistant's 'tool_calls', a 'tool' result with its 'tool_call_id'), got {m!r:.300}")
+        if m["content"] is not None:
+            check_text(f"message {i} content", m["content"])
+    if messages[-1]["role"] not in ("user", "tool"):
+        raise UsageError("a conversation must end with a user message (or a tool's result) for the model to answer")
     return [dict(m) for m in messages]
+
+
+def _message_ok(m: dict) -> bool:
+    role, content = m.get("role"), m.get("content", 0)
+    if role == "tool":
+        return set(m) <= {"role", "content", "tool_call_id", "name"} and isinstance(content, str)
+    if role == "assistant" and "tool_calls" in m:
+        calls = m["tool_calls"]
+        return set(m) <= {"role", "content", "tool_calls"} and (content is None or isinstance(content, str)) and \
+            isinstance(calls, list) and all(isinstance(c, dict) and isinstance(c.get("function"), dict) for c in calls)
+    return set(m) == {"role", "content"} and role in ("user", "assistant", "system") and isinstance(content, str)
 
 
 def drafter_kind(config: GenerateConfig, has_drafter: bool) -> DraftKind | None:

@@ -60,7 +60,9 @@ BAD = {
     "bad role": ("/v1/chat/completions", b'{"model": "smollm2-135m", "messages": [{"role": "wizard", "content": "x"}]}', 422, None),
     "message content a number": ("/v1/chat/completions", b'{"model": "smollm2-135m", "messages": [{"role": "user", "content": 5}]}', 422, None),
     "last message not the user's": ("/v1/chat/completions", b'{"model": "smollm2-135m", "messages": [{"role": "assistant", "content": "x"}]}', 400, "invalid_value"),
-    "tools": ("/v1/chat/completions", b'{"model": "smollm2-135m", "messages": [{"role": "user", "content": "x"}], "tools": [{"type": "function"}]}', 400, "unsupported_parameter"),
+    "malformed tools": ("/v1/chat/completions", b'{"model": "smollm2-135m", "messages": [{"role": "user", "content": "x"}], "tools": [{"type": "function"}]}', 422, "missing_required_parameter"),
+    "tools on completions": ("/v1/completions", _body(tools=[{"type": "function", "function": {"name": "f"}}]), 400, "unsupported_parameter"),
+    "legacy functions": ("/v1/chat/completions", b'{"model": "smollm2-135m", "messages": [{"role": "user", "content": "x"}], "functions": [{"name": "f"}]}', 400, "unsupported_parameter"),
     "unknown route": ("/v1/embeddings", _body(), 404, "not_found"),
     "body over the limit": ("/v1/completions", _body(prompt="x" * 70_000), 413, "request_too_large"),
 }

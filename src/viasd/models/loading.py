@@ -89,27 +89,31 @@ class LoadedModel:
         """The bytes of every token id, for drafting across vocabularies (`models.vocabulary`)."""
         return vocabulary_of(self.tokenizer, self.decoder.lm_head.out_features, self.name)
 
-    def encode(self, prompt: str | list[dict[str, str]], chat: bool | None = None) -> list[int]:
+    def encode(self, prompt: str | list[dict], chat: bool | None = None, tools: list[dict] | None = None) -> list[int]:
         """Token ids for `prompt`: a user message, or a conversation as chat messages
-        `[{"role": "user"|"assistant"|"system", "content": str}, ...]` ending with a user turn.
+        `[{"role": "user"|"assistant"|"system", "content": str}, ...]` ending with a user turn (or a
+        tool's result: `api.check_messages`).
 
-        Through the model's chat template when `chat` (default: if it has one); without one, the
-        text (or the conversation's contents, separated by blank lines) is tokenized as it is.
+        Through the model's chat template when `chat` (default: if it has one), given `tools` (OpenAI's
+        function tools) when there are any; without one, the text (or the conversation's contents,
+        separated by blank lines) is tokenized as it is.
         """
         from viasd.validation import check_text
 
         for m in [{"content": prompt}] if isinstance(prompt, str) else prompt:
-            check_text("the prompt", m["content"])  # a lone surrogate would be a tokenizer TypeError
+            if m["content"] is not None:  # (an assistant's tool calls may come without text)
+                check_text("the prompt", m["content"])  # a lone surrogate would be a tokenizer TypeError
         messages = [{"role": "user", "content": prompt}] if isinstance(prompt, str) else prompt
         chat = self.has_chat_template if chat is None else chat
         if chat:
             if not self.has_chat_template:
                 raise NoChatTemplateError(f"{self.name} has no chat template; use --no-chat")
-            ids = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
+            extra = {"tools": tools} if tools else {}
+            ids = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True, **extra)
             if hasattr(ids, "keys"):  # BatchEncoding in recent transformers
                 ids = ids["input_ids"]
             return list(ids)
-        text = prompt if isinstance(prompt, str) else "\n\n".join(m["content"] for m in messages)
+        text = prompt if isinstance(prompt, str) else "\n\n".join(m["content"] or "" for m in messages)
         return list(self.tokenizer(text, add_special_tokens=True)["input_ids"])
 
     def decode(self, ids: list[int]) -> str:

@@ -16,7 +16,8 @@ from viasd.server.errors import APIError, validation_error
 
 
 # the settings a request sets through OpenAI's own fields of the same name (max_new_tokens: max_tokens)
-OPENAI_FIELDS = tuple(n for n, d in SETTINGS.items() if d.spec.server == "openai" and n != "max_new_tokens")
+# (response_format: a typed object, see response_format_of)
+OPENAI_FIELDS = tuple(n for n, d in SETTINGS.items() if d.spec.server == "openai" and n not in ("max_new_tokens", "response_format"))
 
 
 async def read_body(request: Request, max_body: int) -> bytes:
@@ -70,6 +71,23 @@ def parse(cls, data, served: str):
     return req
 
 
+def response_format_of(req) -> tuple[dict | None, str]:
+    """The `response_format` setting a request asks for (OpenAI's field, or the `viasd` object's
+    regex / grammar), and the parameter that gave it."""
+    given = req.response_format.as_setting() if req.response_format is not None else None
+    ext = req.viasd
+    extras = [(k, getattr(ext, k)) for k in ("regex", "grammar") if ext is not None and getattr(ext, k) is not None]
+    if len(extras) > 1:
+        raise APIError(400, "give at most one of viasd.regex and viasd.grammar", param="viasd.grammar", code="invalid_value")
+    if not extras:
+        return given, "response_format"
+    kind, text = extras[0]
+    if given is not None and given["type"] != "text":
+        raise APIError(400, f"viasd.{kind} and response_format {given['type']!r} both constrain the output: give one",
+                       param=f"viasd.{kind}", code="invalid_value")
+    return {"type": kind, kind: text}, f"viasd.{kind}"
+
+
 def config_for(req, max_tokens: int | None, defaults: dict, max_positions: int) -> dict:
     """The generate settings of one request: the server's defaults, then what the request sets."""
     s = dict(defaults)
@@ -78,6 +96,9 @@ def config_for(req, max_tokens: int | None, defaults: dict, max_positions: int) 
     for name in OPENAI_FIELDS:
         if getattr(req, name) is not None:
             s[name] = getattr(req, name)
+    fmt, fmt_param = response_format_of(req)
+    if fmt is not None:
+        s["response_format"] = fmt
     if max_tokens is not None:
         if max_tokens > max_positions:
             raise APIError(400, f"max_tokens ({max_tokens}) exceeds the model's context of "
@@ -88,5 +109,6 @@ def config_for(req, max_tokens: int | None, defaults: dict, max_positions: int) 
     try:
         GenerateConfig.from_settings(**{**s, "chat": None}).validate()
     except UsageError as e:
-        raise APIError(400, str(e), param="viasd", code="invalid_value") from None
+        param = fmt_param if str(e).startswith("response_format") else "viasd"
+        raise APIError(400, str(e), param=param, code="invalid_value") from None
     return s

@@ -13,6 +13,7 @@ from fastapi.responses import Response
 from viasd.server.engine import Job
 from viasd.server.errors import ended_by_server, engine_error
 from viasd.server.metrics import Metrics
+from viasd.server.tools import whole_message
 
 _RECORDED = ("strategy", "draft", "drafter", "mode", "k", "adapt_k", "adaptive_k", "slim_fraction", "tier_thresholds",
              "resume", "resume_layer", "reduced_head", "slim_head_vocab", "drafter_head_vocab", "correct", "temperature",
@@ -45,8 +46,10 @@ def record(job: Job) -> dict:
 class Reply:
     """The answer to one submitted job; `watcher` (the task that notices a client leaving) ends with it."""
 
-    def __init__(self, job: Job, endpoint: str, chat: bool, served: str, metrics: Metrics, watcher: asyncio.Task):
+    def __init__(self, job: Job, endpoint: str, chat: bool, served: str, metrics: Metrics, watcher: asyncio.Task,
+                 tools=None):
         self.job, self.endpoint, self.chat, self.served, self.metrics, self.watcher = job, endpoint, chat, served, metrics, watcher
+        self.tools = tools  # the ToolPlan of the tool calls the answer may hold (tools.py), or None
         self.id = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex
         self.created = int(time.time())
 
@@ -99,8 +102,11 @@ class Reply:
         """The whole (non-streamed) answer."""
         job = self.job
         if self.chat:
-            choice = {"index": 0, "message": {"role": "assistant", "content": job.text}, "logprobs": None,
-                      "finish_reason": job.finish_reason}
+            message, finish = {"role": "assistant", "content": job.text}, job.finish_reason
+            if self.tools is not None:
+                text = self.tools.answer_text(job.text, job.result.token_ids)
+                message, finish = whole_message(text, finish, self.tools.family)
+            choice = {"index": 0, "message": message, "logprobs": None, "finish_reason": finish}
         else:
             choice = {"index": 0, "text": job.text, "logprobs": None, "finish_reason": job.finish_reason}
         return {"id": self.id, "object": "chat.completion" if self.chat else "text_completion", "created": self.created,
@@ -114,6 +120,10 @@ class Reply:
         else:
             choice = {"index": 0, "text": text or "", "logprobs": None, "finish_reason": finish_reason}
         return {**self._chunk_head(), "choices": [choice]}
+
+    def delta_chunk(self, delta: dict) -> dict:
+        """One streamed chat chunk of a given delta (a tool call's fragment)."""
+        return {**self._chunk_head(), "choices": [{"index": 0, "delta": delta, "logprobs": None, "finish_reason": None}]}
 
     def usage_chunk(self) -> dict:
         """The last chunk of a stream with `stream_options.include_usage`: no choices, the usage."""

@@ -13,6 +13,7 @@ from viasd.server.parsing import config_for, parse, read_json
 from viasd.server.responses import Reply
 from viasd.server.schemas import ChatCompletionRequest, CompletionRequest
 from viasd.server.streaming import answer_stream
+from viasd.server.tools import ToolPlan, chat_prompt, grammar, plan_of
 
 router = APIRouter()
 
@@ -39,21 +40,25 @@ async def chat_completions(request: Request):
     if not state.model.has_chat_template:
         raise APIError(400, f"{state.served} has no chat template: use /v1/completions", code="no_chat_template")
     messages = [m.as_engine() for m in req.messages]
-    if messages[-1]["role"] != "user":
-        raise APIError(400, "the last message must be a user message for the model to answer",
+    if messages[-1]["role"] not in ("user", "tool"):
+        raise APIError(400, "the last message must be a user message (or a tool's result) for the model to answer",
                        param="messages", code="invalid_value")
-    return await run(request, "chat", req, messages, req.limit(), chat=True)
+    plan = plan_of(req, state.model.tokenizer)
+    prompt = chat_prompt(state.model, messages, plan)
+    return await run(request, "chat", req, prompt, req.limit(), chat=True, plan=plan)
 
 
-async def run(request: Request, endpoint: str, req, prompt, max_tokens: int | None, chat: bool):
+async def run(request: Request, endpoint: str, req, prompt, max_tokens: int | None, chat: bool, plan: ToolPlan | None = None):
     """Queue the decode of `prompt`, then answer: the whole text, or a stream of it."""
     state = request.app.state
     settings = config_for(req, max_tokens, state.defaults, state.model.config.max_positions)
     settings["chat"] = chat
+    if plan is not None:  # the answer: text or calls of the declared functions, as tool_choice allows
+        settings["response_format"] = {"type": "grammar", "grammar": grammar(plan)}
     job = Job(prompt, settings, req.stops(), asyncio.get_running_loop(), stream=bool(req.stream))
     submit(state.worker, job)
     watcher = asyncio.create_task(watch_disconnect(request, job))
-    reply = Reply(job, endpoint, chat, state.served, state.metrics, watcher)
+    reply = Reply(job, endpoint, chat, state.served, state.metrics, watcher, plan)
     if req.stream:
         return await answer_stream(reply, bool(req.stream_options and req.stream_options.include_usage))
     return await answer_whole(reply)

@@ -3,7 +3,8 @@
 
 from __future__ import annotations
 
-from typing import Annotated, Literal
+import json
+from typing import Annotated, ClassVar, Literal, Union
 
 from pydantic import BaseModel, ConfigDict, Field, create_model, field_validator
 
@@ -20,11 +21,10 @@ UNSUPPORTED = {
     "logit_bias": (None, {}),
     "presence_penalty": (None, 0, 0.0),
     "frequency_penalty": (None, 0, 0.0),
-    "tools": (None, []),
+    "tools": (None, []),  # (chat: supported, see ChatCompletionRequest)
     "tool_choice": (None, "none"),
     "functions": (None, []),
     "function_call": (None, "none"),
-    "response_format": (None, {"type": "text"}),
     "parallel_tool_calls": (None, False, True),
     "modalities": (None, ["text"]),
     "audio": (None,),
@@ -61,18 +61,50 @@ def field_of(d: Declared):
 
 class _Extension(Strict):
     def settings(self) -> dict:
-        out = self.model_dump(exclude_none=True)
+        """The decode settings it sets (its regex / grammar: parsing.response_format_of)."""
+        out = self.model_dump(exclude_none=True, exclude={"regex", "grammar"})
         for name, d in SETTINGS.items():
             if d.kind == "layers" and name in out:
                 out[name] = tuple(out[name])
         return out
 
 
+class _Format(Strict):
+    def as_setting(self) -> dict:
+        return self.model_dump(by_alias=True, exclude_none=True)
+
+
+class TextFormat(_Format):
+    type: Literal["text"]
+
+
+class JSONObjectFormat(_Format):
+    type: Literal["json_object"]
+
+
+class JSONSchemaSpec(Strict):
+    model_config = ConfigDict(strict=True, extra="forbid", populate_by_name=True)
+    name: Annotated[str, Field(pattern=r"^[A-Za-z0-9_-]{1,64}$")]
+    description: str | None = None
+    schema_: dict | bool = Field(default_factory=dict, alias="schema")  # (`schema` is a BaseModel method)
+    strict: bool | None = None
+
+
+class JSONSchemaFormat(_Format):
+    type: Literal["json_schema"]
+    json_schema: JSONSchemaSpec
+
+
+# OpenAI's `response_format` (viasd's regex and grammar come in the `viasd` object)
+ResponseFormat = Annotated[Union[TextFormat, JSONObjectFormat, JSONSchemaFormat], Field(discriminator="type")]
+GRAMMAR_TEXT = Annotated[str, Field(min_length=1, max_length=1 << 17)]
+
 # The `viasd` extension object: decoding settings by their GenerateConfig names, one field per setting
 # the server lets a request choose (viasd/settings.py); the server's configured defaults fill what is
 # not given. Routes are layer lists; the drafter model, route files and threshold files are the
 # server's (`viasd serve --drafter / --slim-route ...`).
 ViasdExtension = create_model("ViasdExtension", __base__=_Extension,
+                              regex=(GRAMMAR_TEXT | None, None), grammar=(GRAMMAR_TEXT | None, None),
                               **{n: (field_of(d), None) for n, d in SETTINGS.items() if d.spec.server == "viasd"})
 MaxTokens = field_of(SETTINGS["max_new_tokens"])  # max_tokens, max_completion_tokens
 Temperature, TopP, SeedField = (field_of(SETTINGS[n]) for n in ("temperature", "top_p", "seed"))
@@ -94,6 +126,7 @@ class _Common(Strict):
     stream: bool = False
     stream_options: StreamOptions | None = None
     viasd: ViasdExtension | None = None
+    _SUPPORTED: ClassVar = ()  # UNSUPPORTED's parameters this endpoint does support
     # unsupported (400 when set to anything but their default) and ignored fields
     logprobs: object = None
     top_logprobs: object = None
@@ -107,7 +140,7 @@ class _Common(Strict):
     tool_choice: object = None
     functions: object = None
     function_call: object = None
-    response_format: object = None
+    response_format: ResponseFormat | None = None
     parallel_tool_calls: object = None
     modalities: object = None
     audio: object = None
@@ -126,6 +159,8 @@ class _Common(Strict):
     def unsupported(self) -> str | None:
         """The first unsupported parameter given a non-default value, if any."""
         for name, defaults in UNSUPPORTED.items():
+            if name in self._SUPPORTED:
+                continue
             value = getattr(self, name, None)
             if value is not None and value not in defaults:
                 return name
@@ -155,20 +190,77 @@ class TextPart(Strict):
     text: str
 
 
-class Message(Strict):
-    role: Literal["system", "developer", "user", "assistant"]
-    content: str | Annotated[list[TextPart], Field(min_length=1)]
-    name: Annotated[str, Field(max_length=256)] | None = None
+FunctionName = Annotated[str, Field(pattern=r"^[A-Za-z0-9_.-]{1,64}$")]
 
-    def as_engine(self) -> dict[str, str]:
-        text = self.content if isinstance(self.content, str) else "".join(p.text for p in self.content)
-        return {"role": "system" if self.role == "developer" else self.role, "content": text}
+
+class CalledFunction(Strict):
+    name: FunctionName
+    arguments: Annotated[str, Field(max_length=1_000_000)]  # JSON text, as OpenAI sends it
+
+
+class ToolCall(Strict):
+    id: Annotated[str, Field(min_length=1, max_length=256)]
+    type: Literal["function"]
+    function: CalledFunction
+
+
+class Message(Strict):
+    role: Literal["system", "developer", "user", "assistant", "tool"]
+    content: str | Annotated[list[TextPart], Field(min_length=1)] | None = None
+    name: Annotated[str, Field(max_length=256)] | None = None
+    tool_calls: Annotated[list[ToolCall], Field(max_length=128)] | None = None  # (an assistant's)
+    tool_call_id: Annotated[str, Field(max_length=256)] | None = None  # (a tool's answer)
+
+    def as_engine(self) -> dict:
+        """The message as the chat template takes it (a tool call's arguments: an object, as
+        transformers' templates expect them)."""
+        text = self.content if isinstance(self.content, str) or self.content is None else "".join(p.text for p in self.content)
+        out = {"role": "system" if self.role == "developer" else self.role, "content": text}
+        if self.tool_calls:
+            out["tool_calls"] = [{"id": c.id, "type": "function", "function": {
+                "name": c.function.name, "arguments": _arguments(c.function.arguments)}} for c in self.tool_calls]
+        if self.tool_call_id is not None:
+            out["tool_call_id"] = self.tool_call_id
+        return out
+
+
+def _arguments(text: str):
+    try:
+        return json.loads(text)
+    except ValueError:  # not JSON: given to the template as the text it is
+        return text
+
+
+class FunctionDef(Strict):
+    name: FunctionName
+    description: Annotated[str, Field(max_length=100_000)] | None = None
+    parameters: dict | None = None  # a JSON schema (none: no arguments)
+    strict: bool | None = None
+
+
+class Tool(Strict):
+    type: Literal["function"]
+    function: FunctionDef
+
+
+class NamedFunction(Strict):
+    name: FunctionName
+
+
+class NamedToolChoice(Strict):
+    type: Literal["function"]
+    function: NamedFunction
 
 
 class ChatCompletionRequest(_Common):
     messages: Annotated[list[Message], Field(min_length=1, max_length=10_000)]
     max_tokens: MaxTokens = None
     max_completion_tokens: MaxTokens = None
+    tools: Annotated[list[Tool], Field(max_length=128)] | None = None
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
+    parallel_tool_calls: bool | None = None
+
+    _SUPPORTED: ClassVar = ("tools", "tool_choice", "parallel_tool_calls")
 
     def limit(self) -> int | None:
         return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens

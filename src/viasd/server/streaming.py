@@ -9,6 +9,7 @@ from fastapi.responses import Response, StreamingResponse
 
 from viasd.server.errors import ended_by_server, engine_error, error_body
 from viasd.server.responses import Reply, record
+from viasd.server.tools import ToolStream
 
 _HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
 
@@ -28,16 +29,24 @@ async def answer_stream(reply: Reply, include_usage: bool) -> Response:
 
 async def events(reply: Reply, event: tuple, include_usage: bool):
     done = False
+    plan = reply.tools
+    calls = ToolStream(plan.family) if plan is not None else None  # text and tool-call fragments
     try:
         if reply.chat:
             yield sse(reply.chunk("", first_chunk=True))
         while True:
             kind = event[0]
-            if kind == "text":
+            if kind == "text" and calls is not None:
+                # (tags that decoding drops are not in the text: such an answer is sent at its end)
+                for delta in calls.feed(event[1]) if not plan.dropped else []:
+                    yield sse(reply.delta_chunk(delta))
+            elif kind == "text":
                 yield sse(reply.chunk(event[1]))
             elif kind in ("done", "error", "cancelled"):
                 done = True
-                for data in last_events(reply, event, include_usage):
+                for delta in final_deltas(reply, calls) if calls is not None and kind == "done" else []:
+                    yield sse(reply.delta_chunk(delta))
+                for data in last_events(reply, event, include_usage, bool(calls and calls.sent)):
                     yield sse(data)
                 return
             event = await reply.job.next_event()
@@ -46,12 +55,21 @@ async def events(reply: Reply, event: tuple, include_usage: bool):
             reply.abandon()
 
 
-def last_events(reply: Reply, event: tuple, include_usage: bool) -> list:
-    """What ends the stream for its last event (done, error or cancelled), the request accounted for."""
+def final_deltas(reply: Reply, calls: ToolStream) -> list[dict]:
+    """The deltas the end of an answer that may call tools adds (all of it where decoding drops the tags)."""
+    plan, job = reply.tools, reply.job
+    if not plan.dropped:
+        return calls.feed("", final=True)
+    return calls.feed(plan.answer_text(job.text, job.result.token_ids), final=True)
+
+
+def last_events(reply: Reply, event: tuple, include_usage: bool, called: bool = False) -> list:
+    """What ends the stream for its last event (done, error or cancelled), the request accounted for
+    (`called`: the answer held tool calls)."""
     job = reply.job
     if event[0] == "done":
         reply.finish(200)
-        last = reply.chunk(None, job.finish_reason)
+        last = reply.chunk(None, "tool_calls" if called and job.finish_reason == "stop" else job.finish_reason)
         last["viasd"] = record(job)
         return [last, reply.usage_chunk(), "[DONE]"] if include_usage else [last, "[DONE]"]
     if event[0] == "error":
