@@ -219,3 +219,13 @@ def test_cli_structured_output_flags(bpe_pair, tmp_path, capsys):
         except SystemExit as e:
             code = e.code
         assert code == 2 and message in capsys.readouterr().err, argv
+
+
+def test_a_grammar_spelling_a_special_tokens_text_is_a_usage_error_not_a_crash(bpe_pair):
+    """llguidance's mask allows the special token <eos> where the grammar spells "<eos>", and its matcher
+    then refuses it: a usage error naming the cause (the server answers it as one)."""
+    verifier, _ = bpe_pair
+    fmt = {"type": "grammar", "grammar": 'start: "<eos>" "x"'}
+    with pytest.raises(UsageError, match="response_format: the grammar cannot follow the model's tokens"):
+        generate(verifier.encode("abc", chat=False), verifier, strategy="ar", max_new_tokens=4, response_format=fmt,
+                 progress=False)

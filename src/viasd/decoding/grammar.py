@@ -133,8 +133,12 @@ class Constraint:
         return cls(matcher, vocab_size, tokenizer)
 
     def _check(self, ok: bool) -> None:
+        # llguidance's masks can allow a special token whose text a grammar spells (<tool_call>) that its
+        # matcher then refuses: the request's grammar is at fault, so a usage error, not a crash
         if not ok or self.matcher.is_error():
-            raise RuntimeError(f"grammar state: {self.matcher.get_error()}")
+            error = (self.matcher.get_error() or "the matcher refused a token its mask allowed").splitlines()[0]
+            raise InvalidArgumentError(f"response_format: the grammar cannot follow the model's tokens: {error} "
+                                       "(a special token's text in a grammar? name the token instead)")
 
     def allowed(self) -> torch.Tensor:
         """[V] bool: the tokens the grammar allows next."""
