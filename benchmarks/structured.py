@@ -260,7 +260,7 @@ def run(args, rows: list[dict], servers: dict, records: list[dict], run_id: str,
     import httpx
 
     done = {(r["prompt_id"], r["method"]) for r in records}
-    config = {k: v for k, v in vars(args).items() if not k.endswith("_list")}
+    config = {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items() if not k.endswith("_list")}
     cmds = {m: (servers["peer"] if m == PEER else servers["viasd"]) for m in args.method_list}
     with httpx.Client(timeout=httpx.Timeout(args.request_timeout)) as http:
         warm_up(http, servers, rows, args)
@@ -295,6 +295,21 @@ def ratio(records: list[dict], method: str, against: str, field: str) -> float |
     return statistics.median(rs) if rs else None
 
 
+def answer_key(r: dict):
+    """What a record answered: its text and its tool calls' names and arguments (not their ids)."""
+    a = r.get("answer") or {}
+    calls = [(c.get("function") or {}).get("name") for c in a.get("tool_calls") or []]
+    args = [(c.get("function") or {}).get("arguments") for c in a.get("tool_calls") or []]
+    return a.get("content") or None, calls, args
+
+
+def same_answer(rs: list[dict], method: str) -> float | None:
+    """The share of prompts where `method` answered exactly what the baseline did (greedy lossless: all)."""
+    base = {r["prompt_id"]: answer_key(r) for r in rs if r["method"] == BASELINE and r.get("ok")}
+    same = [answer_key(r) == base[r["prompt_id"]] for r in rs if r["method"] == method and r.get("ok") and r["prompt_id"] in base]
+    return sum(same) / len(same) if same else None
+
+
 def summary_row(rs: list[dict], method: str) -> list:
     mine = [r for r in rs if r["method"] == method]
     ok = [r for r in mine if r.get("ok")]
@@ -303,13 +318,14 @@ def summary_row(rs: list[dict], method: str) -> list:
     grammar = [r["grammar_share"] for r in ok if r.get("grammar_share") is not None]
     return [method, len(mine), len(mine) - len(ok), share("schema_valid"), share("exact_match"),
             med([r["decode_tokens_per_s"] for r in ok if r.get("decode_tokens_per_s")]),
-            med([r["wall_tokens_per_s"] for r in ok if r.get("wall_tokens_per_s")]), med(grammar),
+            med([r["wall_tokens_per_s"] for r in ok if r.get("wall_tokens_per_s")]), med(grammar), same_answer(rs, method),
             ratio(rs, method, BASELINE, "decode_tokens_per_s"), ratio(rs, method, BASELINE, "wall_tokens_per_s"),
             ratio(rs, method, PEER, "decode_tokens_per_s"), ratio(rs, method, PEER, "wall_tokens_per_s")]
 
 
 def table(records: list[dict], methods: list[str]) -> str:
     head = ("task", "method", "n", "errors", "schema-valid", "exact args", "decode tok/s", "wall tok/s", "grammar-drafted share",
+            f"= {BASELINE}",
             f"decode / {BASELINE}", f"wall / {BASELINE}", f"decode / {PEER}", f"wall / {PEER}")
     fmt = lambda x: "-" if x is None else (f"{x:.3g}" if isinstance(x, float) else str(x))  # noqa: E731
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
@@ -319,7 +335,8 @@ def table(records: list[dict], methods: list[str]) -> str:
             if any(r["method"] == method for r in rs):
                 lines.append("| " + " | ".join(fmt(v) for v in [task, *summary_row(rs, method)]) + " |")
     return "\n".join(lines) + ("\n\nmedians over prompts; ratios: medians of per-prompt ratios of tokens/s (> 1: faster); "
-                               "wall: completion tokens over the client-measured request time")
+                               "wall: completion tokens over the client-measured request time; "
+                               f"= {BASELINE}: the share of prompts answered exactly as {BASELINE} answered")
 
 
 def parse_args(argv=None) -> argparse.Namespace:
