@@ -17,8 +17,9 @@ Every answer is checked alike: `json`: parsed with json.loads, validated with `j
 function's parameters; both: exact match of the arguments against BFCL's acceptable values (strings
 compared as BFCL's checker does: case, spaces and ,./-_*^ ignored). Each (prompt, method) is one
 JSONL record (run id, full configuration, environment with the CPU flags, the answer, the checks,
-client-measured wall time, decode-only tokens/s: viasd's `decode_tokens_per_s`, llama-server's
-`timings.predicted_per_second`; the grammar's drafted and kept tokens). A markdown table closes the
+client-measured wall time, decode-only tokens/s: viasd's `decode_tokens_per_s`, and llama-server's
+`timings` counted alike, (predicted_n - 1) / predicted_ms (its own `predicted_per_second` counts the
+first token too); the grammar's drafted and kept tokens). A markdown table closes the
 run: per task and method, the shares valid and exact, and medians of per-prompt speed ratios
 against `ar-noforced` and against llama-server, decode-only and wall.
 
@@ -150,9 +151,13 @@ def speeds(answer: dict, peer: bool) -> dict:
     """Decode-only tokens/s and the grammar's drafts, from the server's own statistics."""
     tokens = (answer.get("usage") or {}).get("completion_tokens")
     if peer:
+        # llama-server's predicted_per_second is predicted_n over the time from its first token to its
+        # last (n tokens over n - 1 intervals: 8% high for 14 tokens); counted as viasd counts its
+        # decode_tokens_per_s, the tokens after the first over the time after it
         t = answer.get("timings") or {}
-        return {"completion_tokens": tokens if tokens is not None else t.get("predicted_n"),
-                "decode_tokens_per_s": t.get("predicted_per_second"), "timings": t}
+        n, ms = t.get("predicted_n"), t.get("predicted_ms")
+        return {"completion_tokens": tokens if tokens is not None else n,
+                "decode_tokens_per_s": round((n - 1) / (ms / 1e3), 3) if n and n > 1 and ms else None, "timings": t}
     st = (answer.get("viasd") or {}).get("stats") or {}
     new = st.get("new_tokens", tokens)
     kept = st.get("grammar_accepted")
