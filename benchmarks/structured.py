@@ -144,6 +144,8 @@ def request_body(row: dict, model: str, max_tokens: int, tool_choice, ext: dict 
         body["tool_choice"] = tool_choice
     if ext is not None:
         body["viasd"] = ext
+    else:
+        body["cache_prompt"] = False  # each prompt prefilled whole, as viasd serve does with --prefix-cache-mb 0
     return body
 
 
@@ -362,7 +364,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--llama-server-build", default=str(HERE / "out" / "llama.cpp"), help="where load.py's build lives (default: %(default)s)")
     p.add_argument("--threads", type=int, default=os.cpu_count() or 2, help="llama-server's threads (default: the cores)")
     p.add_argument("--ctx", type=int, default=4096, help="llama-server's context (default: %(default)s)")
-    p.add_argument("--server-args", default="", help="extra `viasd serve` flags, space-separated")
+    p.add_argument("--server-args", default="--prefix-cache-mb 0",
+                   help="extra `viasd serve` flags, space-separated (default: %(default)s: the same prompt, sent once per "
+                        "method, is prefilled whole each time, so wall times compare)")
     p.add_argument("--startup-timeout", type=float, default=600.0, help="seconds to wait for a started server (default: %(default)s)")
     p.add_argument("--request-timeout", type=float, default=900.0, help="seconds one request may take (default: %(default)s)")
     args = p.parse_args(argv)
