@@ -357,7 +357,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--max-tokens", type=int, default=256, help="max_tokens of each request (default: %(default)s)")
     p.add_argument("--tool-choice", default="required", help="tool_choice of the tool-call requests (default: %(default)s)")
     p.add_argument("--out", type=Path, default=HERE / "out" / "structured.jsonl", help="JSONL records (default: %(default)s)")
-    p.add_argument("--resume", action="store_true", help="continue the run in --out, skipping (prompt, method) pairs done")
+    p.add_argument("--resume", action="store_true",
+                   help="continue the run in --out, skipping the (prompt, method) pairs recorded (errors included)")
     p.add_argument("--viasd-url", help="a running `viasd serve` on loopback to use instead of starting one")
     p.add_argument("--llama-url", help="a running llama-server (--jinja) on loopback to use instead of starting one")
     p.add_argument("--llama-server", help="a llama-server binary (default: build one into --llama-server-build)")
@@ -390,6 +391,11 @@ def main(argv=None) -> int:
     records = read_records(args.out)
     run_id = run_id_of(records, args.resume, args.out)
     args.out.parent.mkdir(parents=True, exist_ok=True)
+    done = {(r["prompt_id"], r["method"]) for r in records}
+    if all((row["id"], m) in done for row in rows for m in args.method_list):
+        log(f"[structured] {args.out}: every (prompt, method) is done")
+        print(table(records, args.method_list))
+        return 0 if all(r.get("ok") for r in records) else 1
     env = {**environment(), "cpu_flags": cpu_flags()}
     servers = start_servers(args)
     try:
