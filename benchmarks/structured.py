@@ -278,9 +278,10 @@ def run(args, rows: list[dict], servers: dict, records: list[dict], run_id: str,
                     continue
                 peer = method == PEER
                 body = request_body(row, args.model, args.max_tokens, args.tool_choice, METHODS[method])
+                load = os.getloadavg()[0]  # the machine's load before the request: timings mean little when others run
                 out = ask(http, servers["peer_url" if peer else "viasd_url"], row, body, peer)
                 rec = {"run_id": run_id, "task": row["task"], "prompt_id": row["id"], "source": row["source"], "method": method,
-                       "request_viasd": METHODS[method], "position": position, **out,
+                       "request_viasd": METHODS[method], "position": position, "loadavg_1m": round(load, 2), **out,
                        "server_cmd": cmds[method].cmd if cmds[method] else None,
                        "peer_build": servers["peer_build"] if peer else None, "config": config, "env": env}
                 with open(args.out, "a") as f:
@@ -405,6 +406,10 @@ def main(argv=None) -> int:
             if servers[key] is not None:
                 servers[key].stop()
     print(table(records, args.method_list))
+    busy = [r["loadavg_1m"] for r in records if r.get("loadavg_1m", 0) > 1.0]
+    if busy:
+        log(f"[structured] warning: {len(busy)} of {len(records)} requests started with a 1-minute load average over 1 "
+            f"(up to {max(busy)}): something else ran; llama-server's spinning threads suffer most. Rerun alone")
     log(f"[structured] run {run_id}: {len(records)} record(s) in {args.out}")
     return 0 if all(r.get("ok") for r in records) else 1
 
