@@ -16,7 +16,8 @@ Every answer is checked alike: `json`: parsed with json.loads, validated with `j
 `tools`: the first tool call's name is declared, its arguments parse and validate against that
 function's parameters; both: exact match of the arguments against BFCL's acceptable values (strings
 compared as BFCL's checker does: case, spaces and ,./-_*^ ignored). Each (prompt, method) is one
-JSONL record (run id, full configuration, environment with the CPU flags, the answer, the checks,
+JSONL record (run id, full configuration, environment with the CPU flags, the cores other processes
+kept busy just before the request (`busy_cores_before`; a warning at the end when over 0.25), the answer, the checks,
 client-measured wall time, decode-only tokens/s: viasd's `decode_tokens_per_s`, and llama-server's
 `timings` counted alike, (predicted_n - 1) / predicted_ms (its own `predicted_per_second` counts the
 first token too); the grammar's drafted and kept tokens). A markdown table closes the
@@ -27,7 +28,9 @@ against `ar-noforced` and against llama-server, decode-only and wall.
     python benchmarks/structured.py --limit 1 --max-tokens 32 --methods ar,llama-server --out /tmp/s.jsonl  # smoke
 
 --out must be empty or absent (one run per file: compare rows of one run only) unless --resume,
-which continues the file's run, skipping what is done. Needs `jsonschema` (pip install jsonschema).
+which continues the file's run, skipping what is done. Needs `jsonschema` (pip install jsonschema),
+and a `viasd serve` that takes `response_format` and `tools` (an older one answers 400: errors in the
+records). Run it alone on the machine; every request prefills its whole prompt on both servers.
 """
 
 from __future__ import annotations
@@ -169,6 +172,23 @@ def speeds(answer: dict, peer: bool) -> dict:
             "viasd": answer.get("viasd")}
 
 
+def busy_cores(window: float = 0.5) -> float | None:
+    """Cores kept busy over `window` seconds (/proc/stat), sampled while both servers are idle: what
+    else runs on the machine."""
+    def sample() -> tuple[int, int]:
+        with open("/proc/stat") as f:
+            v = [int(x) for x in f.readline().split()[1:]]
+        return sum(v), v[3] + v[4]  # all jiffies, idle + iowait
+
+    try:
+        t0, i0 = sample()
+        time.sleep(window)
+        t1, i1 = sample()
+    except (OSError, ValueError, IndexError):
+        return None
+    return round((1 - (i1 - i0) / (t1 - t0)) * (os.cpu_count() or 1), 2) if t1 > t0 else None
+
+
 def ask(http, url: str, row: dict, body: dict, peer: bool) -> dict:
     """One non-streamed request: the client-measured wall time, the answer, its checks and speeds."""
     t0 = time.perf_counter()
@@ -278,10 +298,10 @@ def run(args, rows: list[dict], servers: dict, records: list[dict], run_id: str,
                     continue
                 peer = method == PEER
                 body = request_body(row, args.model, args.max_tokens, args.tool_choice, METHODS[method])
-                load = os.getloadavg()[0]  # the machine's load before the request: timings mean little when others run
+                load = busy_cores()  # our servers idle: what else runs (timings mean little then)
                 out = ask(http, servers["peer_url" if peer else "viasd_url"], row, body, peer)
                 rec = {"run_id": run_id, "task": row["task"], "prompt_id": row["id"], "source": row["source"], "method": method,
-                       "request_viasd": METHODS[method], "position": position, "loadavg_1m": round(load, 2), **out,
+                       "request_viasd": METHODS[method], "position": position, "busy_cores_before": load, **out,
                        "server_cmd": cmds[method].cmd if cmds[method] else None,
                        "peer_build": servers["peer_build"] if peer else None, "config": config, "env": env}
                 with open(args.out, "a") as f:
@@ -406,10 +426,10 @@ def main(argv=None) -> int:
             if servers[key] is not None:
                 servers[key].stop()
     print(table(records, args.method_list))
-    busy = [r["loadavg_1m"] for r in records if r.get("loadavg_1m", 0) > 1.0]
+    busy = [r["busy_cores_before"] for r in records if (r.get("busy_cores_before") or 0) > 0.25]
     if busy:
-        log(f"[structured] warning: {len(busy)} of {len(records)} requests started with a 1-minute load average over 1 "
-            f"(up to {max(busy)}): something else ran; llama-server's spinning threads suffer most. Rerun alone")
+        log(f"[structured] warning: before {len(busy)} of {len(records)} requests other processes kept over a quarter of a "
+            f"core busy (up to {max(busy)} cores): llama-server's spinning threads suffer most; rerun alone")
     log(f"[structured] run {run_id}: {len(records)} record(s) in {args.out}")
     return 0 if all(r.get("ok") for r in records) else 1
 
