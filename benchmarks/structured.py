@@ -21,8 +21,9 @@ kept busy just before the request (`busy_cores_before`; a warning at the end whe
 client-measured wall time, decode-only tokens/s: viasd's `decode_tokens_per_s`, and llama-server's
 `timings` counted alike, (predicted_n - 1) / predicted_ms (its own `predicted_per_second` counts the
 first token too); the grammar's drafted and kept tokens). A markdown table closes the
-run: per task and method, the shares valid and exact, and medians of per-prompt speed ratios
-against `ar-noforced` and against llama-server, decode-only and wall.
+run: per task and method, the shares valid and exact, and medians of per-prompt speed-ups against
+`ar-noforced` and against llama-server, decode-only (tokens/s) and wall (the time to the whole
+answer: llama-server's JSON spaces its keys, a few more tokens for the same content).
 
     python benchmarks/structured.py --out benchmarks/out/structured.jsonl            # the full run
     python benchmarks/structured.py --limit 1 --max-tokens 32 --methods ar,llama-server --out /tmp/s.jsonl  # smoke
@@ -316,10 +317,13 @@ def run(args, rows: list[dict], servers: dict, records: list[dict], run_id: str,
 # --- the summary ----------------------------------------------------------------------------------
 
 def ratio(records: list[dict], method: str, against: str, field: str) -> float | None:
-    """Median over prompts of `method`'s `field` (tokens/s) over `against`'s on the same prompt."""
+    """Median over prompts of `method`'s speed-up over `against` on the same prompt: the ratio of their
+    `field`, a rate (tokens/s), or of `against`'s over `method`'s for a time (`wall_s`: the answer's
+    time, which compares answers of different lengths, as llama-server's and viasd's are)."""
     by = {(r["prompt_id"], r["method"]): r.get(field) for r in records if r.get("ok")}
-    rs = [by[(p, method)] / by[(p, against)] for p, m in by if m == method
-          and by.get((p, method)) and by.get((p, against))]
+    time_like = field == "wall_s"  # a time, not a rate (decode_tokens_per_s also ends in _s)
+    rs = [(by[(p, against)] / by[(p, method)]) if time_like else (by[(p, method)] / by[(p, against)])
+          for p, m in by if m == method and by.get((p, method)) and by.get((p, against))]
     return statistics.median(rs) if rs else None
 
 
@@ -347,8 +351,8 @@ def summary_row(rs: list[dict], method: str) -> list:
     return [method, len(mine), len(mine) - len(ok), share("schema_valid"), share("exact_match"),
             med([r["decode_tokens_per_s"] for r in ok if r.get("decode_tokens_per_s")]),
             med([r["wall_tokens_per_s"] for r in ok if r.get("wall_tokens_per_s")]), med(grammar), same_answer(rs, method),
-            ratio(rs, method, BASELINE, "decode_tokens_per_s"), ratio(rs, method, BASELINE, "wall_tokens_per_s"),
-            ratio(rs, method, PEER, "decode_tokens_per_s"), ratio(rs, method, PEER, "wall_tokens_per_s")]
+            ratio(rs, method, BASELINE, "decode_tokens_per_s"), ratio(rs, method, BASELINE, "wall_s"),
+            ratio(rs, method, PEER, "decode_tokens_per_s"), ratio(rs, method, PEER, "wall_s")]
 
 
 def table(records: list[dict], methods: list[str]) -> str:
@@ -362,8 +366,9 @@ def table(records: list[dict], methods: list[str]) -> str:
         for method in methods:
             if any(r["method"] == method for r in rs):
                 lines.append("| " + " | ".join(fmt(v) for v in [task, *summary_row(rs, method)]) + " |")
-    return "\n".join(lines) + ("\n\nmedians over prompts; ratios: medians of per-prompt ratios of tokens/s (> 1: faster); "
-                               "wall: completion tokens over the client-measured request time; "
+    return "\n".join(lines) + ("\n\nmedians over prompts; wall tok/s: completion tokens over the client-measured request time; "
+                               "ratios (> 1: faster): medians of per-prompt ratios, decode: of decode-only tokens/s, wall: "
+                               "of the client-measured times to the whole answer (answers' lengths differ between servers); "
                                f"= {BASELINE}: the share of prompts answered exactly as {BASELINE} answered")
 
 
