@@ -29,7 +29,7 @@ answer: llama-server's JSON spaces its keys, a few more tokens for the same cont
     python benchmarks/structured.py --limit 1 --max-tokens 32 --methods ar,llama-server --out /tmp/s.jsonl  # smoke
 
 --out must be empty or absent (one run per file: compare rows of one run only) unless --resume,
-which continues the file's run, skipping what is done. Needs `jsonschema` (pip install jsonschema),
+which continues the file's run, skipping what is done. Needs `jsonschema` (the bench extra),
 and a `viasd serve` that takes `response_format` and `tools` (an older one answers 400: errors in the
 records). Run it alone on the machine; every request prefills its whole prompt on both servers.
 """
