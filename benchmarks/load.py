@@ -180,13 +180,15 @@ def build_options(binary: Path) -> dict | None:
 
 
 class LlamaServer(Server):
-    """llama.cpp's `llama-server` on the same GGUF: `slots` parallel sequences of `ctx` positions each."""
+    """llama.cpp's `llama-server` on the same GGUF: `slots` parallel sequences of `ctx` positions each;
+    `extra`: more flags (`--jinja` for tool calls)."""
 
-    def __init__(self, binary: Path, gguf: Path, slots: int, ctx: int, threads: int, startup_timeout: float):
+    def __init__(self, binary: Path, gguf: Path, slots: int, ctx: int, threads: int, startup_timeout: float,
+                 extra: tuple[str, ...] = ()):
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.cmd = [str(binary), "-m", str(gguf), "--host", "127.0.0.1", "--port", str(self.port), "-np", str(slots),
-                    "-c", str(slots * ctx), "-t", str(threads), "-tb", str(threads), "--no-webui"]
+                    "-c", str(slots * ctx), "-t", str(threads), "-tb", str(threads), "--no-webui", *extra]
         log(f"[load] starting: {' '.join(self.cmd)}")
         self.proc = subprocess.Popen(self.cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
         self.wait_ready(startup_timeout)
