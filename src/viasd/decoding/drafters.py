@@ -286,9 +286,9 @@ class GrammarDrafter:
     another one, the verifier rejects them as it rejects any draft, so the output is unchanged."""
 
     def __init__(self, inner: Drafter | None, constraint: Constraint, force: bool = True):
-        self.inner, self.constraint, self.force = inner, constraint, force  # force False: cut the drafts only
+        self.inner, self.constraint = inner, constraint
+        self.forces = force  # False: the drafter's drafts cut to the grammar, no forced ones
         self.free = inner is None or getattr(inner, "free", False)
-        self.forces = force
 
     def __getattr__(self, name: str):
         # what the draft-length policy reads of a drafter (stats, decoder, verifier_share) is the inner one's
@@ -306,7 +306,7 @@ class GrammarDrafter:
         ahead = context[len(self.verifier.tokens) :]  # past the committed tokens (lossless VIA-SD's block)
         masks = type(self.inner) in (ModelDrafter, SelfDrafter)  # the verifier's vocabulary: masked as it drafts
         # the forced bytes' last token a masked drafter model tokenizes as the model would; else a guess
-        forced = self.constraint.forced(ahead, tail=not masks or k <= 0)[:FORCED_MAX] if self.force else []
+        forced = self.constraint.forced(ahead, tail=not masks or k <= 0)[:FORCED_MAX] if self.forces else []
         if self.inner is None or k <= 0:
             return Draft(forced, None, len(forced))
         if masks:
