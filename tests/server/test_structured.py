@@ -264,3 +264,12 @@ def test_tags_that_are_tokens_of_their_own():
     assert split(bare, HERMES, final=True) == split(bare, GENERIC, final=True)
     assert split(bare, HERMES, final=True).calls == [["get_weather", '{"city": "Oslo", "unit": "c"}', True]]
     assert split(bare[:20], HERMES, final=False).content == ""  # (held: it may be a call)
+    fenced = "```json\n" + bare + "\n```"  # Qwen2.5-Coder-1.5B's answer under auto
+    ids = tok.encode(fenced, add_special_tokens=False)
+    matcher.reset()
+    assert all(matcher.consume_token(t) for t in ids) and matcher.is_accepting()
+    assert split(fenced, HERMES, final=True).calls == split(bare, HERMES, final=True).calls
+    assert split(fenced, HERMES, final=True).content == "" and split("```js", HERMES, final=False).content == ""
+    matcher.reset()  # a code fence of another language is text
+    assert all(matcher.consume_token(t) for t in tok.encode("```py\nx = 1\n```", add_special_tokens=False))
+    assert split("```py\nx = 1\n```", HERMES, final=True).content == "```py\nx = 1\n```"

@@ -27,6 +27,7 @@ from viasd.server.errors import APIError
 
 HERMES, LLAMA3, GENERIC = "hermes", "llama3", "generic"
 OPEN, CLOSE = "<tool_call>", "</tool_call>"
+FENCE = "```json\n"  # Qwen2.5-Coder's own form of a call under "auto" (llama.cpp's Hermes parser reads it too)
 # compact JSON with the separators the templates' `tojson` prints: no free whitespace to sample
 _JSON_STYLE = {"whitespace_flexible": False, "key_separator": ": ", "item_separator": ", "}
 _GENERIC_SYSTEM = ("# Tools\n\nYou may call one or more functions to assist with the user query.\n\nYou are provided with "
@@ -145,7 +146,10 @@ def grammar(plan: ToolPlan) -> str:
     several = plan.parallel and plan.choice in ("auto", "required")
     sep = '"; "' if plan.family == LLAMA3 else r'"\n"'
     lines.append("bare: fn" + (f" ({sep} fn)*" if several else ""))
-    lines.append(r"TEXT: /([^{](.|\n)*)?/")  # text that does not open a JSON call
+    # text that opens neither a JSON call nor a ```json fence (those are calls)
+    lines.append(r"TEXT: /([^{`](.|\n)*)?|`([^`](.|\n)*)?|``([^`](.|\n)*)?|```([^j](.|\n)*)?|```j([^s](.|\n)*)?|"
+                 r"```js([^o](.|\n)*)?|```jso([^n](.|\n)*)?|```json([^\n](.|\n)*)?/")
+    lines.append(r'fenced: "```json\n" bare "\n```" "\n"?')
     if plan.family == LLAMA3:
         lines.append("start: " + ("TEXT | bare" if plan.choice == "auto" else "bare"))
         return "\n".join(lines)
@@ -156,10 +160,10 @@ def grammar(plan: ToolPlan) -> str:
     lines.append("more: " + (rf'("\n" {open_} body)* "\n"?' if several else r'"\n"?'))
     if plan.choice != "auto":
         lines.append(f"start: {open_} body more")
-    elif plan.tags:  # text, text then tagged calls, or bare JSON calls (Qwen2.5-Coder answers those)
-        lines.append(f"start: TEXT | TEXT {open_} body more | bare")
+    elif plan.tags:  # text, text then tagged calls, or bare or fenced JSON calls (Qwen2.5-Coder answers those)
+        lines.append(f"start: TEXT | TEXT {open_} body more | bare | fenced")
     else:  # the tag as text, matched lazily
-        lines += ["start: TEXT | trig body more | bare", f"trig[lazy]: TEXT {open_}"]
+        lines += ["start: TEXT | trig body more | bare | fenced", f"trig[lazy]: TEXT {open_}"]
     return "\n".join(lines)
 
 
@@ -203,6 +207,11 @@ def split(text: str, family: str, final: bool) -> Calls:
         return _split_bare(text, final, "parameters", "; ")
     if text.startswith("{"):  # bare JSON calls, without tags
         return _split_bare(text, final, "arguments", "\n")
+    if text.startswith(FENCE + "{"):  # the same in a ```json fence
+        inner = _split_bare(text[len(FENCE):], final, "arguments", "\n")
+        return Calls("", inner.calls) if inner.calls or not final else Calls(text, [])
+    if not final and (FENCE + "{").startswith(text):  # (held: it may open a fenced call)
+        return Calls("", [])
     at = text.find(OPEN)
     if at < 0:
         return Calls(text if final else _hold(text, OPEN).rstrip(), [])
