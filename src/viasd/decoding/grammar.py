@@ -28,6 +28,7 @@ from viasd.errors import InvalidArgumentError
 FORCED_MAX = 16  # grammar-forced tokens drafted in one round at most (the caches keep room for them)
 GRAMMAR_MAX_CHARS = 1 << 17  # a schema, regex or grammar longer than this is refused before it compiles
 FORMAT_TYPES = ("text", "json_object", "json_schema", "regex", "grammar")
+_NEG_INF_BITS = np.uint32(0xFF800000)  # float32 -inf
 
 
 def _limits():
@@ -140,12 +141,22 @@ class Constraint:
             raise InvalidArgumentError(f"response_format: the grammar cannot follow the model's tokens: {error} "
                                        "(a special token's text in a grammar? name the token instead)")
 
-    def allowed(self) -> torch.Tensor:
-        """[V] bool: the tokens the grammar allows next."""
+    def _compute(self, invert: bool = False) -> np.ndarray:
+        """[V] uint8, 1 where the grammar allows the token next (`invert`: where it forbids it)."""
         self.matcher.unsafe_compute_mask_ptr(self._bits.data_ptr(), self._bits.numel() * 4)
         self.masks_computed += 1
-        bits = np.unpackbits(self._bits.numpy().view(np.uint8), bitorder="little")[: self.vocab_size]
-        return torch.from_numpy(bits.view(bool))  # (0 or 1 bytes: a valid bool view, no copy)
+        words = self._bits.numpy()
+        return np.unpackbits((np.invert(words) if invert else words).view(np.uint8), bitorder="little")[: self.vocab_size]
+
+    def allowed(self) -> torch.Tensor:
+        """[V] bool: the tokens the grammar allows next."""
+        return torch.from_numpy(self._compute().view(bool))  # (0 or 1 bytes: a valid bool view, no copy)
+
+    def _bias_into(self, row: np.ndarray) -> None:
+        """row [V] float32 (seen as uint32) <- 0 where the grammar allows the token next, -inf elsewhere:
+        an integer product of the forbidden bits with -inf's bit pattern, branch-free (torch.where on a
+        152k-token row cost 3-10x more)."""
+        np.multiply(self._compute(invert=True)[: row.shape[0]], _NEG_INF_BITS, out=row, dtype=np.uint32)
 
     def allowed_after(self, tokens: list[int]) -> torch.Tensor:
         """[V] bool: the tokens allowed after the committed ones and `tokens` (grammar-valid)."""
@@ -166,13 +177,14 @@ class Constraint:
         seq = replay + ahead  # the tokens the rows predict, all but the last row's
         first = len(seq) + 1 - n_rows  # seq[:first] consumed before the first row's state
         self._consume(seq[:first])
-        allowed = torch.empty(n_rows, logits.shape[-1], dtype=torch.bool)  # [n_rows, V]
+        out = torch.empty(n_rows, logits.shape[-1], dtype=torch.float32)  # [n_rows, V]: 0 or -inf, then + logits
+        bias = out.numpy().view(np.uint32)
         for i in range(n_rows):
-            allowed[i] = self.allowed()[: logits.shape[-1]]
+            self._bias_into(bias[i])
             if i < n_rows - 1:
                 self._consume([seq[first + i]])
         self._rollback(len(ahead))
-        return torch.where(allowed, logits, float("-inf"))  # (a new tensor: a pass' logits may be its buffer)
+        return out.add_(logits)  # (a new tensor: a pass' logits may be its buffer)
 
     def valid(self, tokens: list[int], ahead: list[int] = ()) -> int:
         """How many of `tokens` (after the committed tokens and `ahead`) the grammar accepts in a row."""
