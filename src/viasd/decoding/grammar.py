@@ -106,7 +106,6 @@ class Constraint:
 
     def __post_init__(self) -> None:
         self._bits = torch.empty((self.vocab_size + 31) // 32, dtype=torch.int32)
-        self.masks_computed = 0
         # tokens consumed after the grammar stopped (end tokens: all its mask then allows), which the
         # matcher itself refuses; always the last ones, so rolling back takes them first
         self._after_stop = 0
@@ -144,7 +143,6 @@ class Constraint:
     def _compute(self, invert: bool = False) -> np.ndarray:
         """[V] uint8, 1 where the grammar allows the token next (`invert`: where it forbids it)."""
         self.matcher.unsafe_compute_mask_ptr(self._bits.data_ptr(), self._bits.numel() * 4)
-        self.masks_computed += 1
         words = self._bits.numpy()
         return np.unpackbits((np.invert(words) if invert else words).view(np.uint8), bitorder="little")[: self.vocab_size]
 
