@@ -6,6 +6,7 @@ from __future__ import annotations
 import threading
 import time
 
+from viasd.server import ServeSettings, create_app
 from viasd.server.engine import Worker
 
 MODEL = "smollm2-135m"
@@ -43,3 +44,10 @@ class GatedWorker(Worker):
         self.gate.wait(120)
         self.order.append(job.prompt)
         super()._decode(job)
+
+
+def gated_app(model, max_queue: int):
+    """A GatedWorker deciding one request at a time behind a queue of `max_queue`, and the app over it
+    (served as "tiny")."""
+    worker = GatedWorker(model, max_queue=max_queue, max_batch=1)
+    return worker, create_app(model, settings=ServeSettings(served_name="tiny", max_queue=max_queue), worker=worker)

@@ -17,7 +17,7 @@ from viasd.cli import main  # noqa: E402
 from viasd.server import ServeSettings, create_app  # noqa: E402
 from viasd.server.engine import Worker  # noqa: E402
 from live_server import LiveServer, metric  # noqa: E402
-from helpers import GatedWorker, check_error, wait_for  # noqa: E402
+from helpers import check_error, gated_app, wait_for  # noqa: E402
 
 
 def test_a_request_answered_at_once_wakes_its_reader_only_at_the_end():
@@ -107,8 +107,7 @@ def test_a_drain_that_times_out_ends_the_stream_with_an_error_and_done(tiny):
 def test_a_drain_that_cuts_queued_requests_says_they_never_started(tiny):
     """A request still queued when the drain's time is up gets a 503 saying it never
     started; the running one's says its generation stopped before its end."""
-    worker = GatedWorker(tiny, max_queue=4, max_batch=1)
-    app = create_app(tiny, settings=ServeSettings(served_name="tiny", max_queue=4), worker=worker)
+    worker, app = gated_app(tiny, 4)
     body = {"model": "tiny", "prompt": "w1 w2 w3", "max_tokens": 3}
     with LiveServer(app) as live, ThreadPoolExecutor(2) as pool:
         running = pool.submit(httpx.post, live.url + "/v1/completions", json=body, timeout=120)

@@ -12,9 +12,8 @@ import pytest
 httpx = pytest.importorskip("httpx")
 openai = pytest.importorskip("openai")
 pytest.importorskip("fastapi")
-from viasd.server import ServeSettings, create_app  # noqa: E402
 from live_server import LiveServer, metric  # noqa: E402
-from helpers import COUNTING, HAIKU, MODEL, GatedWorker, check_error, wait_for  # noqa: E402
+from helpers import COUNTING, HAIKU, MODEL, check_error, gated_app, wait_for  # noqa: E402
 
 
 @pytest.mark.model
@@ -43,8 +42,7 @@ def test_16_concurrent_clients_each_get_their_own_complete_answer(live):
 
 
 def test_requests_are_served_in_arrival_order(tiny):
-    worker = GatedWorker(tiny, max_queue=8, max_batch=1)
-    app = create_app(tiny, settings=ServeSettings(served_name="tiny", max_queue=8), worker=worker)
+    worker, app = gated_app(tiny, 8)
     prompts = ["w1 w2", "w3 w4", "w5 w6", "w7 w8", "w9 w10"]
     with LiveServer(app) as live, ThreadPoolExecutor(len(prompts)) as pool:
         futures = []
@@ -57,8 +55,7 @@ def test_requests_are_served_in_arrival_order(tiny):
 
 
 def test_queue_full_answers_503_and_waiting_requests_still_complete(tiny):
-    worker = GatedWorker(tiny, max_queue=1, max_batch=1)
-    app = create_app(tiny, settings=ServeSettings(served_name="tiny", max_queue=1), worker=worker)
+    worker, app = gated_app(tiny, 1)
     with LiveServer(app) as live, ThreadPoolExecutor(2) as pool:
         c = live.client()
         ask = lambda: c.completions.create(model="tiny", prompt="w1 w2 w3", max_tokens=3)  # noqa: E731
@@ -82,8 +79,7 @@ def test_queue_full_answers_503_and_waiting_requests_still_complete(tiny):
 
 @pytest.mark.parametrize("stream", [True, False])
 def test_a_request_whose_client_left_while_queued_is_never_decoded(tiny, stream):
-    worker = GatedWorker(tiny, max_queue=4, max_batch=1)
-    app = create_app(tiny, settings=ServeSettings(served_name="tiny", max_queue=4), worker=worker)
+    worker, app = gated_app(tiny, 4)
     body = {"model": "tiny", "prompt": "w1 w2 w3", "max_tokens": 3}
     with LiveServer(app) as live, ThreadPoolExecutor(2) as pool:
         first = pool.submit(httpx.post, live.url + "/v1/completions", json=body, timeout=120)
