@@ -52,6 +52,10 @@ def bpe_tokenizer(vocab_size: int, corpus: list[str]):
     return PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<eos>")
 
 
+# the tiny models' widths, Llama-style and Gemma-style alike
+TINY_SHAPE = dict(hidden_size=64, intermediate_size=128, num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512)
+
+
 def save_tiny(path: Path, arch: str = "llama", seed: int = 0, n_layers: int = 4, words: list[str] = TINY_VOCAB, scale: float = 1.0,
               tokenizer=None) -> Path:
     """A random-weights transformers model of `arch` in `path` (config, safetensors, tokenizer: a
@@ -65,12 +69,8 @@ def save_tiny(path: Path, arch: str = "llama", seed: int = 0, n_layers: int = 4,
     config = AutoConfig.for_model(
         arch,
         vocab_size=vocab,
-        hidden_size=64,
-        intermediate_size=128,
         num_hidden_layers=n_layers,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=512,
+        **TINY_SHAPE,
         rms_norm_eps=1e-5,
         tie_word_embeddings=arch != "qwen2",
         eos_token_id=eos,
@@ -105,14 +105,10 @@ def save_tiny_gemma(path: Path, arch: str = "gemma3_text", seed: int = 0, n_laye
     config = AutoConfig.for_model(
         arch,
         vocab_size=len(words),
-        hidden_size=64,
-        intermediate_size=128,
         num_hidden_layers=n_layers,
-        num_attention_heads=4,
-        num_key_value_heads=2,
+        **TINY_SHAPE,
         head_dim=16,
         query_pre_attn_scalar=24,
-        max_position_embeddings=512,
         rms_norm_eps=1e-6,
         sliding_window=window,
         layer_types=["full_attention" if (i + 1) % 2 == 0 else "sliding_attention" for i in range(n_layers)],
