@@ -208,6 +208,10 @@ class GenerateConfig:
         "'grammar', 'grammar': LARK}", flags=("--json-schema", "--json-object", "--regex", "--grammar"), server="openai")
     grammar_drafts: bool = setting(True, "under a constraint, the tokens the grammar alone determines are drafted for "
                                    "free in front of the drafter's (and by ar) and verified in the same pass")
+    logprobs: int | None = setting(
+        None, "record each new token's log-probability under the full model and this many alternatives' (after "
+        "logit_bias, penalties and the grammar's mask; before temperature and top-k/top-p/min-p); not with tiered "
+        "viasd, which settles tokens without the full model (in --json output)", lo=0, hi=20, server="openai")
     drafting: DraftOptions = field(default_factory=DraftOptions)
     viasd: ViasdOptions = field(default_factory=ViasdOptions)
     cascade: CascadeOptions = field(default_factory=CascadeOptions)
@@ -251,6 +255,9 @@ class GenerateConfig:
         if self.viasd.correct and not (spec.multitier and self.viasd.mode == Mode.TIERED.value and self.temperature == 0):
             raise UsageError("correct applies to strategy viasd in tiered mode with greedy decoding (temperature 0): "
                              "it replaces tokens by the full model's greedy choice")
+        if self.logprobs is not None and spec.multitier and self.viasd.mode == Mode.TIERED.value:
+            raise UsageError("logprobs need the full model's distribution at every token, and tiered viasd settles "
+                             "tokens without it: use mode lossless (or another strategy)")
         for group in _GROUPS:
             getattr(self, group).validate()
 

@@ -17,7 +17,9 @@ from viasd.server.errors import APIError, validation_error
 
 # the settings a request sets through OpenAI's own fields of the same name (max_new_tokens: max_tokens)
 # (response_format: a typed object, see response_format_of)
-OPENAI_FIELDS = tuple(n for n, d in SETTINGS.items() if d.spec.server == "openai" and n not in ("max_new_tokens", "response_format"))
+# (logprobs: each endpoint's own fields, see `logprobs_setting`)
+OPENAI_FIELDS = tuple(n for n, d in SETTINGS.items() if d.spec.server == "openai" and n not in ("max_new_tokens", "response_format",
+                                                                                               "logprobs"))
 
 
 async def read_body(request: Request, max_body: int) -> bytes:
@@ -96,6 +98,12 @@ def config_for(req, max_tokens: int | None, defaults: dict, max_positions: int) 
     for name in OPENAI_FIELDS:
         if getattr(req, name) is not None:
             s[name] = getattr(req, name)
+    try:
+        logprobs = req.logprobs_setting()
+    except ValueError as e:
+        raise APIError(400, str(e), param="top_logprobs", code="invalid_value") from None
+    if logprobs is not None:
+        s["logprobs"] = logprobs
     fmt, fmt_param = response_format_of(req)
     if fmt is not None:
         s["response_format"] = fmt
@@ -109,6 +117,6 @@ def config_for(req, max_tokens: int | None, defaults: dict, max_positions: int) 
     try:
         GenerateConfig.from_settings(**{**s, "chat": None}).validate()
     except UsageError as e:
-        param = fmt_param if str(e).startswith("response_format") else "viasd"
+        param = fmt_param if str(e).startswith("response_format") else "logprobs" if str(e).startswith("logprobs") else "viasd"
         raise APIError(400, str(e), param=param, code="invalid_value") from None
     return s

@@ -58,7 +58,7 @@ async def run(request: Request, endpoint: str, req, prompt, max_tokens: int | No
     job = Job(prompt, settings, req.stops(), asyncio.get_running_loop(), stream=bool(req.stream))
     submit(state.worker, job)
     watcher = asyncio.create_task(watch_disconnect(request, job))
-    reply = Reply(job, endpoint, chat, state.served, state.metrics, watcher, plan)
+    reply = Reply(job, endpoint, chat, state.served, state.metrics, watcher, plan, state.model, bool(req.viasd and req.viasd.provenance))
     if req.stream:
         return await answer_stream(reply, bool(req.stream_options and req.stream_options.include_usage))
     return await answer_whole(reply)

@@ -13,8 +13,6 @@ from viasd.settings import SETTINGS, Declared
 # Parameters of the OpenAI API this server understands but does not implement: a clear 400 when
 # given a non-default value (the openai client sends none of them unless asked).
 UNSUPPORTED = {
-    "logprobs": (None, False, 0),
-    "top_logprobs": (None, 0),
     "echo": (None, False),
     "best_of": (None, 1),
     "suffix": (None,),
@@ -62,7 +60,7 @@ def field_of(d: Declared):
 class _Extension(Strict):
     def settings(self) -> dict:
         """The decode settings it sets (its regex / grammar: parsing.response_format_of)."""
-        out = self.model_dump(exclude_none=True, exclude={"regex", "grammar"})
+        out = self.model_dump(exclude_none=True, exclude={"regex", "grammar", "provenance"})
         for name, d in SETTINGS.items():
             if d.kind == "layers" and name in out:
                 out[name] = tuple(out[name])
@@ -103,11 +101,13 @@ GRAMMAR_TEXT = Annotated[str, Field(min_length=1, max_length=1 << 17)]
 # the server lets a request choose (viasd/settings.py); the server's configured defaults fill what is
 # not given. Routes are layer lists; the drafter model, route files and threshold files are the
 # server's (`viasd serve --drafter / --slim-route ...`).
+# `provenance`: each token's source in the answer's `viasd` object (a response option, not a decode setting).
 ViasdExtension = create_model("ViasdExtension", __base__=_Extension,
                               regex=(GRAMMAR_TEXT | None, None), grammar=(GRAMMAR_TEXT | None, None),
+                              provenance=(bool | None, None),
                               **{n: (field_of(d), None) for n, d in SETTINGS.items() if d.spec.server == "viasd"})
 MaxTokens = field_of(SETTINGS["max_new_tokens"])  # max_tokens, max_completion_tokens
-Temperature, TopP, SeedField = (field_of(SETTINGS[n]) for n in ("temperature", "top_p", "seed"))
+Temperature, TopP, SeedField, Logprobs = (field_of(SETTINGS[n]) for n in ("temperature", "top_p", "seed", "logprobs"))
 
 
 class StreamOptions(Strict):
@@ -128,8 +128,6 @@ class _Common(Strict):
     viasd: ViasdExtension | None = None
     _SUPPORTED: ClassVar = ()  # UNSUPPORTED's parameters this endpoint does support
     # unsupported (400 when set to anything but their default) and ignored fields
-    logprobs: object = None
-    top_logprobs: object = None
     echo: object = None
     best_of: object = None
     suffix: object = None
@@ -176,6 +174,10 @@ class CompletionRequest(_Common):
     prompt: Annotated[str, Field(max_length=1_000_000)] | Annotated[list[Annotated[int, Field(ge=0)]], Field(min_length=1)] | Annotated[
         list[str], Field(min_length=1, max_length=1)] | Annotated[list[Annotated[list[Annotated[int, Field(ge=0)]], Field(min_length=1)]], Field(min_length=1, max_length=1)]
     max_tokens: MaxTokens = None
+    logprobs: Logprobs = None  # the chosen token's and this many alternatives' (OpenAI: at most 5; here 20)
+
+    def logprobs_setting(self) -> int | None:
+        return self.logprobs
 
     @field_validator("prompt")
     @classmethod
@@ -259,8 +261,15 @@ class ChatCompletionRequest(_Common):
     tools: Annotated[list[Tool], Field(max_length=128)] | None = None
     tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
     parallel_tool_calls: bool | None = None
+    logprobs: bool | None = None
+    top_logprobs: Logprobs = None  # alternatives per token, with logprobs
 
     _SUPPORTED: ClassVar = ("tools", "tool_choice", "parallel_tool_calls")
+
+    def logprobs_setting(self) -> int | None:
+        if self.top_logprobs is not None and not self.logprobs:
+            raise ValueError("top_logprobs needs logprobs: true")
+        return (self.top_logprobs or 0) if self.logprobs else None
 
     def limit(self) -> int | None:
         return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
