@@ -11,12 +11,12 @@ produces text) raises `StopGeneration`, and `generate` returns what was committe
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import sys
 import threading
 import time
 import traceback
 from concurrent.futures import ThreadPoolExecutor
-import dataclasses
 from dataclasses import dataclass, field
 
 from viasd.api import GenerateConfig, StopGeneration, TokenText, drafts_with_model, generate
