@@ -4,6 +4,7 @@ APIError with OpenAI's status and code)."""
 from __future__ import annotations
 
 import json
+import re
 
 from fastapi import Request
 from pydantic import ValidationError
@@ -108,7 +109,7 @@ def config_for(req, max_tokens: int | None, defaults: dict, max_positions: int, 
         if vocab_size is not None:
             check_bias_ids(s.get("logit_bias"), vocab_size)
     except UsageError as e:
-        named = str(e).split(" ", 1)[0].split("[", 1)[0]  # (a setting's message starts with its name)
+        named = re.match(r"\w*", str(e)).group()  # (a setting's message starts with its name: "top_p must ...", "logit_bias[5] ...")
         param = fmt_param if named == "response_format" else named if named in OPENAI_FIELDS else "viasd"
         raise APIError(400, str(e), param=param, code="invalid_value") from None
     return s
