@@ -17,6 +17,7 @@ from viasd.decoding.crossvocab import Conversion, CrossVocabDrafter
 from viasd.decoding.drafters import Drafter, GrammarDrafter, ModelDrafter, NgramDrafter, SelfDrafter
 from viasd.decoding.grammar import Constraint, check_format, grammar_of
 from viasd.decoding.multitier import resume_layer
+from viasd.decoding.processors import LogitProcessors
 from viasd.decoding.registry import DraftKind, LoopArgs, Mode, Strategy
 from viasd.decoding.stats import DecodeResult, DecodeStats, Source, TokenLogprob
 from viasd.decoding.verifier import DecodeRequest
@@ -28,7 +29,7 @@ from viasd.models.vocabulary import VocabBridge
 from viasd.models.zoo import DEFAULT_MODEL
 from viasd.routing.resolve import drafter_head, resolve_route, route_head, slim_vocab
 from viasd.settings import (CONVERSIONS, DRAFT_KINDS, MODES, CascadeOptions, DraftOptions,  # noqa: F401 (the API's names)
-                            GenerateConfig, ViasdOptions, preflight_files)
+                            GenerateConfig, ViasdOptions, bias_of, check_bias_ids, preflight_files)
 from viasd.validation import check_text, check_token_ids
 
 def _as_model(model: str | LoadedModel, progress: bool) -> LoadedModel:
@@ -265,12 +266,15 @@ def generate(
             f"model's {verifier.config.max_positions} positions"
         )
     generator = torch.Generator().manual_seed(config.seed)
-    params = SamplingParams(config.temperature, config.top_p)
+    params = SamplingParams(config.temperature, config.top_p, config.top_k, config.min_p)
+    check_bias_ids(config.logit_bias, verifier.config.vocab_size)
+    processors = LogitProcessors(bias_of(config.logit_bias or {}), config.presence_penalty, config.frequency_penalty,
+                                 config.repetition_penalty)
     stats = DecodeStats(prompt_tokens=len(ids))
     stream = TextStream(verifier, _emitter(on_text, on_tokens))
     constraint = constraint_for(verifier, config.response_format)
     req = DecodeRequest(ids, config.max_new_tokens, params, verifier.eos_token_ids, stats, generator, stream, passes or Passes(),
-                        constraint, config.logprobs)
+                        constraint, config.logprobs, processors if processors.active else None)
     args, extra = _loop_args(spec, config, verifier)
     chosen = _make_drafter(kind, verifier, drafter, config, params, generator, progress) if kind else None
     if constraint is not None and (chosen is not None or config.grammar_drafts):

@@ -22,6 +22,7 @@ import torch
 
 from viasd.decoding.acceptance import SamplingParams
 from viasd.decoding.grammar import FORCED_MAX, Constraint
+from viasd.decoding.processors import LogitProcessors, ProcessorState
 from viasd.decoding.stats import DecodeStats, Source, TokenLogprob, token_logprobs
 from viasd.decoding.tiers import Tier
 from viasd.execution.passes import Passes
@@ -57,6 +58,7 @@ class DecodeRequest:
     passes: Passes = field(default_factory=Passes)  # how its model passes run (a server's batch, prefix caches)
     constraint: Constraint | None = None  # its grammar (`response_format`): every pass' logits are masked by it
     logprobs: int | None = None  # record each token's full-model logprob and this many alternatives (None: none)
+    processors: LogitProcessors | None = None  # logit_bias and penalties: every pass' logits go through them first
 
     def __post_init__(self) -> None:
         if self.stats.pass_seconds is None:
@@ -77,6 +79,8 @@ class Verifier:
     def __init__(self, decoder: Decoder, req: DecodeRequest, max_len: int, resume_layer: int | None = None):
         self.decoder, self.req, self.stats, self.passes = decoder, req, req.stats, req.passes
         self.constraint = req.constraint
+        # (None at the neutral values: the default path does no extra work)
+        self.processors = ProcessorState(req.processors, req.prompt) if req.processors is not None and req.processors.active else None
         self.stats.full_pass_bytes = pass_bytes(decoder, None)
         self.cache: KVCache = decoder.new_cache(max_len)
         if resume_layer is not None and not decoder.is_encoder_decoder:
@@ -182,8 +186,11 @@ class Verifier:
         return self._masked(logits[len(seq) - start - n_rows :], ahead)
 
     def _masked(self, rows: torch.Tensor, ahead: list[int]) -> torch.Tensor:
-        """rows [n, V]: the logits of the last n positions of tokens + ahead, with what the request's
-        grammar forbids at each set to -inf (unchanged without a grammar)."""
+        """rows [n, V]: the logits of the last n positions of tokens + ahead, through the request's
+        logit processors (bias, penalties: `processors.py`), then with what its grammar forbids at each
+        set to -inf (unchanged without either). So the target distribution every rule uses is the processed one."""
+        if self.processors is not None:
+            rows = self.processors.process(rows, self.out, ahead)
         if self.constraint is None:
             return rows
         with self.stats.grammar_clock(rows.shape[0]):
@@ -202,6 +209,8 @@ class Verifier:
         new = new[:end]
         if self.constraint is not None:
             self.constraint.commit(new)
+        if self.processors is not None:
+            self.processors.commit(new)
         self.tokens += new
         self.out += new
         if tiers is not None:
@@ -236,6 +245,8 @@ class Verifier:
             raise RuntimeError(f"cannot retract {n} tokens: {len(self.out) - self.streamed} unstreamed, tiers of "
                                f"{len(self.origins)} of {len(self.out)} recorded")
         removed = self.origins[-n:]
+        if self.processors is not None:
+            self.processors.retract(self.out[-n:])
         self.stats.sources.subtract(self.sources[-n:])
         del self.tokens[-n:], self.out[-n:], self.origins[-n:], self.sources[-n:]
         if self.logprobs is not None:

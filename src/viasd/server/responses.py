@@ -19,7 +19,7 @@ from viasd.server.tools import whole_message
 
 _RECORDED = ("strategy", "draft", "drafter", "mode", "k", "adapt_k", "adaptive_k", "slim_fraction", "tier_thresholds",
              "resume", "resume_layer", "reduced_head", "slim_head_vocab", "drafter_head_vocab", "correct", "temperature",
-             "top_p", "seed")
+             "top_p", "seed", "top_k", "min_p", "presence_penalty", "frequency_penalty", "repetition_penalty", "logit_bias")
 
 
 def finite(x):

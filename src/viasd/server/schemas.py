@@ -16,9 +16,6 @@ UNSUPPORTED = {
     "echo": (None, False),
     "best_of": (None, 1),
     "suffix": (None,),
-    "logit_bias": (None, {}),
-    "presence_penalty": (None, 0, 0.0),
-    "frequency_penalty": (None, 0, 0.0),
     "tools": (None, []),  # (chat: supported, see ChatCompletionRequest)
     "tool_choice": (None, "none"),
     "functions": (None, []),
@@ -52,6 +49,8 @@ def field_of(d: Declared):
         t = Literal[sp.choices]
     elif d.kind == "layers":
         t = Annotated[list[Annotated[int, Field(ge=sp.lo, le=sp.hi)]], Field(min_length=1, max_length=sp.hi + 1)]
+    elif d.kind == "bias":  # OpenAI's shape: {"50256": -100} (JSON keys are text); the vocabulary bound: parsing.config_for
+        t = dict[Annotated[str, Field(pattern=r"^[0-9]{1,10}$")], Annotated[float, Field(ge=sp.lo, le=sp.hi, allow_inf_nan=False)]]
     else:
         raise TypeError(f"setting {d.name} ({d.kind}) has no request field")
     return t | None
@@ -107,19 +106,22 @@ ViasdExtension = create_model("ViasdExtension", __base__=_Extension,
                               provenance=(bool | None, None),
                               **{n: (field_of(d), None) for n, d in SETTINGS.items() if d.spec.server == "viasd"})
 MaxTokens = field_of(SETTINGS["max_new_tokens"])  # max_tokens, max_completion_tokens
-Temperature, TopP, SeedField, Logprobs = (field_of(SETTINGS[n]) for n in ("temperature", "top_p", "seed", "logprobs"))
+# the settings a request sets by a top-level field of the same name: OpenAI's sampling fields (temperature,
+# top_p, seed, presence_penalty, frequency_penalty, logit_bias) and vLLM's / llama-server's extras (top_k,
+# min_p, repetition_penalty); max_new_tokens is max_tokens, response_format a typed object (below), logprobs
+# each endpoint's own fields (`logprobs_setting`)
+OPENAI_FIELDS = tuple(n for n, d in SETTINGS.items() if d.spec.server == "openai" and n not in ("max_new_tokens", "response_format",
+                                                                                               "logprobs"))
+_Sampling = create_model("_Sampling", __base__=Strict, **{n: (field_of(SETTINGS[n]), None) for n in OPENAI_FIELDS})
+Logprobs = field_of(SETTINGS["logprobs"])
 
 
 class StreamOptions(Strict):
     include_usage: bool = False
 
 
-class _Common(Strict):
+class _Common(_Sampling):  # (its sampling fields: _Sampling's, one per setting)
     model: Annotated[str, Field(min_length=1, max_length=512)]
-    # OpenAI's sampling fields: the settings of the same names (viasd/settings.py)
-    temperature: Temperature = None
-    top_p: TopP = None
-    seed: SeedField = None
     stop: Annotated[str, Field(min_length=1, max_length=256)] | Annotated[
         list[Annotated[str, Field(min_length=1, max_length=256)]], Field(max_length=4)] | None = None
     n: Annotated[int, Field(ge=1, le=128)] | None = None
@@ -131,9 +133,6 @@ class _Common(Strict):
     echo: object = None
     best_of: object = None
     suffix: object = None
-    logit_bias: object = None
-    presence_penalty: object = None
-    frequency_penalty: object = None
     tools: object = None
     tool_choice: object = None
     functions: object = None
