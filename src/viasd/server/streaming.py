@@ -9,7 +9,7 @@ from fastapi.responses import Response, StreamingResponse
 
 from viasd.server.errors import ended_by_server, engine_error, error_body
 from viasd.server.responses import Reply, record
-from viasd.server.tools import ToolStream
+from viasd.server.tools import ToolStream, finish_of
 
 _HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
 
@@ -76,7 +76,7 @@ def last_events(reply: Reply, event: tuple, include_usage: bool, called: bool = 
     job = reply.job
     if event[0] == "done":
         reply.finish(200)
-        last = reply.chunk(None, "tool_calls" if called and job.finish_reason == "stop" else job.finish_reason, tokens=list(tokens))
+        last = reply.chunk(None, finish_of(job.finish_reason, called), tokens=list(tokens))
         last["viasd"] = {**last.get("viasd", {}), **record(job)}
         return [last, reply.usage_chunk(), "[DONE]"] if include_usage else [last, "[DONE]"]
     if event[0] == "error":
