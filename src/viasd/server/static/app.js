@@ -240,7 +240,7 @@ function finalLine(a, record) {  // at the end: the server's stats
       const i = document.createElement("i");
       i.className = "tok-" + k;
       s.title = SOURCES[k];
-      s.append(i, `${SOURCES[k]} ${st.sources[k]}`);
+      s.append(i, `${SOURCES[k]} ${st.sources[k]} `);
       return s;
     }));
   }
