@@ -303,7 +303,6 @@ function onChunk(a, chunk) {
   }
   if (choice.finish_reason) {
     a.finish = choice.finish_reason;
-    a.el.dataset.finish = choice.finish_reason;
     a.final = chunk.viasd || null;
   }
 }
@@ -364,6 +363,7 @@ async function send(ev) {
   if (a.final) finalLine(a, a.final);
   else a.speed.textContent = a.error === "stopped" ? "stopped" : "";
   if (a.error && a.error !== "stopped") errorOf(a, a.error);
+  a.el.dataset.finish = a.finish || (a.error === "stopped" ? "stopped" : "error");  // set last: the answer is complete
   hideNotice();
   scrollDown();
 }
