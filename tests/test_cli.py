@@ -31,6 +31,13 @@ def run(capsys, *argv):
         (["generate", "hi", "--strategy", "viasd", "--correct"],
          "viasd: error: correct applies to strategy viasd in tiered mode with greedy decoding"),
         (["frobnicate"], "invalid choice: 'frobnicate'"),
+        (["generate", "hi", "--top-k", "-1"], "viasd: error: top_k must be >= 0, got -1"),
+        (["generate", "hi", "--min-p", "2"], "viasd: error: min_p must be <= 1.0, got 2.0"),
+        (["generate", "hi", "--repetition-penalty", "0"], "viasd: error: repetition_penalty must be > 0.0, got 0.0"),
+        (["generate", "hi", "--presence-penalty", "-2.5"], "viasd: error: presence_penalty must be >= -2.0, got -2.5"),
+        (["generate", "hi", "--logit-bias", "5=101"], "viasd: error: logit_bias[5] must be <= 100.0, got 101.0"),
+        (["generate", "hi", "--logit-bias", "5"], "viasd: error: logit_bias must be ID=BIAS pairs (a token id, a number), got '5'"),
+        (["generate", "hi", "--logit-bias", "1=2,x=3"], "viasd: error: logit_bias must be ID=BIAS pairs"),
     ],
 )
 def test_usage_errors_exit_2_with_one_line(capsys, argv, message):
@@ -38,6 +45,25 @@ def test_usage_errors_exit_2_with_one_line(capsys, argv, message):
     assert code == 2
     assert message in err
     assert "Traceback" not in err
+    if err.startswith("viasd: error:"):
+        assert len(err.strip().splitlines()) == 1
+
+
+def test_generate_takes_the_samplers(capsys, tiny_dir):
+    """--logit-bias repeated or comma-separated (one dict), the other samplers as flags, all in the record;
+    an id beyond the vocabulary refused once the model is loaded."""
+    code, out, _ = run(capsys, "generate", "w5 w6", "--model", str(tiny_dir), "--no-chat", "-n", "3", "--json", "--quiet",
+                       "--logit-bias", "17=100", "--logit-bias", "3=-5,4=1.5", "--top-k", "4", "--min-p", "0.1",
+                       "--presence-penalty", "0.5", "--frequency-penalty", "-0.5", "--repetition-penalty", "1.2")
+    assert code == 0, out
+    record = json.loads(out)
+    assert record["token_ids"] == [17, 17, 17]
+    config = record["config"]
+    assert config["logit_bias"] == {"17": 100.0, "3": -5.0, "4": 1.5}
+    assert (config["top_k"], config["min_p"], config["presence_penalty"], config["frequency_penalty"],
+            config["repetition_penalty"]) == (4, 0.1, 0.5, -0.5, 1.2)
+    code, _, err = run(capsys, "generate", "w5", "--model", str(tiny_dir), "--no-chat", "-n", "2", "--quiet", "--logit-bias", "64=1")
+    assert code == 2 and err.strip() == "viasd: error: logit_bias names token id 64, outside the vocabulary: ids must be in [0, 64)"
 
 
 def test_unsupported_architecture_is_one_line(capsys, tmp_path):

@@ -49,6 +49,8 @@ def values(d: Declared) -> list:
         return [(0, 1), (-1,), (int(s.hi),), (int(s.hi) + 1,)]
     if d.kind == "format":
         return FORMATS
+    if d.kind == "bias":
+        return BIASES
     return ["some/file.json"]
 
 
@@ -57,6 +59,10 @@ FORMATS = [{"type": "json_object"}, {"type": "json_schema", "json_schema": {"nam
            {"type": "json_schema", "json_schema": {"name": "bad", "schema": {"type": "no-such-type"}}},
            {"type": "regex", "regex": "[a-z]+"}, {"type": "regex", "regex": "("}, {"type": "grammar", "grammar": 'start: "a" | "b"'},
            {"type": "grammar", "grammar": "start: undefined_rule"}, {"type": "no-such-format"}]
+
+
+BIASES = [{5: 1.5}, {"7": -100, 3: 100}, {5: 100.5}, {5: -101}, {-1: 1.0}, {"x": 1.0}, {5: math.nan}, {5: math.inf},
+          {}, "5=1"]
 
 
 def format_argv(v: dict, tmp: Path) -> list[str] | None:
@@ -73,7 +79,10 @@ def format_argv(v: dict, tmp: Path) -> list[str] | None:
     return None
 
 
-def text(d: Declared, v) -> str:
+def text(d: Declared, v) -> str | None:
+    """The value as a flag or a method option spells it; None where none does."""
+    if d.kind == "bias":  # ('/' between pairs: ',' separates a bench's methods)
+        return "/".join(f"{k}={b!r}" for k, b in v.items()) if isinstance(v, dict) and v else None
     if d.kind == "layers":
         return "/".join(map(str, v))
     if d.kind == "bool":
@@ -102,13 +111,22 @@ def cli_accepts(d: Declared, v) -> bool | None:
             argv.append(dd.flags[0] if value else "--no-" + dd.flags[0][2:])
         elif dd.kind == "layers":
             argv += [dd.flags[0], *map(str, value)]
+        elif dd.kind == "bias":  # one flag per pair (the flag repeats)
+            if text(dd, value) is None:
+                return None
+            for pair in text(dd, value).split("/"):
+                argv += [dd.flags[0], pair]
         else:
             argv += [dd.flags[0], text(dd, value)]
     try:
         args = build_parser().parse_args(argv)
     except SystemExit:  # argparse's own refusal (a choice, a type)
         return False
-    return api_accepts_settings(from_args(args))
+    try:
+        settings = from_args(args)
+    except UsageError:  # a flag's text that is no value of its kind (--logit-bias x)
+        return False
+    return api_accepts_settings(settings)
 
 
 def api_accepts_settings(settings: dict) -> bool:
@@ -125,6 +143,8 @@ def server_accepts(d: Declared, v) -> bool | None:
         return None
     body = {"model": "m", "prompt": "hi", "viasd": dict(context(d))}
     value = list(v) if isinstance(v, tuple) else v
+    if d.kind == "bias" and isinstance(v, dict):  # as JSON carries it: the keys as text
+        value = {str(k): b for k, b in v.items()}
     if d.kind == "format" and value["type"] in ("regex", "grammar"):  # viasd's own: in the extension object
         body["viasd"][value["type"]] = value[value["type"]]
     elif d.spec.server == "openai":
@@ -141,7 +161,7 @@ def server_accepts(d: Declared, v) -> bool | None:
 
 def bench_accepts(d: Declared, v) -> bool | None:
     """None for the strategy itself, which a method's name gives, and for an output format (no option sets it)."""
-    if d.name == "strategy" or d.kind == "format":
+    if d.name == "strategy" or d.kind == "format" or (d.kind == "bias" and text(d, v) is None):
         return None
     given = context(d)  # the method's name gives the strategy and mode; the setting itself is an option
     options = {n: x for n, x in given.items() if n not in ("strategy", "mode")} | {d.name: v}
@@ -167,7 +187,7 @@ def test_every_front_end_accepts_and_refuses_the_same_values(name):
         differ = {k: a for k, a in seen.items() if a is not None and a != api}
         assert not differ, f"{name}={v!r}: the API {'accepts' if api else 'refuses'} it, {differ} do not"
     # the range is real: something at its edge is accepted and something past it refused
-    if d.kind in ("int", "float", "choice", "layers"):
+    if d.kind in ("int", "float", "choice", "layers", "bias"):
         outcomes = {api_accepts(d, v) for v in values(d)}
         assert outcomes == {True, False}, name
 

@@ -8,6 +8,7 @@
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 
 import torch
 
@@ -16,8 +17,9 @@ from viasd.decoding.crossvocab import Conversion, CrossVocabDrafter
 from viasd.decoding.drafters import Drafter, GrammarDrafter, ModelDrafter, NgramDrafter, SelfDrafter
 from viasd.decoding.grammar import Constraint, check_format, grammar_of
 from viasd.decoding.multitier import resume_layer
+from viasd.decoding.processors import LogitProcessors
 from viasd.decoding.registry import DraftKind, LoopArgs, Mode, Strategy
-from viasd.decoding.stats import DecodeResult, DecodeStats
+from viasd.decoding.stats import DecodeResult, DecodeStats, Source, TokenLogprob
 from viasd.decoding.verifier import DecodeRequest
 from viasd.execution.passes import Passes
 from viasd.errors import UsageError, VocabularyMismatchError
@@ -27,7 +29,7 @@ from viasd.models.vocabulary import VocabBridge
 from viasd.models.zoo import DEFAULT_MODEL
 from viasd.routing.resolve import drafter_head, resolve_route, route_head, slim_vocab
 from viasd.settings import (CONVERSIONS, DRAFT_KINDS, MODES, CascadeOptions, DraftOptions,  # noqa: F401 (the API's names)
-                            GenerateConfig, ViasdOptions, preflight_files)
+                            GenerateConfig, ViasdOptions, bias_of, check_bias_ids, preflight_files)
 from viasd.validation import check_text, check_token_ids
 
 def _as_model(model: str | LoadedModel, progress: bool) -> LoadedModel:
@@ -41,16 +43,31 @@ class StopGeneration(Exception):
     `generate` then returns what was committed so far (the server's `stop` strings and cancellation)."""
 
 
+@dataclass(frozen=True)
+class TokenText:
+    """A committed token as `generate` streams it to `on_tokens`: its id, the text it adds to the answer
+    ("" for a special token, or for the first bytes of a character the next token completes), who
+    settled it, and its log-probabilities (with the `logprobs` setting)."""
+
+    id: int
+    text: str
+    source: Source
+    logprob: TokenLogprob | None = None
+
+
 class TextStream:
-    """Turns token ids into text increments, holding back incomplete UTF-8 sequences.
+    """Every committed token, as the decode streams them (`DecodeRequest.on_tokens`), with the text each
+    adds, holding back incomplete UTF-8 sequences; `emit` gets each batch (None: only collected).
 
     With a fast tokenizer that does not clean up spaces, through its own incremental decoder
     (`tokenizers.decoders.DecodeStream`, as text-generation-inference streams): a constant cost a
-    token, where decoding the whole answer again after every round grows with the answer."""
+    token, where decoding the whole answer again after every token grows with the answer."""
 
-    def __init__(self, model: LoadedModel, emit: Callable[[str], None]):
+    def __init__(self, model: LoadedModel, emit: Callable[[list[TokenText]], None] | None):
         self.model, self.emit = model, emit
         self.ids: list[int] = []
+        self.sources: list[Source] = []
+        self.logprobs: list[TokenLogprob] = []
         self.sent = 0
         tok = getattr(model, "tokenizer", None)
         backend = getattr(tok, "backend_tokenizer", None)
@@ -60,19 +77,26 @@ class TextStream:
 
             self._backend, self._steps = backend, DecodeStream(skip_special_tokens=True)
 
-    def __call__(self, new_ids: list[int]) -> None:
+    def __call__(self, new_ids: list[int], sources: list[Source], logprobs: list[TokenLogprob] | None) -> None:
         self.ids.extend(new_ids)
+        self.sources.extend(sources)
+        if logprobs is not None:
+            self.logprobs.extend(logprobs)
+        if self.emit is None:
+            return
+        pieces = [self._piece(len(self.ids) - len(new_ids) + j) for j in range(len(new_ids))]
+        self.emit([TokenText(i, p, s, None if logprobs is None else lp)
+                   for i, p, s, lp in zip(new_ids, pieces, sources, logprobs or [None] * len(new_ids))])
+
+    def _piece(self, j: int) -> str:
+        """The text token `j` (of self.ids) adds."""
         if self._steps is not None:
-            pieces = [p for p in (self._steps.step(self._backend, i) for i in new_ids) if p]
-            if pieces:
-                self.emit("".join(pieces))
-            return
-        text = self.model.decode(self.ids)
-        if text.endswith("\ufffd"):
-            return
-        if len(text) > self.sent:
-            self.emit(text[self.sent :])
-            self.sent = len(text)
+            return self._steps.step(self._backend, self.ids[j]) or ""
+        text = self.model.decode(self.ids[: j + 1])
+        if text.endswith("\ufffd") or len(text) <= self.sent:
+            return ""
+        piece, self.sent = text[self.sent :], len(text)
+        return piece
 
 
 def _make_drafter(kind: DraftKind, verifier: LoadedModel, drafter: str | LoadedModel | None, config: GenerateConfig,
@@ -216,6 +240,7 @@ def generate(
     drafter: str | LoadedModel | None = None,
     config: GenerateConfig | None = None,
     on_text: Callable[[str], None] | None = None,
+    on_tokens: Callable[[list[TokenText]], None] | None = None,
     progress: bool = True,
     passes: Passes | None = None,
     **settings,
@@ -225,10 +250,11 @@ def generate(
     token ids used as they are.
 
     Settings are `GenerateConfig` fields, given as `config=` or as keywords (`strategy="viasd"`,
-    `mode="tiered"`, `k=4`, `temperature=0.7`, ...). `on_text` receives the text as it is produced.
+    `mode="tiered"`, `k=4`, `temperature=0.7`, ...). `on_text` receives the text as it is produced;
+    `on_tokens` the committed tokens (`TokenText`: each one's text, who settled it, its logprobs).
     `passes`: where the model passes run (a server's batch session and prefix caches); default: here.
     """
-    config = _checked_request(prompt, config, settings, on_text)
+    config = _checked_request(prompt, config, settings, on_text, on_tokens)
     spec = config.spec
     kind = drafter_kind(config, drafter is not None)
     verifier = _as_model(model, progress)
@@ -240,12 +266,15 @@ def generate(
             f"model's {verifier.config.max_positions} positions"
         )
     generator = torch.Generator().manual_seed(config.seed)
-    params = SamplingParams(config.temperature, config.top_p)
+    params = SamplingParams(config.temperature, config.top_p, config.top_k, config.min_p)
+    check_bias_ids(config.logit_bias, verifier.config.vocab_size)
+    processors = LogitProcessors(bias_of(config.logit_bias or {}), config.presence_penalty, config.frequency_penalty,
+                                 config.repetition_penalty)
     stats = DecodeStats(prompt_tokens=len(ids))
-    stream = TextStream(verifier, on_text) if on_text else None
+    stream = TextStream(verifier, _emitter(on_text, on_tokens))
     constraint = constraint_for(verifier, config.response_format)
     req = DecodeRequest(ids, config.max_new_tokens, params, verifier.eos_token_ids, stats, generator, stream, passes or Passes(),
-                        constraint)
+                        constraint, config.logprobs, processors if processors.active else None)
     args, extra = _loop_args(spec, config, verifier)
     chosen = _make_drafter(kind, verifier, drafter, config, params, generator, progress) if kind else None
     if constraint is not None and (chosen is not None or config.grammar_drafts):
@@ -255,10 +284,29 @@ def generate(
     record.update(_drafter_record(chosen))
     try:
         out = spec.loop(verifier.decoder, chosen, req, args)
-    except StopGeneration:  # from on_text: keep the tokens committed so far
+    except StopGeneration:  # from on_text / on_tokens: keep the tokens committed so far
         out = list(stream.ids)
     stats.finish()
-    return DecodeResult(text=verifier.decode(out), token_ids=out, stats=stats, config=record)
+    if stream.ids != out:  # every committed token is streamed (correction mode's once checked)
+        raise RuntimeError(f"{spec.name}: {len(stream.ids)} tokens streamed, {len(out)} returned")
+    return DecodeResult(text=verifier.decode(out), token_ids=out, stats=stats, config=record, sources=stream.sources,
+                        logprobs=stream.logprobs if config.logprobs is not None else None)
+
+
+def _emitter(on_text: Callable[[str], None] | None,
+             on_tokens: Callable[[list[TokenText]], None] | None) -> Callable[[list[TokenText]], None] | None:
+    """The callback of a decode's `TextStream`: each batch of tokens to `on_tokens`, their text to `on_text`."""
+    if on_text is None and on_tokens is None:
+        return None
+
+    def emit(tokens: list[TokenText]) -> None:
+        if on_tokens is not None:
+            on_tokens(tokens)
+        text = "".join(t.text for t in tokens) if on_text is not None else ""
+        if text:
+            on_text(text)
+
+    return emit
 
 
 def constraint_for(model: LoadedModel, response_format: dict | None) -> Constraint | None:
@@ -280,7 +328,7 @@ def constraint_for(model: LoadedModel, response_format: dict | None) -> Constrai
     return Constraint.compile(grammar, tokenizer, model.config.vocab_size)
 
 
-def _checked_request(prompt, config: GenerateConfig | None, settings: dict, on_text) -> GenerateConfig:
+def _checked_request(prompt, config: GenerateConfig | None, settings: dict, on_text, on_tokens) -> GenerateConfig:
     """`generate`'s arguments checked before any model loads; the request's settings, validated."""
     if config is not None and not isinstance(config, GenerateConfig):
         raise UsageError(f"config must be a GenerateConfig, got {type(config).__name__}")
@@ -294,8 +342,9 @@ def _checked_request(prompt, config: GenerateConfig | None, settings: dict, on_t
         check_messages(prompt)
     else:
         check_token_ids(prompt)  # types before the model loads; the vocabulary bound after
-    if on_text is not None and not callable(on_text):
-        raise UsageError(f"on_text must be callable, got {on_text!r}")
+    for name, f in (("on_text", on_text), ("on_tokens", on_tokens)):
+        if f is not None and not callable(f):
+            raise UsageError(f"{name} must be callable, got {f!r}")
     preflight_files(config.flat())
     return config
 

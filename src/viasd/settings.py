@@ -16,6 +16,7 @@ from __future__ import annotations
 import dataclasses
 import os
 import typing
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from types import SimpleNamespace
@@ -33,6 +34,7 @@ MODES = tuple(m.value for m in Mode)
 DRAFT_KINDS = tuple(k.value for k in DraftKind)
 CONVERSIONS = tuple(c.value for c in Conversion)
 MAX_NEW_TOKENS = 1 << 20
+MAX_TOP_K = 1 << 20
 MAX_LAYER = 4096  # a layer index (and the most entries a layer list holds); the model's own bound is checked when it loads
 
 # which strategies read a setting, from the strategy table
@@ -52,8 +54,9 @@ class Setting:
 
     lo / hi: the range (numbers; `lo_open`: lo itself refused; `allow_inf`: +inf accepted); choices:
     the accepted strings; flags: the command line's names (default --name-with-dashes); server: where
-    a request to the server sets it: "viasd" (the `viasd` extension object), "openai" (OpenAI's own
-    field: temperature, top_p, seed, max_tokens) or None (the server's, given at start: files, and the
+    a request to the server sets it: "viasd" (the `viasd` extension object), "openai" (a top-level field of
+    the same name: OpenAI's own, as temperature, top_p, seed, max_tokens, logit_bias, or vLLM's and
+    llama-server's extras, as top_k, min_p, repetition_penalty) or None (the server's, given at start: files, and the
     chat template, which the endpoint decides); group: the CLI help group; reads: the strategies that
     read it."""
 
@@ -200,6 +203,19 @@ class GenerateConfig:
     temperature: float = setting(0.0, "0 = greedy", lo=0.0, hi=2.0, flags=("--temperature", "-t"), server="openai")
     top_p: float = setting(1.0, "nucleus sampling mass", lo=0.0, lo_open=True, hi=1.0, server="openai")
     seed: int = setting(0, "the sampler's seed", lo=0, hi=SEED_MAX, server="openai")
+    # samplers of the verifier's distribution (every strategy; lossless ones stay lossless: decoding/processors.py)
+    top_k: int = setting(0, "sample from the k most likely tokens only (0 = all)", lo=0, hi=MAX_TOP_K, server="openai")
+    min_p: float = setting(0.0, "sample only tokens of at least min_p times the most likely one's probability (after "
+                           "temperature; 0 = off)", lo=0.0, hi=1.0, server="openai")
+    presence_penalty: float = setting(0.0, "subtracted from the logit of every token the output already holds",
+                                      lo=-2.0, hi=2.0, server="openai")
+    frequency_penalty: float = setting(0.0, "times a token's count in the output so far, subtracted from its logit",
+                                       lo=-2.0, hi=2.0, server="openai")
+    repetition_penalty: float = setting(1.0, "a token of the prompt or the output so far: its logit divided by this if "
+                                        "positive, else multiplied (1 = off)", lo=0.0, lo_open=True, hi=10.0, server="openai")
+    logit_bias: dict[int, float] | None = setting(
+        None, "added to a token's logit (OpenAI's); ID=BIAS, repeated or comma-separated", lo=-100.0, hi=100.0,
+        metavar="ID=BIAS", server="openai")
     chat: bool | None = setting(None, "wrap the prompt in the model's chat template (default: when the model has one)",
                                 server=None)
     response_format: dict | None = setting(
@@ -208,6 +224,10 @@ class GenerateConfig:
         "'grammar', 'grammar': LARK}", flags=("--json-schema", "--json-object", "--regex", "--grammar"), server="openai")
     grammar_drafts: bool = setting(True, "under a constraint, the tokens the grammar alone determines are drafted for "
                                    "free in front of the drafter's (and by ar) and verified in the same pass")
+    logprobs: int | None = setting(
+        None, "record each new token's log-probability under the full model and this many alternatives' (after "
+        "logit_bias, penalties and the grammar's mask; before temperature and top-k/top-p/min-p); not with tiered "
+        "viasd, which settles tokens without the full model (in --json output)", lo=0, hi=20, server="openai")
     drafting: DraftOptions = field(default_factory=DraftOptions)
     viasd: ViasdOptions = field(default_factory=ViasdOptions)
     cascade: CascadeOptions = field(default_factory=CascadeOptions)
@@ -251,6 +271,9 @@ class GenerateConfig:
         if self.viasd.correct and not (spec.multitier and self.viasd.mode == Mode.TIERED.value and self.temperature == 0):
             raise UsageError("correct applies to strategy viasd in tiered mode with greedy decoding (temperature 0): "
                              "it replaces tokens by the full model's greedy choice")
+        if self.logprobs is not None and spec.multitier and self.viasd.mode == Mode.TIERED.value:
+            raise UsageError("logprobs need the full model's distribution at every token, and tiered viasd settles "
+                             "tokens without it: use mode lossless (or another strategy)")
         for group in _GROUPS:
             getattr(self, group).validate()
 
@@ -260,8 +283,8 @@ class GenerateConfig:
 
 @dataclass(frozen=True)
 class Declared:
-    """One setting as the front ends read it: `kind` is "int", "float", "bool", "choice", "layers" or
-    "file"; `optional`: None is accepted (and means the default behaviour)."""
+    """One setting as the front ends read it: `kind` is "int", "float", "bool", "choice", "layers", "file",
+    "format" (response_format) or "bias" (logit_bias: token id -> number); `optional`: None is accepted (and means the default behaviour)."""
 
     name: str
     kind: str
@@ -280,6 +303,8 @@ def _kind(hint) -> tuple[str, bool]:
     base = args[0] if optional else hint
     if typing.get_origin(base) is tuple:
         return "layers", optional
+    if typing.get_origin(base) is dict:
+        return "bias", optional
     if base is dict:
         return "format", optional
     return {int: "int", float: "float", bool: "bool", str: "str"}[base], optional
@@ -321,6 +346,8 @@ def check_setting(d: Declared, value) -> object:
     if d.kind == "format":
         grammar_of(value)  # the shape, then the library's own verdict on the schema, regex or grammar
         return value
+    if d.kind == "bias":
+        return bias_of(value, s.lo, s.hi)
     if d.kind == "layers":
         layers = check_layers(name, value)
         if len(layers) > s.hi + 1:
@@ -329,6 +356,32 @@ def check_setting(d: Declared, value) -> object:
     if not isinstance(value, (str, os.PathLike)):  # a file
         raise InvalidArgumentError(f"{name} must be a file path, got {value!r}")
     return check_text(name, value) if isinstance(value, str) else value
+
+
+def bias_of(value, lo: float = -100.0, hi: float = 100.0) -> dict[int, float]:
+    """A logit_bias as {token id: bias}: a mapping whose keys are ids (ints, or their decimal text as JSON
+    gives them) and whose values are numbers in [lo, hi]. The ids' vocabulary bound: `check_bias_ids`."""
+    if not isinstance(value, Mapping):
+        raise InvalidArgumentError(f"logit_bias must map token ids to biases, got {value!r}"[:200])
+    out: dict[int, float] = {}
+    for key, bias in value.items():
+        if isinstance(key, str) and key.isascii() and key.isdigit() and len(key) <= 10:
+            tid = int(key)
+        elif isinstance(key, int) and not isinstance(key, bool) and key >= 0:
+            tid = key
+        else:
+            raise InvalidArgumentError(f"logit_bias keys must be token ids (integers >= 0), got {key!r}"[:200])
+        if tid in out:
+            raise InvalidArgumentError(f"logit_bias gives token id {tid} twice")
+        out[tid] = check_float(f"logit_bias[{tid}]", bias, lo, hi)
+    return out
+
+
+def check_bias_ids(value, vocab_size: int) -> None:
+    """A logit_bias' token ids within a model's vocabulary (checked once the model is loaded)."""
+    bad = sorted(t for t in bias_of(value or {}) if t >= vocab_size)
+    if bad:
+        raise InvalidArgumentError(f"logit_bias names token id {bad[0]}, outside the vocabulary: ids must be in [0, {vocab_size})")
 
 
 def check_settings(settings: dict) -> None:
@@ -378,12 +431,29 @@ def parse_value(d: Declared, text: str) -> object:
             return float(text)
         except ValueError:
             raise InvalidArgumentError(f"{d.name} must be a number, got {text!r}") from None
+    if d.kind == "bias":
+        return parse_bias(text)
     if d.kind == "layers":
         try:
             return tuple(int(x) for x in text.replace(",", " ").replace("/", " ").split())  # (bench methods: 0/1/5)
         except ValueError:
             raise InvalidArgumentError(f"{d.name} must be layer indices, got {text!r}") from None
     return text
+
+
+def parse_bias(text: str) -> dict[int, float]:
+    """A logit_bias from text: ID=BIAS pairs separated by commas, spaces or '/' (a bench method's option:
+    commas separate methods there); the range is checked with the other settings."""
+    out: dict[int, float] = {}
+    for item in text.replace(",", " ").replace("/", " ").split():
+        tid, eq, bias = item.partition("=")
+        try:
+            if not eq or not tid.strip().isdigit():
+                raise ValueError
+            out[int(tid)] = float(bias)
+        except ValueError:
+            raise InvalidArgumentError(f"logit_bias must be ID=BIAS pairs (a token id, a number), got {item!r}") from None
+    return out
 
 
 # ------------------------------------------------------------------------------ command-line flags
@@ -420,6 +490,8 @@ def add_arguments(parser, skip: tuple[str, ...] = (), only: tuple[str, ...] | No
             kw["choices"] = s.choices
         elif d.kind == "file":
             kw["metavar"] = s.metavar
+        elif d.kind == "bias":
+            kw.update(action="append", metavar=s.metavar)  # (parsed by from_args: a bad pair is a one-line UsageError)
         else:
             kw["type"] = int if d.kind == "int" else float
         where.add_argument(*d.flags, **kw)
@@ -454,11 +526,14 @@ def format_from_args(args) -> dict | None:
 
 
 def from_args(args) -> dict:
-    """The settings an argparse namespace holds (flags added by `add_arguments`), by their names."""
+    """The settings an argparse namespace holds (flags added by `add_arguments`), by their names
+    (UsageError: a --logit-bias that is no ID=BIAS pair)."""
     out = {name: getattr(args, name) for name in SETTINGS if hasattr(args, name)}
     if hasattr(args, "fmt_json"):
         out["response_format"] = format_from_args(args)
     for name, d in SETTINGS.items():
         if d.kind == "layers" and out.get(name) is not None:
             out[name] = tuple(out[name])
+        if d.kind == "bias" and isinstance(out.get(name), list):  # (--logit-bias given more than once: merged)
+            out[name] = {k: v for part in out[name] for k, v in parse_bias(part).items()}
     return out

@@ -5,6 +5,7 @@ and counted, and bad constraints are refused with the library's message."""
 from __future__ import annotations
 
 import json
+import math
 import re
 
 import jsonschema
@@ -17,6 +18,7 @@ from viasd.cli import main
 from viasd.decoding.acceptance import SamplingParams, logits_to_probs
 from viasd.decoding.drafters import GrammarDrafter, ModelDrafter
 from viasd.decoding.strategies import speculative_decode
+from viasd.decoding.stats import Source
 from viasd.decoding.verifier import DecodeRequest
 from viasd.errors import UsageError
 from viasd.models.loading import load_model
@@ -229,3 +231,17 @@ def test_a_grammar_spelling_a_special_tokens_text_is_a_usage_error_not_a_crash(b
     with pytest.raises(UsageError, match="response_format: the grammar cannot follow the model's tokens"):
         generate(verifier.encode("abc", chat=False), verifier, strategy="ar", max_new_tokens=4, response_format=fmt,
                  progress=False)
+
+
+def test_grammar_forced_tokens_are_their_own_source_and_logprobs_see_the_mask(bpe_pair):
+    verifier, _ = bpe_pair
+    prompt = verifier.encode("abc cab", chat=False)
+    r = generate(prompt, verifier, strategy="ar", response_format=FORMATS["lark"], max_new_tokens=30, logprobs=3, progress=False)
+    assert r.stats.sources[Source.GRAMMAR] > 0 and set(r.sources) == {Source.GRAMMAR, Source.FULL}
+    assert sum(r.stats.sources.values()) == len(r.token_ids)
+    # the distribution after the grammar's mask: at a forced token nothing else is possible
+    for source, lp in zip(r.sources, r.logprobs):
+        assert all(math.isfinite(v) for _, v in lp.top)
+        if source is Source.GRAMMAR and len(lp.top) == 1:
+            assert lp.logprob == pytest.approx(0.0, abs=1e-6)
+    assert any(s is Source.GRAMMAR and len(lp.top) == 1 for s, lp in zip(r.sources, r.logprobs))

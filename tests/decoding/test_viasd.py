@@ -430,11 +430,14 @@ def test_tiered_correction_equals_ar_and_streams_only_checked_tokens(tiny, tiny_
         plain = DecodeRequest(prompt, 30, GREEDY)
         changed += viasd_tiered_decode(tiny.decoder, drafters(tiny, tiny_drafter)[kind](), slim, plain, 4, thr) != expected
         streamed: list[int] = []
-        req = DecodeRequest(prompt, 30, GREEDY, on_tokens=streamed.extend)
+        sources: list = []
+        req = DecodeRequest(prompt, 30, GREEDY, on_tokens=lambda ids, by, _: (streamed.extend(ids), sources.extend(by)))
         out = viasd_tiered_decode(tiny.decoder, drafters(tiny, tiny_drafter)[kind](), slim, req, 4, thr, correct=True)
         assert out == expected and streamed == out
         s = req.stats
         assert s.new_tokens == 30 and sum(s.tiers.values()) == 30 and s.discarded >= s.corrected
+        # who settled each streamed token: taken-back ones are not counted
+        assert len(sources) == 30 and Counter(sources) == +s.sources
         # drafts a correction took back no longer count as accepted: the first token (the prefill's)
         # and each corrected one are no drafts
         assert s.accepted <= s.new_tokens - 1 - s.corrected
@@ -470,7 +473,7 @@ def test_tiered_correction_stops_at_the_end_token_ar_stops_at(tiny):
         for eos in ({free[6]}, {free[11], free[17]}):
             expected = run_ar(tiny, prompt, 30, frozenset(eos))
             streamed: list[int] = []
-            req = DecodeRequest(prompt, 30, GREEDY, frozenset(eos), on_tokens=streamed.extend)
+            req = DecodeRequest(prompt, 30, GREEDY, frozenset(eos), on_tokens=lambda ids, *_: streamed.extend(ids))
             out = viasd_tiered_decode(tiny.decoder, NgramDrafter(), slim, req, 4, thr, correct=True)
             assert out == expected == streamed
             ended += len(out) < 30

@@ -153,3 +153,30 @@ def test_a_server_with_a_drafter_model_serves_sd(tiny, tiny_drafter):
                 assert config["tier_thresholds"]["draft_confident"] == ext["draft_confident"]
             if ext.get("resume") is False:
                 assert config["resume_layer"] is None and "lower" not in r.model_extra["viasd"]["stats"]["calls"]
+
+
+def test_samplers_through_the_openai_client(tiny):
+    """OpenAI's presence_penalty, frequency_penalty and logit_bias as its client sends them, and top_k,
+    min_p, repetition_penalty as top-level extras (extra_body, as vLLM and llama-server take them): the
+    engine's output with the same settings; a +100 bias forces its token."""
+    app = create_app(tiny, settings=ServeSettings(defaults={"strategy": "pld"}, served_name="tiny"))
+    with LiveServer(app) as live:
+        c = live.client()
+        extras = {"top_k": 5, "min_p": 0.05, "repetition_penalty": 1.3}
+        kw = dict(presence_penalty=0.5, frequency_penalty=0.8, logit_bias={"3": 2.5, "61": -100})
+        for temperature in (0.0, 0.9):
+            r = c.completions.create(model="tiny", prompt="w5 w6 w7", max_tokens=8, temperature=temperature, seed=3,
+                                     extra_body=extras, **kw)
+            ref = generate("w5 w6 w7", tiny, chat=False, progress=False, strategy="pld", max_new_tokens=8, temperature=temperature,
+                           seed=3, **extras, **kw)
+            assert r.choices[0].text == ref.text
+            config = r.model_extra["viasd"]["config"]
+            assert {k: config[k] for k in extras} == extras and config["presence_penalty"] == 0.5
+        forced = c.completions.create(model="tiny", prompt="w5 w6 w7", max_tokens=4, logit_bias={"17": 100})
+        assert forced.choices[0].text.split() == ["w17"] * 4
+        with pytest.raises(openai.BadRequestError) as e:  # an id the vocabulary lacks, once the model is known
+            c.completions.create(model="tiny", prompt="w5", max_tokens=2, logit_bias={"64": 1})
+        assert e.value.code == "invalid_value" and e.value.param == "logit_bias"
+        with pytest.raises(openai.UnprocessableEntityError) as e:
+            c.completions.create(model="tiny", prompt="w5", max_tokens=2, extra_body={"top_k": -1})
+        assert e.value.param == "top_k"

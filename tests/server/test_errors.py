@@ -46,7 +46,8 @@ BAD = {
     "NaN top_p": ("/v1/completions", b'{"model": "smollm2-135m", "prompt": "a", "top_p": NaN}', 422, "invalid_value"),
     "negative seed": ("/v1/completions", _body(seed=-5), 422, "invalid_value"),
     "n=2": ("/v1/completions", _body(n=2), 400, "unsupported_parameter"),
-    "logprobs": ("/v1/completions", _body(logprobs=3), 400, "unsupported_parameter"),
+    "logprobs over 20": ("/v1/completions", _body(logprobs=21), 422, "invalid_value"),
+    "echo": ("/v1/completions", _body(echo=True), 400, "unsupported_parameter"),
     "unknown argument": ("/v1/completions", _body(frobnicate=1), 422, "unknown_parameter"),
     "too many stops": ("/v1/completions", _body(stop=list("abcde")), 422, "invalid_value"),
     "two prompts": ("/v1/completions", _body(prompt=["a", "b"]), 422, None),
@@ -64,6 +65,15 @@ BAD = {
     "malformed tools": ("/v1/chat/completions", b'{"model": "smollm2-135m", "messages": [{"role": "user", "content": "x"}], "tools": [{"type": "function"}]}', 422, "missing_required_parameter"),
     "tools on completions": ("/v1/completions", _body(tools=[{"type": "function", "function": {"name": "f"}}]), 400, "unsupported_parameter"),
     "legacy functions": ("/v1/chat/completions", b'{"model": "smollm2-135m", "messages": [{"role": "user", "content": "x"}], "functions": [{"name": "f"}]}', 400, "unsupported_parameter"),
+    "negative top_k": ("/v1/completions", _body(top_k=-1), 422, "invalid_value"),
+    "min_p above 1": ("/v1/completions", _body(min_p=1.5), 422, "invalid_value"),
+    "repetition_penalty 0": ("/v1/completions", _body(repetition_penalty=0), 422, "invalid_value"),
+    "presence_penalty as text": ("/v1/completions", _body(presence_penalty="1"), 422, "invalid_type"),
+    "frequency_penalty beyond OpenAI's range": ("/v1/completions", _body(frequency_penalty=2.5), 422, "invalid_value"),
+    "logit_bias a list": ("/v1/completions", _body(logit_bias=[1, 2]), 422, "invalid_type"),
+    "logit_bias key no token id": ("/v1/completions", _body(logit_bias={"hello": 1}), 422, "invalid_value"),
+    "logit_bias beyond 100": ("/v1/completions", _body(logit_bias={"5": 101}), 422, "invalid_value"),
+    "logit_bias id outside the vocabulary": ("/v1/completions", _body(logit_bias={"99999999": 1}), 400, "invalid_value"),
     "unknown route": ("/v1/embeddings", _body(), 404, "not_found"),
     "body over the limit": ("/v1/completions", _body(prompt="x" * 70_000), 413, "request_too_large"),
 }
@@ -74,6 +84,19 @@ BAD = {
 def test_bad_input_gets_a_clear_openai_style_error(live, case):
     path, content, status, code = BAD[case]
     check_error(_post(live, path, content), status, code)
+
+
+SAMPLERS = ("top_k", "min_p", "presence_penalty", "frequency_penalty", "repetition_penalty", "logit_bias")
+SAMPLER_CASES = [c for c in BAD if any(f'"{f}"'.encode() in BAD[c][1] for f in SAMPLERS)]
+
+
+@pytest.mark.model
+@pytest.mark.parametrize("case", SAMPLER_CASES)
+def test_a_bad_sampler_value_names_its_field(live, case):
+    path, content, status, code = BAD[case]
+    field = next(k for k in json.loads(content) if k in SAMPLERS)
+    error = _post(live, path, content).json()["error"]
+    assert error["param"].split(".")[0] == field and field in error["message"], error
 
 
 @pytest.mark.model

@@ -33,6 +33,8 @@ def argmax(x: torch.Tensor) -> torch.Tensor:
 class SamplingParams:
     temperature: float = 0.0  # 0 = greedy
     top_p: float = 1.0
+    top_k: int = 0  # 0 = every token
+    min_p: float = 0.0  # 0 = off
 
     @property
     def greedy(self) -> bool:
@@ -57,19 +59,28 @@ class SamplingParams:
 
 
 def logits_to_probs(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
-    """The distribution decoding samples from: softmax(logits / T), restricted to the top-p nucleus.
+    """The distribution decoding samples from: softmax(logits / T) restricted to the top_k tokens, then
+    to the top-p nucleus, then to the tokens of at least min_p times the top probability (vLLM's order).
 
-    logits: [..., V] -> probs [..., V] (float32, rows sum to 1). Greedy: one-hot at the argmax.
+    logits: [..., V] -> probs [..., V] (float32, rows sum to 1). Greedy: one-hot at the argmax (none of
+    the three changes it).
     """
     if params.greedy:
         return torch.nn.functional.one_hot(argmax(logits), logits.shape[-1]).to(torch.float32)
-    probs = torch.softmax(logits.float() / params.temperature, dim=-1)
+    scaled = logits.float() / params.temperature
+    if 0 < params.top_k < logits.shape[-1]:  # ties with the k-th logit stay, as in vLLM
+        kth = scaled.topk(params.top_k, dim=-1).values[..., -1:]
+        scaled = scaled.masked_fill(scaled < kth, float("-inf"))
+    probs = torch.softmax(scaled, dim=-1)
     if params.top_p < 1.0:
         sorted_p, order = probs.sort(dim=-1, descending=True)
         # keep the smallest prefix whose mass reaches top_p (the first token always stays)
         drop = (sorted_p.cumsum(-1) - sorted_p) >= params.top_p
         sorted_p = sorted_p.masked_fill(drop, 0.0)
         probs = torch.zeros_like(probs).scatter(-1, order, sorted_p)
+        probs = probs / probs.sum(-1, keepdim=True)
+    if params.min_p > 0:  # (after temperature: the bar is relative to the sampled distribution's top)
+        probs = probs.masked_fill(probs < params.min_p * probs.amax(-1, keepdim=True), 0.0)
         probs = probs / probs.sum(-1, keepdim=True)
     return probs
 

@@ -32,6 +32,7 @@ from viasd.decoding.acceptance import SamplingParams, accept, argmax, settle
 from viasd.decoding.draft_length import DraftLength, draft_policy, propose
 from viasd.execution.timing import PassTimer
 from viasd.decoding.drafters import Draft, Drafter
+from viasd.decoding.stats import Source, drafted_sources
 from viasd.decoding.tiers import Tier, TierThresholds, confident_round, round_tiers
 from viasd.decoding.verifier import DecodeRequest, Verifier, pass_bytes
 from viasd.execution.passes import Passes
@@ -76,7 +77,8 @@ def viasd_lossless_decode(decoder: Decoder, drafter: Drafter, route: LayerMask, 
             if s.peek is not None:
                 policy.observe(1, int(x == s.peek))
         # 3. commit; drafter tokens the full model rejected (or the budget cut) no longer count as accepted
-        kept = v.commit(s.block[:n] + [x], s.origin[:n] + [Tier.FULL])
+        sources = [_SLIM_SOURCE[t] if not f else Source.GRAMMAR for t, f in zip(s.origin[:n], s.forced)]
+        kept = v.commit(s.block[:n] + [x], s.origin[:n] + [Tier.FULL], sources=sources, logits=logits)
         req.stats.observe_grammar(sum(s.forced), sum(s.forced[: min(n, kept)]))
         req.stats.accepted -= s.origin.count(Tier.ACCEPT) - s.origin[: min(n, kept)].count(Tier.ACCEPT)
     return v.out
@@ -93,6 +95,9 @@ def lossless_policy(decoder: Decoder, drafter: Drafter, route: LayerMask, k: int
     verify = pass_bytes(decoder, None, from_layer or 0) / full if full else 1.0
     return draft_policy(decoder, drafter, k, check_share=min(1.0, check), verify_share=min(1.0, max(verify, 1e-3)),
                         passes=passes)
+
+
+_SLIM_SOURCE = {Tier.ACCEPT: Source.DRAFT, Tier.SLIM: Source.SLIM}  # a slim-verified block's tokens
 
 
 class _SlimBlock(NamedTuple):
@@ -217,7 +222,8 @@ class _TieredLoop:
         draft, peek = propose(self.drafter, v.tokens, min(self.k, v.budget - 1), self.policy)
         if confident_round(draft.tokens, draft.probs, self.thresholds):  # tier 1 by the drafter alone: no slim pass
             stats.observe_round(len(draft), len(draft))
-            kept = v.commit(list(draft.tokens), [Tier.ACCEPT] * len(draft), checked=False)
+            kept = v.commit(list(draft.tokens), [Tier.ACCEPT] * len(draft), checked=False,
+                            sources=drafted_sources(len(draft), draft.forced))
             stats.unchecked += kept
             self.drafted += [True] * kept
             return
@@ -239,7 +245,9 @@ class _TieredLoop:
             self.policy.observe(len(draft) - draft.forced, max(0, kept_drafts - draft.forced))
             if peek is not None and kept_drafts == len(draft) and len(new) > len(draft):
                 self.policy.observe(1, int(new[len(draft)] == peek))  # the proposed token after the verified drafts
-        kept = v.commit(new, origin, checked=i is not None)
+        sources = drafted_sources(kept_drafts, draft.forced) + [Source.SLIM if t == Tier.SLIM else Source.FULL
+                                                                  for t in origin[kept_drafts:]]
+        kept = v.commit(new, origin, checked=i is not None, sources=sources)
         stats.unchecked += sum(t != Tier.FULL for t in origin[:kept])
         self.drafted += [j < kept_drafts for j in range(kept)]
 

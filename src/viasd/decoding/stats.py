@@ -7,8 +7,48 @@ from collections import Counter
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
+from enum import StrEnum
+
+import torch
 
 from viasd.decoding.tiers import Tier
+
+
+class Source(StrEnum):
+    """Who settled a committed token (the server's per-token provenance, `DecodeStats.sources`)."""
+
+    GRAMMAR = "grammar"  # a draft the grammar alone determined, kept by the verifier
+    DRAFT = "draft"  # a drafter's token kept (tiered VIA-SD's tier 1: without a verifier's check)
+    SLIM = "slim"  # the slim verifier's own token (VIA-SD)
+    FULL = "full"  # the full model's token: every token of `ar`, SD's recovered or bonus token
+
+
+def drafted_sources(n: int, forced: int) -> list[Source]:
+    """The sources of the first n kept tokens of a draft whose first `forced` came from the grammar."""
+    return [Source.GRAMMAR if i < forced else Source.DRAFT for i in range(n)]
+
+
+@dataclass(frozen=True)
+class TokenLogprob:
+    """The full model's log-probability of a committed token, and the `top` most likely tokens at its
+    position (id, log-probability), most likely first."""
+
+    logprob: float
+    top: tuple[tuple[int, float], ...] = ()
+
+
+def token_logprobs(logits: torch.Tensor, tokens: list[int], top: int) -> list[TokenLogprob]:
+    """logits [n, V] (row i: the position of tokens[i]) -> each token's log-probability under
+    log_softmax(logits) and the `top` most likely tokens there (those the logits rule out left out)."""
+    x = logits.float()
+    lse = torch.logsumexp(x, -1, keepdim=True)  # [n, 1] (no V-sized log_softmax: two reads of each row)
+    chosen = (x[torch.arange(len(tokens)), torch.tensor(tokens)] - lse[:, 0]).tolist()  # [n]
+    if top <= 0:
+        return [TokenLogprob(lp) for lp in chosen]
+    values, ids = x.topk(top, -1)  # [n, top]
+    values = values - lse
+    return [TokenLogprob(lp, tuple((i, v) for i, v in zip(row_ids, row_v) if v > float("-inf")))
+            for lp, row_ids, row_v in zip(chosen, ids.tolist(), values.tolist())]
 
 
 @dataclass
@@ -42,6 +82,7 @@ class DecodeStats:
     drafted_at: list[int] = field(default_factory=list)  # [k_max] drafts seen at position i of a block
     accepted_at: list[int] = field(default_factory=list)  # [k_max] drafts accepted at position i
     tiers: Counter = field(default_factory=Counter)  # committed tokens by `Tier`
+    sources: Counter = field(default_factory=Counter)  # committed tokens by `Source`
     unchecked: int = 0  # committed tokens the full model never checked (tiered mode)
     # proposed tokens the full verifier judged and kept: drafts in SD, the slim-verified block in
     # lossless VIA-SD, tier-3 drafts in tiered VIA-SD (the paper's rejection rate is this one's)
@@ -158,7 +199,7 @@ class DecodeStats:
             rounds=self.rounds + other.rounds, drafted=self.drafted + other.drafted, accepted=self.accepted + other.accepted,
             drafted_at=[a + b for a, b in zip(pad(self.drafted_at, n), pad(other.drafted_at, n))],
             accepted_at=[a + b for a, b in zip(pad(self.accepted_at, n), pad(other.accepted_at, n))],
-            tiers=self.tiers + other.tiers, unchecked=self.unchecked + other.unchecked,
+            tiers=self.tiers + other.tiers, sources=self.sources + other.sources, unchecked=self.unchecked + other.unchecked,
             full_checked=self.full_checked + other.full_checked, full_kept=self.full_kept + other.full_kept,
             rechecked=self.rechecked + other.rechecked, disagreed=self.disagreed + other.disagreed,
             corrected=self.corrected + other.corrected, discarded=self.discarded + other.discarded,
@@ -218,6 +259,8 @@ class DecodeStats:
             "full_checked": self.full_checked,
             "full_kept": self.full_kept,
             "tiers": {tier.name.lower(): self.tiers.get(tier, 0) for tier in Tier},
+            # committed tokens by who settled them (grammar, draft, slim, full): the server's provenance
+            "sources": {source.value: self.sources.get(source, 0) for source in Source},
             "settled_without_full": round(self.unchecked / self.new_tokens, 4) if self.new_tokens else 0.0,
             "rechecked": self.rechecked,
             # of those, the share where the full model's greedy choice differs (tiered mode's error rate
@@ -247,6 +290,11 @@ class DecodeResult:
     token_ids: list[int]  # new tokens only
     stats: DecodeStats
     config: dict = field(default_factory=dict)  # the request's settings, echoed for records
+    sources: list[Source] = field(default_factory=list)  # [len(token_ids)] who settled each token
+    logprobs: list[TokenLogprob] | None = None  # [len(token_ids)] with the `logprobs` setting
 
     def to_dict(self) -> dict:
-        return {"text": self.text, "token_ids": self.token_ids, "stats": self.stats.to_dict(), "config": self.config}
+        out = {"text": self.text, "token_ids": self.token_ids, "stats": self.stats.to_dict(), "config": self.config}
+        if self.logprobs is not None:
+            out["logprobs"] = [{"logprob": lp.logprob, "top": [list(t) for t in lp.top]} for lp in self.logprobs]
+        return out

@@ -10,6 +10,7 @@ from viasd.decoding.acceptance import DeferralRule, accept, cascade_target_probs
 from viasd.decoding.draft_length import draft_policy, propose
 from viasd.execution.timing import PassTimer
 from viasd.decoding.drafters import Drafter
+from viasd.decoding.stats import drafted_sources
 from viasd.decoding.verifier import DecodeRequest, Verifier
 from viasd.models.decoder import Decoder
 
@@ -20,7 +21,7 @@ def autoregressive_decode(decoder: Decoder, req: DecodeRequest) -> list[int]:
     while not v.done:
         logits = v.full([])[0]  # [V] the position after the last committed token
         req.stats.observe_round(0, 0)
-        v.commit([req.params.next_token(logits, req.generator)])
+        v.commit([req.params.next_token(logits, req.generator)], logits=logits[None])
     return v.out
 
 
@@ -63,5 +64,5 @@ def speculative_decode(
             if peek is not None and n == len(draft):  # the token after the verified drafts: was it proposed?
                 policy.observe(1, int(x == peek))
         # 4. commit (cut at the end token and the budget)
-        v.commit(draft.tokens[:n] + [x])
+        v.commit(draft.tokens[:n] + [x], sources=drafted_sources(n, draft.forced), logits=logits)
     return v.out

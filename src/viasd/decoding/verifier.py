@@ -22,7 +22,8 @@ import torch
 
 from viasd.decoding.acceptance import SamplingParams
 from viasd.decoding.grammar import FORCED_MAX, Constraint
-from viasd.decoding.stats import DecodeStats
+from viasd.decoding.processors import LogitProcessors, ProcessorState
+from viasd.decoding.stats import DecodeStats, Source, TokenLogprob, token_logprobs
 from viasd.decoding.tiers import Tier
 from viasd.execution.passes import Passes
 from viasd.models.decoder import Decoder
@@ -52,9 +53,12 @@ class DecodeRequest:
     eos: frozenset[int] = frozenset()
     stats: DecodeStats = field(default_factory=DecodeStats)
     generator: torch.Generator | None = None
-    on_tokens: Callable[[list[int]], None] | None = None  # called with each batch of newly committed ids
+    # called with each batch of newly committed ids, who settled each, and their logprobs (with `logprobs`)
+    on_tokens: Callable[[list[int], list[Source], list[TokenLogprob] | None], None] | None = None
     passes: Passes = field(default_factory=Passes)  # how its model passes run (a server's batch, prefix caches)
     constraint: Constraint | None = None  # its grammar (`response_format`): every pass' logits are masked by it
+    logprobs: int | None = None  # record each token's full-model logprob and this many alternatives (None: none)
+    processors: LogitProcessors | None = None  # logit_bias and penalties: every pass' logits go through them first
 
     def __post_init__(self) -> None:
         if self.stats.pass_seconds is None:
@@ -75,6 +79,8 @@ class Verifier:
     def __init__(self, decoder: Decoder, req: DecodeRequest, max_len: int, resume_layer: int | None = None):
         self.decoder, self.req, self.stats, self.passes = decoder, req, req.stats, req.passes
         self.constraint = req.constraint
+        # (None at the neutral values: the default path does no extra work)
+        self.processors = ProcessorState(req.processors, req.prompt) if req.processors is not None and req.processors.active else None
         self.stats.full_pass_bytes = pass_bytes(decoder, None)
         self.cache: KVCache = decoder.new_cache(max_len)
         if resume_layer is not None and not decoder.is_encoder_decoder:
@@ -85,6 +91,8 @@ class Verifier:
         self.tokens: list[int] = [decoder.start_token] if self.source is not None else list(req.prompt)
         self.out: list[int] = []  # the new tokens
         self.origins: list[int] = []  # each new token's `Tier`, where the loop records tiers
+        self.sources: list[Source] = []  # who settled each new token
+        self.logprobs: list[TokenLogprob] | None = [] if req.logprobs is not None else None
         self.done = req.max_new_tokens <= 0
         # tiered VIA-SD's correction mode: tokens settled without the full model are streamed only
         # once a full pass has checked them (`commit(checked=...)`), so that a correction can still
@@ -113,7 +121,7 @@ class Verifier:
         logits = verifier.prefill()  # [V] the position after the prompt
         if logits is not None:
             req.stats.observe_round(0, 0)
-            verifier.commit([req.params.next_token(logits, req.generator)], [Tier.FULL] if tiers else None)
+            verifier.commit([req.params.next_token(logits, req.generator)], [Tier.FULL] if tiers else None, logits=logits[None])
         return verifier
 
     @property
@@ -178,28 +186,44 @@ class Verifier:
         return self._masked(logits[len(seq) - start - n_rows :], ahead)
 
     def _masked(self, rows: torch.Tensor, ahead: list[int]) -> torch.Tensor:
-        """rows [n, V]: the logits of the last n positions of tokens + ahead, with what the request's
-        grammar forbids at each set to -inf (unchanged without a grammar)."""
+        """rows [n, V]: the logits of the last n positions of tokens + ahead, through the request's
+        logit processors (bias, penalties: `processors.py`), then with what its grammar forbids at each
+        set to -inf (unchanged without either). So the target distribution every rule uses is the processed one."""
+        if self.processors is not None:
+            rows = self.processors.process(rows, self.out, ahead)
         if self.constraint is None:
             return rows
         with self.stats.grammar_clock(rows.shape[0]):
             return self.constraint.mask(rows, ahead)
 
-    def commit(self, new: list[int], tiers: list[int] | None = None, checked: bool = True) -> int:
+    def commit(self, new: list[int], tiers: list[int] | None = None, checked: bool = True,
+               sources: list[Source] | None = None, logits: torch.Tensor | None = None) -> int:
         """Commit `new`, cut at the token budget and after the first end token; record the kept
-        tokens' tiers; stream them (with `hold`, only once `checked`: then every committed token goes
-        out); restore the cache invariant. Returns how many were kept."""
+        tokens' tiers and `sources` (default: the full model's) and, with the request's `logprobs`,
+        their log-probabilities under `logits` [>= len(new), V] (the full model's rows for them, as the
+        acceptance rule saw them); stream them (with `hold`, only once `checked`: then every committed
+        token goes out); restore the cache invariant. Returns how many were kept."""
         new = new[: self.budget]
         end = next((i + 1 for i, t in enumerate(new) if t in self.req.eos), None)
         self.done = end is not None or len(new) >= self.budget
         new = new[:end]
         if self.constraint is not None:
             self.constraint.commit(new)
+        if self.processors is not None:
+            self.processors.commit(new)
         self.tokens += new
         self.out += new
         if tiers is not None:
             self.stats.observe_tiers(tiers[: len(new)])
             self.origins += tiers[: len(new)]
+        sources = (sources or [])[: len(new)]
+        sources += [Source.FULL] * (len(new) - len(sources))
+        self.sources += sources
+        self.stats.sources.update(sources)
+        if self.logprobs is not None and new:
+            if logits is None:  # (tiered VIA-SD settles tokens without the full model: refused in settings)
+                raise RuntimeError("logprobs asked for, but this loop committed tokens without the full model's logits")
+            self.logprobs += token_logprobs(logits[: len(new)], new, self.req.logprobs)
         self.stats.observe_tokens(len(new))
         if checked or not self.hold:
             self.release()
@@ -209,7 +233,8 @@ class Verifier:
     def release(self) -> None:
         """Stream every committed token not streamed yet (correction mode: a full pass checked them)."""
         if self.req.on_tokens and self.streamed < len(self.out):
-            self.req.on_tokens(self.out[self.streamed :])
+            n = self.streamed
+            self.req.on_tokens(self.out[n:], self.sources[n:], None if self.logprobs is None else self.logprobs[n:])
         self.streamed = len(self.out)
 
     def retract(self, n: int) -> list[int]:
@@ -220,7 +245,12 @@ class Verifier:
             raise RuntimeError(f"cannot retract {n} tokens: {len(self.out) - self.streamed} unstreamed, tiers of "
                                f"{len(self.origins)} of {len(self.out)} recorded")
         removed = self.origins[-n:]
-        del self.tokens[-n:], self.out[-n:], self.origins[-n:]
+        if self.processors is not None:
+            self.processors.retract(self.out[-n:])
+        self.stats.sources.subtract(self.sources[-n:])
+        del self.tokens[-n:], self.out[-n:], self.origins[-n:], self.sources[-n:]
+        if self.logprobs is not None:
+            del self.logprobs[-n:]
         if self.constraint is not None:
             self.constraint.retract(n)
         self.stats.tiers.subtract(removed)

@@ -11,6 +11,7 @@ produces text) raises `StopGeneration`, and `generate` returns what was committe
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import sys
 import threading
 import time
@@ -18,7 +19,7 @@ import traceback
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 
-from viasd.api import GenerateConfig, StopGeneration, drafts_with_model, generate
+from viasd.api import GenerateConfig, StopGeneration, TokenText, drafts_with_model, generate
 from viasd.decoding.stats import DecodeResult
 from viasd.errors import ViasdError
 from viasd import compute
@@ -53,6 +54,36 @@ class StopText:
         return out
 
 
+class TokenLog:
+    """The committed tokens against the text a `StopText` lets out: each token is handed out once, in the
+    batch where the text sent covers all of it (cut where a stop string cuts the answer), so that the
+    tokens handed out carry, in order, exactly the text sent."""
+
+    def __init__(self):
+        self.tokens: list[TokenText] = []  # every committed token
+        self.ends: list[int] = []  # [len(tokens)] where each token's text ends in the whole text
+        self.out = 0  # tokens handed out
+
+    def add(self, tokens: list[TokenText]) -> None:
+        end = self.ends[-1] if self.ends else 0
+        for t in tokens:
+            end += len(t.text)
+            self.tokens.append(t)
+            self.ends.append(end)
+
+    def take(self, sent: int, final: bool = False) -> list[TokenText]:
+        """The tokens not handed out yet whose text ends within the first `sent` characters (`final`:
+        also the one that `sent` cuts, its text cut there; the rest are dropped)."""
+        taken = []
+        while self.out < len(self.tokens) and (self.ends[self.out] <= sent or final):
+            t, start = self.tokens[self.out], self.ends[self.out] - len(self.tokens[self.out].text)
+            if start > sent or (start == sent and t.text):
+                break
+            taken.append(t if self.ends[self.out] <= sent else dataclasses.replace(t, text=t.text[: sent - start]))
+            self.out += 1
+        return taken
+
+
 def first_stop(text: str, stops: list[str]) -> int | None:
     found = [i for i in (text.find(s) for s in stops) if i >= 0]
     return min(found) if found else None
@@ -83,6 +114,7 @@ class Job:
     # filled by the worker
     result: DecodeResult | None = None
     text: str = ""
+    tokens: list[TokenText] = field(default_factory=list)  # the answer's tokens, their texts making `text`
     finish_reason: str | None = None
     cancel_reason: str | None = None  # "client" (it left), "stalled" (it stopped reading), "shutdown"
     posted: int = 0  # text events posted / taken by the reader (the unread ones are the difference)
@@ -96,6 +128,7 @@ class Job:
         self.cancel.set()
 
     def post(self, *event) -> None:
+        """An event for the reader: ("text", piece, tokens), ("done",), ("cancelled",), ("error", e)."""
         if event[0] == "text":
             if not self.stream:  # read at the end (`text`): waking the event loop for each token took
                 return  # the cores from the decode (a request served alone at 0.90-0.95x `generate`)
@@ -263,25 +296,26 @@ class Worker:
                 self.lock.notify_all()
 
     def _decode(self, job: Job) -> None:
-        stop = StopText(job.stops)
+        stop, log = StopText(job.stops), TokenLog()
         cancelled = False
 
-        def on_text(piece: str) -> None:
+        def on_tokens(tokens: list[TokenText]) -> None:
             nonlocal cancelled
             if job.cancel.is_set():
                 cancelled = True
                 raise StopGeneration()
-            out = stop.feed(piece)
+            log.add(tokens)
+            out = stop.feed("".join(t.text for t in tokens))
             if out:
                 if job.first_text is None:
                     job.first_text = time.perf_counter()
-                job.post("text", out)
+                job.post("text", out, log.take(stop.sent))
             if stop.hit is not None:
                 raise StopGeneration()
 
         drafter = self.drafter if self.drafter is not None and drafts_with_model(GenerateConfig.from_settings(**job.settings)) else None
         passes = Passes(self.session, self.prefix_caches)  # its passes batched with the others', through the prefix caches
-        result = generate(job.prompt, self.model, drafter=drafter, on_text=on_text, progress=False, passes=passes, **job.settings)
+        result = generate(job.prompt, self.model, drafter=drafter, on_tokens=on_tokens, progress=False, passes=passes, **job.settings)
         job.result = result
         if cancelled:
             job.post("cancelled")
@@ -294,11 +328,12 @@ class Worker:
         else:  # cannot happen while decoding a prefix gives a prefix of the text; keep the stream's
             print("viasd serve: streamed text is not a prefix of the final text; answering the streamed text", file=sys.stderr)
             text, rest = sent, ""
-        if rest:
+        last = log.take(len(text), final=True)
+        if rest or last:
             if job.first_text is None:
                 job.first_text = time.perf_counter()
-            job.post("text", rest)
-        job.text = text
+            job.post("text", rest, last)
+        job.text, job.tokens = text, log.tokens[: log.out]
         job.finish_reason = self._finish_reason(job, result.token_ids, cut is not None or stop.hit is not None)
         job.post("done")
 

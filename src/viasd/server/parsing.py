@@ -4,20 +4,17 @@ APIError with OpenAI's status and code)."""
 from __future__ import annotations
 
 import json
+import re
 
 from fastapi import Request
 from pydantic import ValidationError
 from starlette.requests import ClientDisconnect
 
 from viasd.api import GenerateConfig
-from viasd.settings import SETTINGS
 from viasd.errors import UsageError
 from viasd.server.errors import APIError, validation_error
-
-
-# the settings a request sets through OpenAI's own fields of the same name (max_new_tokens: max_tokens)
-# (response_format: a typed object, see response_format_of)
-OPENAI_FIELDS = tuple(n for n, d in SETTINGS.items() if d.spec.server == "openai" and n not in ("max_new_tokens", "response_format"))
+from viasd.server.schemas import OPENAI_FIELDS
+from viasd.settings import check_bias_ids
 
 
 async def read_body(request: Request, max_body: int) -> bytes:
@@ -88,14 +85,21 @@ def response_format_of(req) -> tuple[dict | None, str]:
     return {"type": kind, kind: text}, f"viasd.{kind}"
 
 
-def config_for(req, max_tokens: int | None, defaults: dict, max_positions: int) -> dict:
-    """The generate settings of one request: the server's defaults, then what the request sets."""
+def config_for(req, max_tokens: int | None, defaults: dict, max_positions: int, vocab_size: int | None = None) -> dict:
+    """The generate settings of one request: the server's defaults, then what the request sets
+    (`vocab_size`: logit_bias' ids checked against it)."""
     s = dict(defaults)
     if req.viasd is not None:
         s.update(req.viasd.settings())
     for name in OPENAI_FIELDS:
         if getattr(req, name) is not None:
             s[name] = getattr(req, name)
+    try:
+        logprobs = req.logprobs_setting()
+    except ValueError as e:
+        raise APIError(400, str(e), param="top_logprobs", code="invalid_value") from None
+    if logprobs is not None:
+        s["logprobs"] = logprobs
     fmt, fmt_param = response_format_of(req)
     if fmt is not None:
         s["response_format"] = fmt
@@ -108,7 +112,10 @@ def config_for(req, max_tokens: int | None, defaults: dict, max_positions: int) 
     s = {k: v for k, v in s.items() if k in known}
     try:
         GenerateConfig.from_settings(**{**s, "chat": None}).validate()
+        if vocab_size is not None:
+            check_bias_ids(s.get("logit_bias"), vocab_size)
     except UsageError as e:
-        param = fmt_param if str(e).startswith("response_format") else "viasd"
+        named = re.match(r"\w*", str(e)).group()  # (a setting's message starts with its name: "top_p must ...", "logit_bias[5] ...")
+        param = fmt_param if named == "response_format" else named if named in OPENAI_FIELDS + ("logprobs",) else "viasd"
         raise APIError(400, str(e), param=param, code="invalid_value") from None
     return s

@@ -10,6 +10,8 @@ import uuid
 
 from fastapi.responses import Response
 
+from viasd.api import TokenText
+from viasd.errors import VocabularyMismatchError
 from viasd.server.engine import Job
 from viasd.server.errors import ended_by_server, engine_error
 from viasd.server.metrics import Metrics
@@ -17,7 +19,7 @@ from viasd.server.tools import whole_message
 
 _RECORDED = ("strategy", "draft", "drafter", "mode", "k", "adapt_k", "adaptive_k", "slim_fraction", "tier_thresholds",
              "resume", "resume_layer", "reduced_head", "slim_head_vocab", "drafter_head_vocab", "correct", "temperature",
-             "top_p", "seed")
+             "top_p", "seed", "top_k", "min_p", "presence_penalty", "frequency_penalty", "repetition_penalty", "logit_bias")
 
 
 def finite(x):
@@ -43,15 +45,57 @@ def record(job: Job) -> dict:
     return finite({"config": {k: c[k] for k in _RECORDED if k in c}, "stats": job.result.stats.to_dict()})
 
 
+def token_string(piece: bytes) -> str:
+    """A token's text as OpenAI's logprobs name it: its bytes as UTF-8, else as escapes ("bytes:\\xe2")."""
+    try:
+        return piece.decode("utf-8")
+    except UnicodeDecodeError:
+        return "bytes:" + "".join(f"\\x{b:02x}" for b in piece)
+
+
 class Reply:
-    """The answer to one submitted job; `watcher` (the task that notices a client leaving) ends with it."""
+    """The answer to one submitted job; `watcher` (the task that notices a client leaving) ends with it.
+    `model`: whose tokens' bytes logprobs name; `provenance`: each token's source in the `viasd`
+    object (chunks', or the whole answer's)."""
 
     def __init__(self, job: Job, endpoint: str, chat: bool, served: str, metrics: Metrics, watcher: asyncio.Task,
-                 tools=None):
+                 tools=None, model=None, provenance: bool = False):
         self.job, self.endpoint, self.chat, self.served, self.metrics, self.watcher = job, endpoint, chat, served, metrics, watcher
         self.tools = tools  # the ToolPlan of the tool calls the answer may hold (tools.py), or None
+        self.model, self.provenance = model, provenance
+        self.logprobs = job.settings.get("logprobs")  # None, or the alternatives per token
+        self.offset = 0  # characters of the answer's tokens sent so far (completions' text_offset)
         self.id = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex
         self.created = int(time.time())
+
+    def token_logprobs(self, tokens: list[TokenText]) -> dict | None:
+        """`tokens`' logprobs in the endpoint's shape (None without the setting)."""
+        if self.logprobs is None:
+            return None
+        piece = self._piece
+        name = lambda i: token_string(piece(i))  # noqa: E731
+        if self.chat:
+            def entry(i: int, lp: float) -> dict:
+                return {"token": name(i), "logprob": lp, "bytes": list(piece(i))}
+            return {"content": [{**entry(t.id, t.logprob.logprob), "top_logprobs": [entry(i, lp) for i, lp in t.logprob.top]}
+                                for t in tokens], "refusal": None}
+        offsets = []
+        for t in tokens:
+            offsets.append(self.offset)
+            self.offset += len(t.text)
+        return {"tokens": [name(t.id) for t in tokens], "token_logprobs": [t.logprob.logprob for t in tokens],
+                "top_logprobs": [{name(i): lp for i, lp in t.logprob.top} for t in tokens] if self.logprobs else None,
+                "text_offset": offsets}
+
+    def _piece(self, i: int) -> bytes:
+        """Token i's bytes (a word-level tokenizer has no byte pieces: its decoded text)."""
+        try:
+            return self.model.vocabulary.pieces[i]
+        except VocabularyMismatchError:
+            return self.model.tokenizer.decode([i]).encode()
+
+    def token_sources(self, tokens: list[TokenText]) -> list[dict]:
+        return [{"text": t.text, "by": t.source.value} for t in tokens]
 
     def count(self, status: int) -> None:
         self.metrics.requests.labels(self.endpoint, str(status)).inc()
@@ -106,24 +150,37 @@ class Reply:
             if self.tools is not None:
                 text = self.tools.answer_text(job.text, job.result.token_ids)
                 message, finish = whole_message(text, finish, self.tools.family)
-            choice = {"index": 0, "message": message, "logprobs": None, "finish_reason": finish}
+            choice = {"index": 0, "message": message, "logprobs": self.token_logprobs(job.tokens), "finish_reason": finish}
         else:
-            choice = {"index": 0, "text": job.text, "logprobs": None, "finish_reason": job.finish_reason}
+            choice = {"index": 0, "text": job.text, "logprobs": self.token_logprobs(job.tokens), "finish_reason": job.finish_reason}
+        extension = record(job)
+        if self.provenance:
+            extension["tokens"] = self.token_sources(job.tokens)
         return {"id": self.id, "object": "chat.completion" if self.chat else "text_completion", "created": self.created,
-                "model": self.served, "choices": [choice], "usage": usage(job), "viasd": record(job)}
+                "model": self.served, "choices": [choice], "usage": usage(job), "viasd": extension}
 
-    def chunk(self, text: str | None, finish_reason: str | None = None, first_chunk: bool = False) -> dict:
-        """One streamed chunk: a delta of text (chat) or the text itself (completions)."""
+    def chunk(self, text: str | None, finish_reason: str | None = None, first_chunk: bool = False,
+              tokens: list[TokenText] | None = None) -> dict:
+        """One streamed chunk: a delta of text (chat) or the text itself (completions), and `tokens`' logprobs
+        and sources where asked for."""
         if self.chat:
             delta = {} if text is None else ({"role": "assistant", "content": text} if first_chunk else {"content": text})
             choice = {"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish_reason}
         else:
             choice = {"index": 0, "text": text or "", "logprobs": None, "finish_reason": finish_reason}
-        return {**self._chunk_head(), "choices": [choice]}
+        return self._with_tokens({**self._chunk_head(), "choices": [choice]}, tokens)
 
-    def delta_chunk(self, delta: dict) -> dict:
+    def delta_chunk(self, delta: dict, tokens: list[TokenText] | None = None) -> dict:
         """One streamed chat chunk of a given delta (a tool call's fragment)."""
-        return {**self._chunk_head(), "choices": [{"index": 0, "delta": delta, "logprobs": None, "finish_reason": None}]}
+        chunk = {**self._chunk_head(), "choices": [{"index": 0, "delta": delta, "logprobs": None, "finish_reason": None}]}
+        return self._with_tokens(chunk, tokens)
+
+    def _with_tokens(self, chunk: dict, tokens: list[TokenText] | None) -> dict:
+        if tokens:
+            chunk["choices"][0]["logprobs"] = self.token_logprobs(tokens)
+            if self.provenance:
+                chunk["viasd"] = {"tokens": self.token_sources(tokens)}
+        return chunk
 
     def usage_chunk(self) -> dict:
         """The last chunk of a stream with `stream_options.include_usage`: no choices, the usage."""

@@ -51,14 +51,14 @@ async def chat_completions(request: Request):
 async def run(request: Request, endpoint: str, req, prompt, max_tokens: int | None, chat: bool, plan: ToolPlan | None = None):
     """Queue the decode of `prompt`, then answer: the whole text, or a stream of it."""
     state = request.app.state
-    settings = config_for(req, max_tokens, state.defaults, state.model.config.max_positions)
+    settings = config_for(req, max_tokens, state.defaults, state.model.config.max_positions, state.model.config.vocab_size)
     settings["chat"] = chat
     if plan is not None:  # the answer: text or calls of the declared functions, as tool_choice allows
         settings["response_format"] = {"type": "grammar", "grammar": grammar(plan)}
     job = Job(prompt, settings, req.stops(), asyncio.get_running_loop(), stream=bool(req.stream))
     submit(state.worker, job)
     watcher = asyncio.create_task(watch_disconnect(request, job))
-    reply = Reply(job, endpoint, chat, state.served, state.metrics, watcher, plan)
+    reply = Reply(job, endpoint, chat, state.served, state.metrics, watcher, plan, state.model, bool(req.viasd and req.viasd.provenance))
     if req.stream:
         return await answer_stream(reply, bool(req.stream_options and req.stream_options.include_usage))
     return await answer_whole(reply)

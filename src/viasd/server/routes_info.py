@@ -8,9 +8,12 @@ from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, Response
 from pydantic import Field, ValidationError
 
+from viasd.decoding.registry import DEFAULT_STRATEGY, STRATEGIES, Mode
+from viasd.routing.resolve import resolve_route
 from viasd.server.errors import APIError, validation_error
 from viasd.server.parsing import read_json
 from viasd.server.schemas import Strict
+from viasd.settings import DRAFT_KINDS, MODES
 
 router = APIRouter()
 
@@ -81,4 +84,21 @@ async def metrics_route(request: Request):
 @router.get("/v1/models")
 async def models(request: Request):
     state = request.app.state
-    return {"object": "list", "data": [{"id": state.served, "object": "model", "created": state.created, "owned_by": "viasd"}]}
+    entry = {"id": state.served, "object": "model", "created": state.created, "owned_by": "viasd", "viasd": served_options(state)}
+    return {"object": "list", "data": [entry]}
+
+
+def served_options(state) -> dict:
+    """What a request to this server may choose (the `viasd` object of /v1/models): the strategies, the
+    drafter loaded (a request drafts with it by `draft: "model"`), and the routes a request runs unless it
+    names its own layers (`slim_layers`, `draft_layers`)."""
+    d, model = state.defaults, state.model
+    drafter = state.worker.drafter
+    routes = []
+    for role, layers, file in (("slim", d.get("slim_layers"), d.get("slim_route")), ("draft", d.get("draft_layers"), d.get("draft_route"))):
+        mask = resolve_route(model, role, layers, file).mask
+        routes.append({"name": role, "fraction": round(mask.fraction, 4),
+                       "attention": [i for i, a in enumerate(mask.attn) if a], "mlp": [i for i, m in enumerate(mask.mlp) if m]})
+    return {"strategies": list(STRATEGIES), "default_strategy": d.get("strategy", DEFAULT_STRATEGY), "modes": list(MODES),
+            "default_mode": d.get("mode", Mode.LOSSLESS.value), "draft_kinds": list(DRAFT_KINDS),
+            "drafter": drafter.name if drafter is not None else None, "layers": model.config.n_layers, "routes": routes}

@@ -13,14 +13,9 @@ from viasd.settings import SETTINGS, Declared
 # Parameters of the OpenAI API this server understands but does not implement: a clear 400 when
 # given a non-default value (the openai client sends none of them unless asked).
 UNSUPPORTED = {
-    "logprobs": (None, False, 0),
-    "top_logprobs": (None, 0),
     "echo": (None, False),
     "best_of": (None, 1),
     "suffix": (None,),
-    "logit_bias": (None, {}),
-    "presence_penalty": (None, 0, 0.0),
-    "frequency_penalty": (None, 0, 0.0),
     "tools": (None, []),  # (chat: supported, see ChatCompletionRequest)
     "tool_choice": (None, "none"),
     "functions": (None, []),
@@ -54,6 +49,8 @@ def field_of(d: Declared):
         t = Literal[sp.choices]
     elif d.kind == "layers":
         t = Annotated[list[Annotated[int, Field(ge=sp.lo, le=sp.hi)]], Field(min_length=1, max_length=sp.hi + 1)]
+    elif d.kind == "bias":  # OpenAI's shape: {"50256": -100} (JSON keys are text); the vocabulary bound: parsing.config_for
+        t = dict[Annotated[str, Field(pattern=r"^[0-9]{1,10}$")], Annotated[float, Field(ge=sp.lo, le=sp.hi, allow_inf_nan=False)]]
     else:
         raise TypeError(f"setting {d.name} ({d.kind}) has no request field")
     return t | None
@@ -62,7 +59,7 @@ def field_of(d: Declared):
 class _Extension(Strict):
     def settings(self) -> dict:
         """The decode settings it sets (its regex / grammar: parsing.response_format_of)."""
-        out = self.model_dump(exclude_none=True, exclude={"regex", "grammar"})
+        out = self.model_dump(exclude_none=True, exclude={"regex", "grammar", "provenance"})
         for name, d in SETTINGS.items():
             if d.kind == "layers" and name in out:
                 out[name] = tuple(out[name])
@@ -103,23 +100,28 @@ GRAMMAR_TEXT = Annotated[str, Field(min_length=1, max_length=1 << 17)]
 # the server lets a request choose (viasd/settings.py); the server's configured defaults fill what is
 # not given. Routes are layer lists; the drafter model, route files and threshold files are the
 # server's (`viasd serve --drafter / --slim-route ...`).
+# `provenance`: each token's source in the answer's `viasd` object (a response option, not a decode setting).
 ViasdExtension = create_model("ViasdExtension", __base__=_Extension,
                               regex=(GRAMMAR_TEXT | None, None), grammar=(GRAMMAR_TEXT | None, None),
+                              provenance=(bool | None, None),
                               **{n: (field_of(d), None) for n, d in SETTINGS.items() if d.spec.server == "viasd"})
 MaxTokens = field_of(SETTINGS["max_new_tokens"])  # max_tokens, max_completion_tokens
-Temperature, TopP, SeedField = (field_of(SETTINGS[n]) for n in ("temperature", "top_p", "seed"))
+# the settings a request sets by a top-level field of the same name: OpenAI's sampling fields (temperature,
+# top_p, seed, presence_penalty, frequency_penalty, logit_bias) and vLLM's / llama-server's extras (top_k,
+# min_p, repetition_penalty); max_new_tokens is max_tokens, response_format a typed object (below), logprobs
+# each endpoint's own fields (`logprobs_setting`)
+OPENAI_FIELDS = tuple(n for n, d in SETTINGS.items() if d.spec.server == "openai" and n not in ("max_new_tokens", "response_format",
+                                                                                               "logprobs"))
+_Sampling = create_model("_Sampling", __base__=Strict, **{n: (field_of(SETTINGS[n]), None) for n in OPENAI_FIELDS})
+Logprobs = field_of(SETTINGS["logprobs"])
 
 
 class StreamOptions(Strict):
     include_usage: bool = False
 
 
-class _Common(Strict):
+class _Common(_Sampling):  # (its sampling fields: _Sampling's, one per setting)
     model: Annotated[str, Field(min_length=1, max_length=512)]
-    # OpenAI's sampling fields: the settings of the same names (viasd/settings.py)
-    temperature: Temperature = None
-    top_p: TopP = None
-    seed: SeedField = None
     stop: Annotated[str, Field(min_length=1, max_length=256)] | Annotated[
         list[Annotated[str, Field(min_length=1, max_length=256)]], Field(max_length=4)] | None = None
     n: Annotated[int, Field(ge=1, le=128)] | None = None
@@ -128,14 +130,9 @@ class _Common(Strict):
     viasd: ViasdExtension | None = None
     _SUPPORTED: ClassVar = ()  # UNSUPPORTED's parameters this endpoint does support
     # unsupported (400 when set to anything but their default) and ignored fields
-    logprobs: object = None
-    top_logprobs: object = None
     echo: object = None
     best_of: object = None
     suffix: object = None
-    logit_bias: object = None
-    presence_penalty: object = None
-    frequency_penalty: object = None
     tools: object = None
     tool_choice: object = None
     functions: object = None
@@ -176,6 +173,10 @@ class CompletionRequest(_Common):
     prompt: Annotated[str, Field(max_length=1_000_000)] | Annotated[list[Annotated[int, Field(ge=0)]], Field(min_length=1)] | Annotated[
         list[str], Field(min_length=1, max_length=1)] | Annotated[list[Annotated[list[Annotated[int, Field(ge=0)]], Field(min_length=1)]], Field(min_length=1, max_length=1)]
     max_tokens: MaxTokens = None
+    logprobs: Logprobs = None  # the chosen token's and this many alternatives' (OpenAI: at most 5; here 20)
+
+    def logprobs_setting(self) -> int | None:
+        return self.logprobs
 
     @field_validator("prompt")
     @classmethod
@@ -259,8 +260,15 @@ class ChatCompletionRequest(_Common):
     tools: Annotated[list[Tool], Field(max_length=128)] | None = None
     tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
     parallel_tool_calls: bool | None = None
+    logprobs: bool | None = None
+    top_logprobs: Logprobs = None  # alternatives per token, with logprobs
 
     _SUPPORTED: ClassVar = ("tools", "tool_choice", "parallel_tool_calls")
+
+    def logprobs_setting(self) -> int | None:
+        if self.top_logprobs is not None and not self.logprobs:
+            raise ValueError("top_logprobs needs logprobs: true")
+        return (self.top_logprobs or 0) if self.logprobs else None
 
     def limit(self) -> int | None:
         return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens

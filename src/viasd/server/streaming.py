@@ -31,22 +31,29 @@ async def events(reply: Reply, event: tuple, include_usage: bool):
     done = False
     plan = reply.tools
     calls = ToolStream(plan.family) if plan is not None else None  # text and tool-call fragments
+    tokens = []  # tokens whose logprobs / sources no chunk has carried yet (a tool call's text may send none)
+    extras = reply.logprobs is not None or reply.provenance
     try:
         if reply.chat:
             yield sse(reply.chunk("", first_chunk=True))
         while True:
             kind = event[0]
+            if kind == "text":
+                tokens += event[2] if extras else []
             if kind == "text" and calls is not None:
                 # (tags that decoding drops are not in the text: such an answer is sent at its end)
                 for delta in calls.feed(event[1]) if not plan.dropped else []:
-                    yield sse(reply.delta_chunk(delta))
-            elif kind == "text":
-                yield sse(reply.chunk(event[1]))
+                    yield sse(reply.delta_chunk(delta, tokens))
+                    tokens = []
+            elif kind == "text" and (event[1] or tokens):
+                yield sse(reply.chunk(event[1], tokens=tokens))
+                tokens = []
             elif kind in ("done", "error", "cancelled"):
                 done = True
                 for delta in final_deltas(reply, calls) if calls is not None and kind == "done" else []:
-                    yield sse(reply.delta_chunk(delta))
-                for data in last_events(reply, event, include_usage, bool(calls and calls.sent)):
+                    yield sse(reply.delta_chunk(delta, tokens))
+                    tokens = []
+                for data in last_events(reply, event, include_usage, bool(calls and calls.sent), tokens):
                     yield sse(data)
                 return
             event = await reply.job.next_event()
@@ -63,14 +70,14 @@ def final_deltas(reply: Reply, calls: ToolStream) -> list[dict]:
     return calls.feed(plan.answer_text(job.text, job.result.token_ids), final=True)
 
 
-def last_events(reply: Reply, event: tuple, include_usage: bool, called: bool = False) -> list:
+def last_events(reply: Reply, event: tuple, include_usage: bool, called: bool = False, tokens=()) -> list:
     """What ends the stream for its last event (done, error or cancelled), the request accounted for
-    (`called`: the answer held tool calls)."""
+    (`called`: the answer held tool calls; `tokens`: those no chunk has carried yet)."""
     job = reply.job
     if event[0] == "done":
         reply.finish(200)
-        last = reply.chunk(None, "tool_calls" if called and job.finish_reason == "stop" else job.finish_reason)
-        last["viasd"] = record(job)
+        last = reply.chunk(None, "tool_calls" if called and job.finish_reason == "stop" else job.finish_reason, tokens=list(tokens))
+        last["viasd"] = {**last.get("viasd", {}), **record(job)}
         return [last, reply.usage_chunk(), "[DONE]"] if include_usage else [last, "[DONE]"]
     if event[0] == "error":
         e = engine_error(event[1])
