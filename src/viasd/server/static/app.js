@@ -115,17 +115,16 @@ function fillSettings() {
   const info = state.info || {}, p = prefs();
   const strategies = info.strategies || ["", ...FALLBACK_STRATEGIES];  // "": the server's default
   options($("strategy"), strategies, {"": "the server's default"}, p.strategy || info.default_strategy || strategies[0]);
-  const drafts = ["auto", ...(info.drafter ? ["model"] : []), "pld", "self"];
+  const drafts = (info.draft_kinds || ["auto", "model", "pld", "self"]).filter((k) => k !== "model" || info.drafter);
   options($("draft"), drafts, {
     auto: "auto (the server's choice)", model: `model: ${info.drafter}`, pld: "pld: prompt lookup", self: "self: a route of the model",
   }, p.draft);
-  options($("mode"), info.modes || ["lossless", "tiered"], {}, p.mode);
+  options($("mode"), info.modes || ["lossless", "tiered"], {}, p.mode || info.default_mode);
   if (p.temperature !== undefined) $("temperature").value = p.temperature;
   if (p.max_tokens !== undefined) $("max-tokens").value = p.max_tokens;
   if (p.system !== undefined) $("system").value = p.system;
-  const routes = (info.routes || []).map((r) =>
-    `${r.name}: ${r.layers ? r.layers.length : "?"} layers` + (r.fraction != null ? ` (${Math.round(r.fraction * 100)}%)` : ""));
-  $("routes").textContent = routes.length ? "Routes: " + routes.join(", ") : "";
+  const routes = (info.routes || []).filter((r) => r.fraction != null).map((r) => `${r.name} ${Math.round(r.fraction * 100)}%`);
+  $("routes").textContent = routes.length ? `Routes (share of the ${info.layers || "model's"} layers' work): ${routes.join(", ")}` : "";
   showRows();
 }
 
