@@ -36,6 +36,7 @@ def _chromium() -> tuple[str, str] | None:
 
 @pytest.fixture(scope="module")
 def browser():
+    """Headless Chromium (the tests name it before their server, so that they skip before loading a model)."""
     found = _chromium()
     if found is None:
         pytest.skip("chromium and chromedriver are not installed (Debian: apt-get install chromium chromium-driver; "
@@ -87,7 +88,7 @@ def spans(el) -> list[tuple[str, str, str]]:
 
 
 @pytest.mark.model
-def test_page_streams_a_viasd_answer_with_every_token_coloured_by_its_source(live, browser):
+def test_page_streams_a_viasd_answer_with_every_token_coloured_by_its_source(browser, live):
     r = httpx.get(live.url + "/")
     assert r.status_code == 200 and r.headers["content-type"].startswith("text/html")
     assert "connect-src 'self'" in r.headers["content-security-policy"]
@@ -108,7 +109,8 @@ def test_page_streams_a_viasd_answer_with_every_token_coloured_by_its_source(liv
     sources = json.loads(a.get_attribute("data-sources"))
     assert sources == stats["sources"] and set(sources) <= set(SOURCES)
     speed = a.find_element(By.CSS_SELECTOR, ".meta .speed").text
-    assert re.fullmatch(r"first token \d+\.\d\d s · \d+\.\d tokens/s · \d+\.\d\d tokens per full-model pass · \d+ tokens", speed), speed
+    line = r"first token \d+\.\d\d s · \d+\.\d tokens/s · \d+\.\d\d tokens per full-model pass · \d+ tokens"
+    assert re.fullmatch(line, speed), speed
     assert a.find_element(By.CSS_SELECTOR, ".meta").text.startswith("viasd · pld · lossless")
 
     tokens = spans(a)
@@ -142,7 +144,7 @@ def live_with_key(smollm2):
 
 
 @pytest.mark.model
-def test_page_with_an_api_key_asks_for_it_once_and_then_answers(live_with_key, browser):
+def test_page_with_an_api_key_asks_for_it_once_and_then_answers(browser, live_with_key):
     url = live_with_key.url
     assert httpx.get(url + "/").status_code == 200 and httpx.get(url + "/static/app.js").status_code == 200
     assert httpx.get(url + "/v1/models").status_code == 401
