@@ -128,6 +128,11 @@ def test_page_streams_a_viasd_answer_with_every_token_coloured_by_its_source(bro
     text = r.json()["choices"][0]["message"]["content"]
     assert "".join(t for _, _, t in tokens) == text
 
+    html = browser.execute_script("return markdown(arguments[0])",  # what the page makes of hostile Markdown
+                                  "<img src=x onerror=alert(1)><script>alert(2)</script> [a](javascript:alert(3)) [b](https://x.org)")
+    assert "onerror" not in html and "<script" not in html and "javascript:" not in html
+    assert 'href="https://x.org"' in html and 'rel="noopener noreferrer"' in html
+
     browser.find_element(By.ID, "colour-toggle").click()  # off: the answer as rendered Markdown
     assert not a.find_elements(By.CSS_SELECTOR, ".tok")
     assert a.find_element(By.CSS_SELECTOR, ".body").find_elements(By.XPATH, "./*")  # HTML elements, not a text node

@@ -178,8 +178,15 @@ function tokenSpan(t) {
   return s;
 }
 
-function markdown(text) {
+function markdown(text) {  // a model's Markdown as sanitized HTML
   return DOMPurify.sanitize(marked.parse(text, {gfm: true}));
+}
+
+function linksApart(node) {  // a link in an answer opens beside the conversation, telling it nothing
+  if (node.tagName === "A" && node.hasAttribute("href")) {
+    node.setAttribute("target", "_blank");
+    node.setAttribute("rel", "noopener noreferrer");
+  }
 }
 
 function render(a) {  // the whole answer again, in the current view
@@ -399,6 +406,7 @@ function setColour() {
 }
 
 function main() {
+  DOMPurify.addHook("afterSanitizeAttributes", linksApart);
   $("colour-toggle").checked = state.colour;
   $("colour-toggle").addEventListener("change", setColour);
   $("new-chat").addEventListener("click", newChat);
