@@ -484,6 +484,7 @@ def test_streamed_text_reassembles_to_the_decoded_text_for_any_round_sizes(smoll
     import random
 
     from viasd.api import TextStream
+    from viasd.decoding.stats import Source
 
     texts = ["Ünïcödé → 漢字, emoji 🙂🚀 and a combining e\u0301.", "def f(x):\n    return x  # 😀\n\n\tdone",
              "  two leading spaces<|im_end|>and a special token in the middle", "Привет мир. مرحبا\r\n"]
@@ -492,13 +493,14 @@ def test_streamed_text_reassembles_to_the_decoded_text_for_any_round_sizes(smoll
         ids = smollm2.tokenizer.encode(text, add_special_tokens=False)
         for _ in range(3):  # rounds of 1-5 tokens, as speculative strategies commit them
             pieces: list[str] = []
-            stream = TextStream(smollm2, pieces.append)
+            stream = TextStream(smollm2, lambda tokens: pieces.extend(t.text for t in tokens))
             at = 0
             while at < len(ids):
                 n = rng.randint(1, 5)
-                stream(ids[at : at + n])
+                stream(ids[at : at + n], [Source.FULL] * n, None)
                 at += n
                 # every emission ends on a whole character and is a prefix of the text decoded so far
                 assert smollm2.decode(ids[:at]).startswith("".join(pieces)), text
             assert "".join(pieces) == smollm2.decode(ids) and stream.ids == ids
+            assert len(pieces) == len(ids)  # one piece a token ("" where a token ends inside a character)
     assert TextStream(smollm2, print)._steps is not None  # smollm2's fast tokenizer streams incrementally
