@@ -367,6 +367,7 @@ async function send(ev) {
   state.history.push({role: "assistant", content: a.text});
   render(a);
   if (a.final) finalLine(a, a.final);
+  else if (a.first != null) { liveLine(a); a.speed.textContent = (a.error === "stopped" ? "stopped · " : "") + a.speed.textContent; }
   else a.speed.textContent = a.error === "stopped" ? "stopped" : "";
   if (a.error && a.error !== "stopped") errorOf(a, a.error);
   a.el.dataset.finish = a.finish || (a.error === "stopped" ? "stopped" : "error");  // set last: the answer is complete
