@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import http.client
 import json
 
 import pytest
@@ -126,9 +127,17 @@ def tiny_live_with_key(tiny):
         yield server
 
 
-def test_api_key_guards_every_route_but_health(tiny_live_with_key):
+def test_api_key_guards_every_route_but_health_and_the_page(tiny_live_with_key):
     live = tiny_live_with_key
     assert httpx.get(live.url + "/health").status_code == 200
+    for path in ("/", "/static/app.js", "/static/vendor/purify.min.js"):  # the chat page asks for the key itself
+        assert httpx.get(live.url + path).status_code == 200, path
+    check_error(httpx.get(live.url + "/static/nothing.js"), 404, "not_found")
+    for path in ("/static", "/static/../v1/models", "/static/%2e%2e/v1/models", "/static/..%2fmetrics"):  # no way around the key
+        conn = http.client.HTTPConnection("127.0.0.1", live.port, timeout=30)  # (sends the path as it is)
+        conn.request("GET", path)
+        assert conn.getresponse().status in (401, 404), path
+        conn.close()
     for method, path in (("GET", "/v1/models"), ("GET", "/metrics"), ("POST", "/v1/completions"),
                          ("POST", "/v1/chat/completions"), ("GET", "/nowhere")):
         for headers in ({}, {"Authorization": "Bearer wrong"}, {"Authorization": "s3cret-key"}, {"Authorization": "Basic s3cret-key"}):

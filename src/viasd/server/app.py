@@ -9,7 +9,8 @@ down (a stream the drain cut ends with that error object and `[DONE]`). Every er
 
 Here: the settings and the app's assembly. The routes: routes_completions.py (the request parsed in
 parsing.py, answered by responses.py whole or by streaming.py as events), routes_info.py (health,
-metrics, models); token and size checks and exception handlers: middleware.py; error bodies: errors.py.
+metrics, models), routes_page.py (the chat page at /, its files in static/); token and size checks and
+exception handlers: middleware.py; error bodies: errors.py.
 """
 
 from __future__ import annotations
@@ -27,6 +28,7 @@ from viasd.server.middleware import ENDPOINTS, AuthAndSize, endpoint_of, install
 from viasd.server.responses import finite  # noqa: F401 (re-exported)
 from viasd.server.routes_completions import router as completions_router
 from viasd.server.routes_info import router as info_router
+from viasd.server.routes_page import install_page
 
 DEFAULT_MAX_BODY = 1 << 20  # 1 MiB
 
@@ -78,6 +80,7 @@ def create_app(model, drafter=None, settings: ServeSettings | None = None, worke
     install(app, settings)  # the token and size checks, the exception handlers
     app.include_router(info_router)
     app.include_router(completions_router)
+    install_page(app)  # GET / (the chat page) and /static/...
     return app
 
 

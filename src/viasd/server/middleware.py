@@ -20,9 +20,15 @@ def endpoint_of(path: str) -> str:
     return ENDPOINTS.get(path, "other")
 
 
+def public(path: str) -> bool:
+    """Served without the API key: /health, and the chat page (/) with its files (/static/...), which
+    hold nothing of the server's; the page asks for the key when the API answers 401."""
+    return path in ("/", "/health") or path.startswith("/static/")
+
+
 class AuthAndSize:
-    """ASGI middleware: the bearer token (all routes but /health; constant-time comparison) and the
-    declared body size (413 before reading a byte of it)."""
+    """ASGI middleware: the bearer token (all routes but the public ones: /health, the chat page and its
+    files; constant-time comparison) and the declared body size (413 before reading a byte of it)."""
 
     def __init__(self, app, api_key: str | None, max_body: int, metrics: Metrics):
         self.app, self.key, self.max_body, self.metrics = app, api_key.encode() if api_key else None, max_body, metrics
@@ -39,7 +45,7 @@ class AuthAndSize:
     def problem(self, scope) -> APIError | None:
         """The error for a request without the token or with a declared body over the limit, else None."""
         headers = dict(scope.get("headers") or [])
-        if self.key is not None and scope["path"] != "/health":
+        if self.key is not None and not public(scope["path"]):
             auth = headers.get(b"authorization", b"")
             scheme, _, token = auth.partition(b" ")
             if not (scheme.lower() == b"bearer" and hmac.compare_digest(token.strip(), self.key)):
