@@ -75,14 +75,14 @@ def test_an_unread_stream_stops_its_own_decode_and_its_memory_stays_bounded():
 
 
 class PausingWorker(Worker):
-    """Sends one piece of text, then waits for the test before decoding."""
+    """Sends one piece of text (a chunk the client reads), then waits for the test before decoding."""
 
     def __init__(self, *a, **kw):
         super().__init__(*a, **kw)
         self.gate = threading.Event()
 
     def _decode(self, job):
-        job.post("text", "")
+        job.post("text", " ", [])
         self.gate.wait(120)
         super()._decode(job)
 
