@@ -182,10 +182,12 @@ REFERENCE, VNNI, AVX2 = 0, 1, 2  # the kernels (`impl`): portable reference, AVX
 
 
 def unavailable_reason(by_default: bool = True) -> str | None:
-    """Why the kernel cannot run here (None: it can). By default only the AVX-512 VNNI kernel is used.
-    The AVX2 one is not measured yet against ggml's one-row kernels on an AVX2-only CPU (on this
-    project's AVX-512 machine it takes 108 us for one row of 1536x1536 Q4_K on one thread, against 62
-    for the VNNI one), so it runs only when asked for (`load_model(..., pack="row-exact")`)."""
+    """Why the kernel cannot run here (None: it can). By default only the AVX-512 VNNI kernel is used;
+    the AVX2 one (`by_default=False`) is what a weight takes where ggml has no batched layout for its
+    type (`NativeTensor.pack`: Q4_1, Q5_0 and Q8_0 on an AVX2-only CPU, where it multiplied one row
+    of Q4_1 and Q5_0 1.3-1.9x faster than ggml's plain kernel, of Q8_0 0.86-1.3x, on the shapes of
+    `benchmarks/pack_types.py`) or when asked for
+    (`load_model(..., pack="row-exact")`)."""
     cdll = lib()
     if cdll is None:
         return f"the row-exact kernel could not be compiled: {_lib_error}"
