@@ -165,6 +165,8 @@ def test_row_exact_kernel_keeps_the_files_values_and_each_rows_result(ggml_type)
     assert torch.equal(values, deq)  # scale * q + min is the file's value, bit for bit
     kernel = rowexact.RowExactWeight(ggml_type, native.data, 48, 512)
     x = torch.randn(11, 512, generator=g)
+    x[3, :32], x[4, 32:64] = 0.0, -0.0  # blocks with no scale (amax 0)
+    x[5, 64:96] = torch.linspace(-2.5, 2.5, 32)  # a block whose largest values are equal, of both signs
     block = kernel(x, impl=0)
     ref = x.double() @ deq.double().T
     assert (block.double() - ref).norm() <= 0.02 * ref.norm()  # int8 activations per block: ~0.5%

@@ -258,6 +258,41 @@ static void quantize_row_vnni(const float *x, int64_t cols, int blk, int8_t *xq,
 // does, and 128 * sum(xq) added back), then vpmaddwd into int32; the float part per lane as above.
 #define RX_AVX2 __attribute__((target("avx2,fma,f16c")))
 
+// quantize_row's results with vector ops (the scalar loop called libm's fmaxf and nearbyintf for every
+// value: 6% of smollm2's decoding CPU samples under perf on the AVX2 EPYC). The same numbers: max is exact
+// (a NaN value is skipped, as fmaxf skips it), v * id is the same product, vcvtps2dq rounds in the
+// current mode as nearbyintf does, and |q| <= 127 fits int8.
+RX_AVX2 static void quantize_row_avx2(const float *x, int64_t cols, int blk, int8_t *xq, float *dx, float *sx, int32_t *qsum) {
+    const __m256 sign = _mm256_set1_ps(-0.0f);
+    for (int64_t b = 0; b < cols / blk; b++) {
+        const float *v = x + b * blk;
+        __m256 m = _mm256_setzero_ps();
+        for (int i = 0; i < blk; i += 8)  // (max_ps gives its second operand when the first is NaN)
+            m = _mm256_max_ps(_mm256_andnot_ps(sign, _mm256_loadu_ps(v + i)), m);
+        __m128 h = _mm_max_ps(_mm256_castps256_ps128(m), _mm256_extractf128_ps(m, 1));
+        h = _mm_max_ps(h, _mm_movehl_ps(h, h));
+        h = _mm_max_ss(h, _mm_movehdup_ps(h));
+        const float amax = _mm_cvtss_f32(h);
+        const float d = amax / 127.0f;
+        const float id = d != 0.0f ? 1.0f / d : 0.0f;
+        __m256i s = _mm256_setzero_si256();
+        for (int i = 0; i < blk; i += 8) {
+            const __m256i q = _mm256_cvtps_epi32(_mm256_mul_ps(_mm256_loadu_ps(v + i), _mm256_set1_ps(id)));
+            s = _mm256_add_epi32(s, q);
+            int32_t lanes[8];
+            _mm256_storeu_si256((__m256i *)lanes, q);
+            for (int j = 0; j < 8; j++) xq[b * blk + i + j] = (int8_t)lanes[j];
+        }
+        __m128i t = _mm_add_epi32(_mm256_castsi256_si128(s), _mm256_extracti128_si256(s, 1));
+        t = _mm_add_epi32(t, _mm_shuffle_epi32(t, 0x4e));
+        t = _mm_add_epi32(t, _mm_shuffle_epi32(t, 0xb1));
+        const int sum = _mm_cvtsi128_si32(t);
+        dx[b] = d;
+        sx[b] = d * (float)sum;
+        qsum[b] = sum;
+    }
+}
+
 RX_AVX2 static inline __m256 block_vector8(const rx_weight *w, int which, int64_t tile, int64_t b, int h) {
     const int64_t nblk = w->cols / w->blk, i = (tile * nblk + b) * 16 + 8 * h;
     const int mode = which ? w->min_mode : w->scale_mode;
@@ -392,8 +427,8 @@ int rx_matmul(const rx_weight *w, const float *x, int64_t x_stride, int64_t T, f
     float *sx = dx + T * nblk;
     int32_t *qsum = (int32_t *)(sx + T * nblk);
     for (int64_t t = 0; t < T; t++)
-        (impl == 1 ? quantize_row_vnni : quantize_row)(x + t * x_stride, w->cols, w->blk, xq + t * w->cols, dx + t * nblk,
-                                                       sx + t * nblk, qsum + t * nblk);
+        (impl == 1 ? quantize_row_vnni : impl == 2 ? quantize_row_avx2 : quantize_row)(
+            x + t * x_stride, w->cols, w->blk, xq + t * w->cols, dx + t * nblk, sx + t * nblk, qsum + t * nblk);
     const int64_t ntiles = w->rows / 16;
     const int64_t t0 = ntiles * ith / nth, t1 = ntiles * (ith + 1) / nth;
     if (impl == 1)
