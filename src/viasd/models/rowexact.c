@@ -317,6 +317,8 @@ static inline void tiles_avx2_nt(const rx_weight *w, int64_t tile, const int NT,
         for (int t = 0; t < NT; t++) acc[h][t] = _mm256_setzero_ps();
     for (int64_t b = 0; b < nblk; b++) {
         const uint8_t *p = w->q + (tile * nblk + b) * qbytes;
+        if (NT <= prefetch_rows)  // ask for the weights RX_AHEAD blocks on, as the VNNI kernel does
+            for (int64_t off = 0; off < qbytes; off += 64) _mm_prefetch((const char *)p + RX_AHEAD * qbytes + off, _MM_HINT_T0);
         for (int h = 0; h < 2; h++) {  // rows 0-7, then 8-15: each 64-byte vector's halves
             __m256i wv[8];
             if (BITS == 8) {

@@ -214,8 +214,8 @@ def op_address() -> int:
 
 
 def set_prefetch_rows(rows: int) -> None:
-    """The VNNI kernel prefetches a tile's weights a few blocks ahead in passes of up to `rows` rows
-    (default 8, all of them). Results never depend on it; benchmarks lower it to measure what it saves."""
+    """The VNNI and AVX2 kernels prefetch a tile's weights a few blocks ahead in passes of up to `rows`
+    rows (default 8, all of them). Results never depend on it; benchmarks lower it to measure what it saves."""
     cdll = lib()
     if cdll is not None:
         cdll.rx_set_prefetch_rows(ctypes.c_int(rows))
