@@ -77,7 +77,7 @@ def viasd_lossless_decode(decoder: Decoder, drafter: Drafter, route: LayerMask, 
             if s.peek is not None:
                 policy.observe(1, int(x == s.peek))
         # 3. commit; drafter tokens the full model rejected (or the budget cut) no longer count as accepted
-        sources = [_SLIM_SOURCE[t] if not f else Source.GRAMMAR for t, f in zip(s.origin[:n], s.forced)]
+        sources = [Source.GRAMMAR if f else _TIER_SOURCE[t] for t, f in zip(s.origin[:n], s.forced)]
         kept = v.commit(s.block[:n] + [x], s.origin[:n] + [Tier.FULL], sources=sources, logits=logits)
         req.stats.observe_grammar(sum(s.forced), sum(s.forced[: min(n, kept)]))
         req.stats.accepted -= s.origin.count(Tier.ACCEPT) - s.origin[: min(n, kept)].count(Tier.ACCEPT)
@@ -97,7 +97,8 @@ def lossless_policy(decoder: Decoder, drafter: Drafter, route: LayerMask, k: int
                         passes=passes)
 
 
-_SLIM_SOURCE = {Tier.ACCEPT: Source.DRAFT, Tier.SLIM: Source.SLIM}  # a slim-verified block's tokens
+# who settled a token of each tier that is not a kept grammar-forced draft
+_TIER_SOURCE = {Tier.ACCEPT: Source.DRAFT, Tier.SLIM: Source.SLIM, Tier.FULL: Source.FULL}
 
 
 class _SlimBlock(NamedTuple):
@@ -245,8 +246,8 @@ class _TieredLoop:
             self.policy.observe(len(draft) - draft.forced, max(0, kept_drafts - draft.forced))
             if peek is not None and kept_drafts == len(draft) and len(new) > len(draft):
                 self.policy.observe(1, int(new[len(draft)] == peek))  # the proposed token after the verified drafts
-        sources = drafted_sources(kept_drafts, draft.forced) + [Source.SLIM if t == Tier.SLIM else Source.FULL
-                                                                  for t in origin[kept_drafts:]]
+        # (past the kept drafts no token is tier 1: a round ends at its first token that is not its draft)
+        sources = drafted_sources(kept_drafts, draft.forced) + [_TIER_SOURCE[t] for t in origin[kept_drafts:]]
         kept = v.commit(new, origin, checked=i is not None, sources=sources)
         stats.unchecked += sum(t != Tier.FULL for t in origin[:kept])
         self.drafted += [j < kept_drafts for j in range(kept)]
