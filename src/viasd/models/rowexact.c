@@ -15,6 +15,9 @@
 // Weight layout (packed by rowexact.py), per tile of 16 output rows and per block of blk inputs:
 //   8-bit: blk/4 vectors of 64 bytes; byte 4r + j of vector g = q[row r][4g + j]
 //   4-bit: blk/8 vectors of 64 bytes; byte 4r + j of vector v = q[r][4v + j] | q[r][4(v + blk/8) + j] << 4
+//   5-bit (Q5_0, blk 32, AVX2 and reference kernels): the 4-bit layout of the low four bits, then one
+//     vector of 64 bytes of fifth bits: bit g of byte 4r + j = bit 4 of q[r][4g + j] (the file's size,
+//     where 8-bit values read 1.5x its bytes)
 //   scale, min of a block: 16 lanes (row r at lane r), stored as the file allows it exactly:
 //     mode 1: half per block; 2: int8 per block times a float per super-block (sup_blocks blocks, per
 //     row: the K-quants' two-level scales); min mode 3: min_mult * scale (an integer min_mult)
@@ -99,11 +102,14 @@ static int32_t wq(const rx_weight *w, int64_t tile, int64_t b, int r, int i) {
         const uint8_t *p = w->q + (tile * nblk + b) * (int64_t)w->blk * 16;
         return p[(i / 4) * 64 + r * 4 + (i % 4)];
     }
-    const uint8_t *p = w->q + (tile * nblk + b) * (int64_t)w->blk * 8;
+    const int64_t qbytes = (int64_t)w->blk * 8 + (w->bits == 5 ? 64 : 0);
+    const uint8_t *p = w->q + (tile * nblk + b) * qbytes;
     const int half = w->blk / 2;
     const int hi = i >= half, k = i - hi * half;
     const uint8_t byte = p[(k / 4) * 64 + r * 4 + (k % 4)];
-    return hi ? byte >> 4 : byte & 15;
+    const int32_t low = hi ? byte >> 4 : byte & 15;
+    if (w->bits == 4) return low;
+    return low | ((p[w->blk * 8 + r * 4 + (i % 4)] >> (i / 4)) & 1) << 4;
 }
 
 static void tiles_ref(const rx_weight *w, int64_t t0, int64_t t1, int64_t T, const int8_t *xq, const float *dx,
@@ -210,6 +216,10 @@ __attribute__((target("avx512f,avx512bw,avx512vnni")))
 static void tiles_vnni(const rx_weight *w, int64_t t0, int64_t t1, int64_t T, const int8_t *xq, const float *dx,
                        const float *sx, const int32_t *qsum, float *y, int64_t ystride) {
     const int64_t nblk = w->cols / w->blk;
+    if (w->bits == 5) {  // (no AVX-512 form of the 5-bit layout: rowexact.py packs it for the AVX2 kernel only)
+        tiles_ref(w, t0, t1, T, xq, dx, sx, qsum, y, ystride);
+        return;
+    }
 #define RX_CASE(NT) rx_case(w, tile, NT, xq + c * w->cols, dx + c * nblk, sx + c * nblk, qsum + c * nblk, y + c * ystride, ystride)
     for (int64_t c = 0; c < T; c += RX_CHUNK) {
         const int nt = (int)(T - c < RX_CHUNK ? T - c : RX_CHUNK);
@@ -310,8 +320,11 @@ static inline void tiles_avx2_nt(const rx_weight *w, int64_t tile, const int NT,
                                  int64_t ystride) {
     const int64_t nblk = w->cols / BLK;
     const int G = BLK / 4;
-    const int64_t qbytes = (int64_t)BLK * (BITS == 8 ? 16 : 8);
-    const __m256i low = _mm256_set1_epi8(15), ones = _mm256_set1_epi16(1), flip = _mm256_set1_epi8((char)0x80);
+    const int64_t qbytes = (int64_t)BLK * (BITS == 8 ? 16 : 8) + (BITS == 5 ? 64 : 0);
+    // maddubs results (16-bit pair sums) added in 16 bits before widening, as many as cannot overflow:
+    // |pair| <= 2 * max(q) * 128 (15 for 4-bit values, 31 for 5-bit, 63 for 8-bit but Q8_0's 128)
+    const int PAIRS = BITS == 4 ? 8 : BITS == 5 ? 4 : WIDE ? 1 : 2;
+    const __m256i low = _mm256_set1_epi8(15), fifth = _mm256_set1_epi8(16), ones = _mm256_set1_epi16(1), flip = _mm256_set1_epi8((char)0x80);
     __m256 acc[2][RX_CHUNK];
     for (int h = 0; h < 2; h++)
         for (int t = 0; t < NT; t++) acc[h][t] = _mm256_setzero_ps();
@@ -332,6 +345,18 @@ static inline void tiles_avx2_nt(const rx_weight *w, int64_t tile, const int NT,
                     wv[v] = _mm256_and_si256(raw, low);
                     wv[v + G / 2] = _mm256_and_si256(_mm256_srli_epi16(raw, 4), low);
                 }
+                if (BITS == 5) {  // bit g of each byte to bit 4 of group g's (shifts within 16-bit lanes
+                                  // move no byte's bit 4 across into the other byte)
+                    const __m256i hv = _mm256_loadu_si256((const __m256i *)(p + BLK * 8 + 32 * h));
+                    wv[0] = _mm256_or_si256(wv[0], _mm256_and_si256(_mm256_slli_epi16(hv, 4), fifth));
+                    wv[1] = _mm256_or_si256(wv[1], _mm256_and_si256(_mm256_slli_epi16(hv, 3), fifth));
+                    wv[2] = _mm256_or_si256(wv[2], _mm256_and_si256(_mm256_slli_epi16(hv, 2), fifth));
+                    wv[3] = _mm256_or_si256(wv[3], _mm256_and_si256(_mm256_slli_epi16(hv, 1), fifth));
+                    wv[4] = _mm256_or_si256(wv[4], _mm256_and_si256(hv, fifth));
+                    wv[5] = _mm256_or_si256(wv[5], _mm256_and_si256(_mm256_srli_epi16(hv, 1), fifth));
+                    wv[6] = _mm256_or_si256(wv[6], _mm256_and_si256(_mm256_srli_epi16(hv, 2), fifth));
+                    wv[7] = _mm256_or_si256(wv[7], _mm256_and_si256(_mm256_srli_epi16(hv, 3), fifth));
+                }
             }
             const __m256 sc = block_vector8(w, 0, tile, b, h);
             const int mult = w->min_mode == 3;
@@ -339,13 +364,17 @@ static inline void tiles_avx2_nt(const rx_weight *w, int64_t tile, const int NT,
             for (int t = 0; t < NT; t++) {
                 const int32_t *xa = (const int32_t *)(xq + t * w->cols + b * BLK);
                 __m256i isum = _mm256_setzero_si256();
-                for (int g = 0; g < G; g++) {
-                    __m256i a = _mm256_set1_epi32(xa[g]), u = wv[g];
-                    if (WIDE) {  // |q - 128| times the activation with q - 128's sign
-                        a = _mm256_sign_epi8(a, u);
-                        u = _mm256_sign_epi8(u, u);
+                for (int g0 = 0; g0 < G; g0 += PAIRS) {
+                    __m256i s16 = _mm256_setzero_si256();
+                    for (int g = g0; g < g0 + PAIRS && g < G; g++) {
+                        __m256i a = _mm256_set1_epi32(xa[g]), u = wv[g];
+                        if (WIDE) {  // |q - 128| times the activation with q - 128's sign
+                            a = _mm256_sign_epi8(a, u);
+                            u = _mm256_sign_epi8(u, u);
+                        }
+                        s16 = _mm256_add_epi16(s16, _mm256_maddubs_epi16(u, a));
                     }
-                    isum = _mm256_add_epi32(isum, _mm256_madd_epi16(_mm256_maddubs_epi16(u, a), ones));
+                    isum = _mm256_add_epi32(isum, _mm256_madd_epi16(s16, ones));
                 }
                 int32_t extra = mult ? (int32_t)w->min_mult * qsum[t * nblk + b] : 0;
                 if (WIDE) extra += 128 * qsum[t * nblk + b];
@@ -363,6 +392,7 @@ RX_AVX2 __attribute__((always_inline))
 static inline void rx_case8(const rx_weight *w, int64_t tile, const int NT, const int8_t *xq, const float *dx,
                             const float *sx, const int32_t *qsum, float *y, int64_t ystride, int wide) {
     if (w->bits == 4) tiles_avx2_nt(w, tile, NT, 32, 4, 0, xq, dx, sx, qsum, y, ystride);
+    else if (w->bits == 5) tiles_avx2_nt(w, tile, NT, 32, 5, 0, xq, dx, sx, qsum, y, ystride);
     else if (w->blk == 16) tiles_avx2_nt(w, tile, NT, 16, 8, 0, xq, dx, sx, qsum, y, ystride);
     else if (wide) tiles_avx2_nt(w, tile, NT, 32, 8, 1, xq, dx, sx, qsum, y, ystride);
     else tiles_avx2_nt(w, tile, NT, 32, 8, 0, xq, dx, sx, qsum, y, ystride);

@@ -9,7 +9,8 @@ same order whatever the rows of the call, and shares each weight load among up t
 
 The weights keep the file's values exactly: each block of the GGUF (Q4_0, Q4_1, Q4_K, Q5_0, Q6_K, Q8_0)
 becomes unsigned integers q with a float scale and min per block of 16 or 32 (w = scale * q + min),
-stored 4-bit for 4-bit types and 8-bit otherwise. Activations are quantized per block of each row to
+stored 4-bit for 4-bit types, Q5_0 in 4-bit and 1-bit planes (but for the AVX-512
+kernel), 8-bit otherwise. Activations are quantized per block of each row to
 int8, as ggml quantizes them (to Q8 blocks) for its own integer dot products.
 
 The C source is compiled on first use with the system C compiler (the one that built ggml-py) into
@@ -343,17 +344,25 @@ def _block_values(spec: tuple, sup_blocks: int, scale: np.ndarray | None = None)
 class RowExactWeight:
     """A weight in the kernel's layout (tiles of 16 rows; see rowexact.c), and its custom-op struct."""
 
-    def __init__(self, ggml_type: int, data: torch.Tensor, rows: int, cols: int):
+    def __init__(self, ggml_type: int, data: torch.Tensor, rows: int, cols: int, impl: int | None = None):
+        """impl: the kernel the op runs (default: the fastest this CPU runs); Q5_0 is packed in 5-bit
+        planes for every kernel but AVX-512 VNNI's (which has no 5-bit form and takes its 8-bit values)."""
         if rows % 16:
             raise ValueError(f"the row-exact kernel needs a multiple of 16 rows, got {rows}")
+        impl = best_kernel() if impl is None else impl
         u = _unpack(ggml_type, data.numpy(), rows, cols)
+        if ggml_type == Q5_0 and impl != VNNI:
+            u.bits = 5
         blk, bits, nblk, tiles = u.blk, u.bits, cols // u.blk, rows // 16
         t = u.q.reshape(tiles, 16, nblk, blk).transpose(0, 2, 1, 3)  # [tile, block, r, i]
         if bits == 8:  # [tile, block, g, r, j]
             packed = t.reshape(tiles, nblk, 16, blk // 4, 4).transpose(0, 1, 3, 2, 4)
         else:  # low nibble: group v, high nibble: group v + blk/8
-            half = t.reshape(tiles, nblk, 16, 2, blk // 8, 4)
+            half = (t & 15).reshape(tiles, nblk, 16, 2, blk // 8, 4)
             packed = (half[:, :, :, 0] | (half[:, :, :, 1] << 4)).transpose(0, 1, 3, 2, 4)
+            if bits == 5:  # then the fifth bits: bit g of byte 4r + j = bit 4 of q[r][4g + j]
+                fifth = (t >> 4).reshape(tiles, nblk, 16, blk // 4, 4) << np.arange(blk // 4, dtype=np.uint8).reshape(1, 1, 1, -1, 1)
+                packed = np.concatenate([packed.reshape(tiles, nblk, -1), fifth.sum(axis=3, dtype=np.uint8).reshape(tiles, nblk, -1)], axis=2)
         self.q = torch.from_numpy(np.ascontiguousarray(packed).reshape(-1))
 
         def lanes(a: np.ndarray, dtype) -> torch.Tensor:  # [rows, n] -> [tile, n, 16]
@@ -375,7 +384,7 @@ class RowExactWeight:
         self.op = _Op(_Weight(rows, cols, blk, bits, self.q.data_ptr(), ptrs["scale"], ptrs["min"], ptrs["scale_sup"],
                               ptrs["min_sup"], modes["scale"], modes["min"], u.sup_blocks,
                               float(u.min[1]) if u.min[0] == "mult" else 0.0),
-                      best_kernel())
+                      impl)
 
     @property
     def nbytes(self) -> int:
