@@ -35,7 +35,7 @@ typedef struct {
     const uint8_t *q;
     const void *scale, *min;  // per block [tile][block][16], in scale_mode / min_mode's type
     const float *scale_sup, *min_sup;  // mode 2: per super-block [tile][super][16]
-    int32_t scale_mode, min_mode, sup_blocks;
+    int32_t scale_mode, min_mode, sup_blocks;  // sup_blocks: 1, 8 (Q4_K) or 16 (Q6_K), a power of two
     float min_mult;  // min mode 3
 } rx_weight;
 
@@ -303,13 +303,15 @@ RX_AVX2 static void quantize_row_avx2(const float *x, int64_t cols, int blk, int
     }
 }
 
-RX_AVX2 static inline __m256 block_vector8(const rx_weight *w, int which, int64_t tile, int64_t b, int h) {
-    const int64_t nblk = w->cols / w->blk, i = (tile * nblk + b) * 16 + 8 * h;
+// (nblk, nsup and sup_shift = log2(sup_blocks), a power of two, come from the caller: integer divisions
+// here, once per block, were the AVX2 kernel's hottest instructions under perf)
+RX_AVX2 static inline __m256 block_vector8(const rx_weight *w, int which, int64_t nblk, int64_t nsup, int sup_shift,
+                                           int64_t tile, int64_t b, int h) {
+    const int64_t i = (tile * nblk + b) * 16 + 8 * h;
     const int mode = which ? w->min_mode : w->scale_mode;
     const void *p = which ? w->min : w->scale;
     if (mode == 1) return _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)((const uint16_t *)p + i)));
-    const int64_t nsup = nblk / w->sup_blocks;
-    const float *sup = (which ? w->min_sup : w->scale_sup) + (tile * nsup + b / w->sup_blocks) * 16 + 8 * h;
+    const float *sup = (which ? w->min_sup : w->scale_sup) + (tile * nsup + (b >> sup_shift)) * 16 + 8 * h;
     const __m256 sub = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)((const int8_t *)p + i))));
     return _mm256_mul_ps(_mm256_loadu_ps(sup), sub);
 }
@@ -318,7 +320,9 @@ RX_AVX2 __attribute__((always_inline))
 static inline void tiles_avx2_nt(const rx_weight *w, int64_t tile, const int NT, const int BLK, const int BITS, const int WIDE,
                                  const int8_t *xq, const float *dx, const float *sx, const int32_t *qsum, float *y,
                                  int64_t ystride) {
-    const int64_t nblk = w->cols / BLK;
+    const int64_t nblk = w->cols / BLK, nsup = nblk / w->sup_blocks;
+    const int sup_shift = __builtin_ctz((unsigned)w->sup_blocks);
+    const int mult = w->min_mode == 3;
     const int G = BLK / 4;
     const int64_t qbytes = (int64_t)BLK * (BITS == 8 ? 16 : 8) + (BITS == 5 ? 64 : 0);
     // maddubs results (16-bit pair sums) added in 16 bits before widening, as many as cannot overflow:
@@ -358,9 +362,8 @@ static inline void tiles_avx2_nt(const rx_weight *w, int64_t tile, const int NT,
                     wv[7] = _mm256_or_si256(wv[7], _mm256_and_si256(_mm256_srli_epi16(hv, 3), fifth));
                 }
             }
-            const __m256 sc = block_vector8(w, 0, tile, b, h);
-            const int mult = w->min_mode == 3;
-            const __m256 mn = mult ? _mm256_setzero_ps() : block_vector8(w, 1, tile, b, h);  // (mult: unused)
+            const __m256 sc = block_vector8(w, 0, nblk, nsup, sup_shift, tile, b, h);
+            const __m256 mn = mult ? _mm256_setzero_ps() : block_vector8(w, 1, nblk, nsup, sup_shift, tile, b, h);  // (mult: unused)
             for (int t = 0; t < NT; t++) {
                 const int32_t *xa = (const int32_t *)(xq + t * w->cols + b * BLK);
                 __m256i isum = _mm256_setzero_si256();
