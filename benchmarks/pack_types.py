@@ -57,7 +57,7 @@ def main() -> int:
     run_id = time.strftime("%Y%m%dT%H%M%S") + "-" + uuid.uuid4().hex[:6]
     records = Records(args.out, {**environment(), "ggml": gk.lib().has})
     # (the row-exact kernel's AVX2 variant too: what a weight with no ggml layout here takes, `NativeTensor.pack`)
-    kinds = ["plain"] + ([gk.ROW_EXACT] if rowexact.available(False) else []) + [name for name, _ in gk.lib().extra_buffer_types]
+    kinds = ["plain"] + ([gk.ROW_EXACT] if rowexact.available() else []) + [name for name, _ in gk.lib().extra_buffer_types]
     g = torch.Generator().manual_seed(0)
     for rows, cols in SHAPES:
         w = torch.randn(rows, cols, generator=g) * 0.05

@@ -576,7 +576,7 @@ def test_correction_mode_equals_ar_on_native_weights_after_a_long_unchecked_run(
     one full pass; on the row-exact kernel that pass' logits must be `ar`'s (it differed from token 76)."""
     from viasd.models import rowexact
 
-    if not rowexact.available(by_default=False):
+    if not rowexact.available():
         pytest.skip("no row-exact kernel on this CPU")
     model = load_model("smollm2-135m", pack="row-exact", progress=False)
     prompt = "List the planets of the solar system, one per line."

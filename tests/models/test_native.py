@@ -101,7 +101,9 @@ def test_several_row_kernels_give_each_row_ggmls_one_row_product():
     if rowexact.rows_unavailable_reason() is not None:
         pytest.skip(rowexact.rows_unavailable_reason())
     g = torch.Generator().manual_seed(5)
-    w = torch.randn(384, 512, generator=g) * 0.05  # 3 chunks of 128 rows, 2 super-blocks a row
+    # 3 chunks of 128 rows and 8 rows more, 2 super-blocks a row (off the row-exact kernel's 16-row
+    # tiles: the weights these kernels multiply where that kernel runs)
+    w = torch.randn(392, 512, generator=g) * 0.05
     x = torch.randn(40, 512, generator=g) * torch.rand(40, 1, generator=g) * 4
     tried = []
     for ggml_type, kind in ((Q4_K, "CPU_REPACK"), (Q6_K, "plain")):
@@ -110,7 +112,7 @@ def test_several_row_kernels_give_each_row_ggmls_one_row_product():
             continue
         alone = torch.cat([_product(ggml, x[j : j + 1].clone()) for j in range(x.shape[0])])
         ours = _native(w, ggml_type)
-        if ours.pack() != kind + "+rows":  # (AVX-512 VNNI: the row-exact kernel takes both types)
+        if ours.pack() != kind + "+rows":  # (no AVX2: no several-row kernel)
             continue
         tried.append(kind)
         for n in (1, 2, 3, 8, 9, 16, 17, 40):
@@ -130,7 +132,7 @@ def test_several_row_kernels_are_checked_against_ggml_before_use(monkeypatch):
     monkeypatch.setattr(gk, "_rows_checks", {})
     real = rowexact.rows_matmul
     monkeypatch.setattr(rowexact, "rows_matmul", lambda op, x, split=1: real(op, x, split) + 1e-3)
-    w = _native(torch.randn(64, 256, generator=torch.Generator().manual_seed(6)), Q6_K)
+    w = _native(torch.randn(72, 256, generator=torch.Generator().manual_seed(6)), Q6_K)  # (off 16-row tiles)
     kind = w.pack()
     assert kind is None or not kind.endswith("+rows")
     assert gk._rows_checks == {rowexact.ROWS_Q6K: False} or kind == gk.ROW_EXACT
@@ -176,8 +178,8 @@ def test_row_exact_kernel_keeps_the_files_values_and_each_rows_result(ggml_type)
     for impl in simd:  # every kernel this CPU runs gives the reference's sums, bit for bit
         assert torch.equal(kernel(x, impl=impl), block), impl
         assert torch.equal(torch.cat([kernel(x[j : j + 1].clone(), impl=impl) for j in range(11)]), block), impl
-    if rowexact.available(by_default=False):
-        assert native.pack(row_exact="always") == gk.ROW_EXACT
+    if rowexact.available():
+        assert native.pack() == gk.ROW_EXACT
         assert torch.equal(_product(native, x), block)  # the forward graph's custom op
 
 
@@ -293,8 +295,8 @@ def tiny_native(request, tiny):
     from viasd.models.loading import LoadedModel, load_state_dict
 
     ggml_type, pack = request.param
-    if pack == "row-exact" and (not rowexact.available(by_default=False) or rowexact.available()):
-        pytest.skip("the row-exact kernel is this CPU's default (or absent): the other cases cover it")
+    if pack == "row-exact" and not rowexact.available():
+        pytest.skip(rowexact.unavailable_reason())
     state = load_state_dict(tiny.path)
     native = quantize(state, tiny.config, ggml_type)
     assert set(native) == set(native_names(tiny.config)) - ({"lm_head.weight"} if "lm_head.weight" not in state else set())
@@ -302,12 +304,10 @@ def tiny_native(request, tiny):
     assert decoder.native
     # each product's weight packed for this CPU's kernels where it has one, else plain
     ggml_kinds = {name for name, _ in gk.lib().extra_buffer_types} | {"plain"}
-    if pack == "ggml" or not rowexact.available(by_default=False):
+    if pack == "ggml" or not rowexact.available():
         assert set(decoder._graph.packed) <= ggml_kinds
-    elif pack == "row-exact" or rowexact.available():
+    else:  # the row-exact kernel wherever it runs, asked for by name or not
         assert set(decoder._graph.packed) == {gk.ROW_EXACT}
-    else:  # AVX2: ggml's repacked layouts where it has one, the row-exact kernel instead of its plain one
-        assert set(decoder._graph.packed) <= ggml_kinds | {gk.ROW_EXACT} and "plain" not in decoder._graph.packed
     return LoadedModel(name="tiny-native", path=tiny.path, config=tiny.config, decoder=decoder, tokenizer=tiny.tokenizer,
                        weights="native")
 

@@ -64,7 +64,7 @@ class NativeForward:
         self.build_s = 0.0  # seconds spent building graphs (once per shape: `execution.timing.PassTimer` leaves them out)
         # the products' weights laid out for a faster kernel where this CPU has one for them
         # (`ggml_kernels.NativeTensor.pack`: viasd's row-exact kernel, else ggml's extra buffer types;
-        # pack="ggml": ggml's only; pack="row-exact": the row-exact kernel on AVX2 CPUs too); the
+        # pack="ggml": ggml's only; pack="row-exact": the default choice, by name); the
         # embedding table is looked up from the plain bytes
         self.packed: dict[str, int] = {}  # buffer type (or "plain") -> weights
         self._pack = pack
@@ -92,7 +92,7 @@ class NativeForward:
         part once; `count`: tallied in `packed`)."""
         pack = self._pack
         for p in {id(p): p for lin in linears for p in lin.parts}.values():
-            kind = (p.pack(row_exact={"ggml": False, "row-exact": "always"}.get(pack, True)) if pack else None) or "plain"
+            kind = (p.pack(row_exact=pack != "ggml") if pack else None) or "plain"
             if count:
                 self.packed[kind] = self.packed.get(kind, 0) + 1
 

@@ -422,17 +422,16 @@ class NativeTensor:
         t.contents.data = self.data.data_ptr()
         return t
 
-    def pack(self, allowed: tuple[str, ...] | None = None, row_exact: bool | str = True) -> str | None:
+    def pack(self, allowed: tuple[str, ...] | None = None, row_exact: bool = True) -> str | None:
         """Lay the weight out for a faster kernel. First choice (`row_exact`): viasd's row-exact
-        batched kernel (`ROW_EXACT`, models/rowexact.py), where this CPU runs it by default (AVX-512
-        VNNI; `row_exact="always"`: its AVX2 kernel too) and it takes the type. Else the first of
-        ggml's extra buffer types here that multiplies it (AMX, then CPU_REPACK), as llama.cpp does
-        when it loads a model: the same blocks, rearranged for that CPU's kernels; not into one
-        measured slower for its type (`_SLOWER_PACKED`) unless `allowed` names the kinds to try.
-        Else (`row_exact`) the row-exact kernel's AVX2 variant, faster than ggml's plain kernel.
-        With the default choice (`row_exact`, no `allowed`), Q4_K weights in CPU_REPACK and Q6_K
-        weights left plain are multiplied by viasd's several-row kernels over ggml's layouts
-        (`_rows_op`: each row what ggml's one-row kernel gives it; "+rows" in the kind's name).
+        batched kernel (`ROW_EXACT`, models/rowexact.py), where this CPU runs it (AVX-512 VNNI or AVX2)
+        and it takes the type and shape. Else the first of ggml's extra buffer types here that
+        multiplies it (AMX, then CPU_REPACK), as llama.cpp does when it loads a model: the same blocks,
+        rearranged for that CPU's kernels; not into one measured slower for its type
+        (`_SLOWER_PACKED`) unless `allowed` names the kinds to try. With the default choice
+        (`row_exact`, no `allowed`), Q4_K weights in CPU_REPACK and Q6_K weights left plain are
+        multiplied by viasd's several-row kernels over ggml's layouts (`_rows_op`: each row what
+        ggml's one-row kernel gives it; "+rows" in the kind's name).
         Returns the kind's name, or None (kept plain). The plain bytes stay (embedding lookups and
         `dequantize` read them)."""
         if self.packed is not None:
@@ -440,8 +439,7 @@ class NativeTensor:
         g = lib()
         wanted = row_exact if allowed is None else ROW_EXACT in allowed
         rows = bool(row_exact) and allowed is None  # the several-row kernels over ggml's layouts
-        takes = wanted and self.ggml_type in rowexact.TYPES and self.rows % 16 == 0
-        if takes and rowexact.available(wanted != "always"):
+        if wanted and self.ggml_type in rowexact.TYPES and self.rows % 16 == 0 and rowexact.available():
             return self._pack_row_exact()
         for name, buft in g.extra_buffer_types:
             if name not in allowed if allowed is not None else self.ggml_type in _SLOWER_PACKED.get(name, ()):
@@ -453,11 +451,6 @@ class NativeTensor:
             self.packed = _Packed("plain", None)
             self.packed.rows_op = op
             return self.packed.label
-        # No layout of ggml's for it here: the row-exact kernel's AVX2 variant, which beats ggml's plain
-        # one-row kernel (docs/performance.md); Q4_K keeps CPU_REPACK and Q6_K ggml's plain blocks, both
-        # through the several-row kernels (`_rows_op`).
-        if takes and rowexact.available(False):
-            return self._pack_row_exact()
         return None
 
     def _pack_into(self, name: str, buft: int, rows: bool) -> bool:

@@ -235,7 +235,7 @@ def load_model(
     `pack=False`: plain MKL products instead of prepacked oneDNN ones (slower; bit-closer to transformers),
     and for native weights ggml's plain kernels instead of viasd's row-exact kernel or ggml's AMX /
     repacked ones; `pack="ggml"`: native weights in ggml's AMX / repacked layouts only;
-    `pack="row-exact"`: the row-exact kernel also on CPUs with AVX2 but no AVX-512 VNNI.
+    `pack="row-exact"`: the default choice (the row-exact kernel wherever the CPU runs it).
     """
     from viasd.errors import ViasdError
     from viasd.validation import WEIGHT_FORMATS, check_device, check_text
