@@ -194,6 +194,7 @@ def test_row_exact_q5_0_in_five_bit_planes_reads_the_files_bytes_and_gives_the_s
     values = rowexact.RowExactWeight(Q5_0, native.data, 64, 1024, impl=rowexact.VNNI)  # packed, not run
     assert (planes.bits, values.bits) == (5, 8)
     assert planes.nbytes == native.nbytes < values.nbytes
+    assert planes.q.view(-1, 320)[:, 256:].unique().numel() == 256  # each block: 256 bytes of nibbles, 64 of fifth bits
     x = torch.randn(6, 1024, generator=g)
     want = values(x, impl=rowexact.REFERENCE)
     assert torch.equal(planes(x, impl=rowexact.REFERENCE), want)
