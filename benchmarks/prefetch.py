@@ -10,7 +10,6 @@ AVX2-only CPU: Q4_1, Q5_0, Q8_0; with AVX-512 VNNI: every type it takes).
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
 import sys
 import time
@@ -19,7 +18,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from common import environment  # noqa: E402
+from common import Records, environment  # noqa: E402
 from load import cpu_flags  # noqa: E402
 
 
@@ -36,8 +35,7 @@ def main(argv=None) -> int:
     from viasd.models.loading import load_model
 
     run_id = time.strftime("%Y%m%dT%H%M%S") + "-" + uuid.uuid4().hex[:6]
-    env = {**environment(), "cpu_flags": cpu_flags()}
-    args.out.parent.mkdir(parents=True, exist_ok=True)
+    records = Records(args.out, {**environment(), "cpu_flags": cpu_flags()})
     print(f"run {run_id}")
     for name in args.models.split(","):
         model = load_model(name, progress=False)
@@ -48,11 +46,9 @@ def main(argv=None) -> int:
                 times[rows].append(compute.run(lambda: pass_times(model.decoder, 1, reps=9, keep=False))[0])
         rowexact.set_prefetch_rows(8)
         off, on = statistics.median(times[0]), statistics.median(times[8])
-        rec = {"run_id": run_id, "model": name, "one_row_pass_s": {"no_prefetch": off, "prefetch": on},
-               "samples_s": {"no_prefetch": times[0], "prefetch": times[8]}, "speedup": round(off / on, 4),
-               "rounds": args.rounds, "env": env}
-        with open(args.out, "a") as f:
-            f.write(json.dumps(rec) + "\n")
+        records.write(run_id=run_id, model=name, one_row_pass_s={"no_prefetch": off, "prefetch": on},
+                      samples_s={"no_prefetch": times[0], "prefetch": times[8]}, speedup=round(off / on, 4),
+                      rounds=args.rounds)
         print(f"{name}: one-row pass {off * 1e3:.2f} ms without prefetch, {on * 1e3:.2f} ms with: {off / on:.3f}x", flush=True)
     return 0
 

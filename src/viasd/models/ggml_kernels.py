@@ -438,7 +438,7 @@ class NativeTensor:
             return self.packed.label
         g = lib()
         wanted = row_exact if allowed is None else ROW_EXACT in allowed
-        rows = bool(row_exact) and allowed is None  # the several-row kernels over ggml's layouts
+        rows = row_exact and allowed is None  # the several-row kernels over ggml's layouts
         if wanted and self.ggml_type in rowexact.TYPES and self.rows % 16 == 0 and rowexact.available():
             return self._pack_row_exact()
         for name, buft in g.extra_buffer_types:

@@ -351,9 +351,8 @@ class RowExactWeight:
             raise ValueError(f"the row-exact kernel needs a multiple of 16 rows, got {rows}")
         impl = best_kernel() if impl is None else impl
         u = _unpack(ggml_type, data.numpy(), rows, cols)
-        if ggml_type == Q5_0 and impl != VNNI:
-            u.bits = 5
-        blk, bits, nblk, tiles = u.blk, u.bits, cols // u.blk, rows // 16
+        bits = 5 if ggml_type == Q5_0 and impl != VNNI else u.bits
+        blk, nblk, tiles = u.blk, cols // u.blk, rows // 16
         t = u.q.reshape(tiles, 16, nblk, blk).transpose(0, 2, 1, 3)  # [tile, block, r, i]
         if bits == 8:  # [tile, block, g, r, j]
             packed = t.reshape(tiles, nblk, 16, blk // 4, 4).transpose(0, 1, 3, 2, 4)
