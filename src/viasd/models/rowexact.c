@@ -267,6 +267,9 @@ static void quantize_row_vnni(const float *x, int64_t cols, int blk, int8_t *xq,
 // 8-bit types whose q reaches 255 (Q8_0), q - 128 with the sign moved onto the activation, as ggml
 // does, and 128 * sum(xq) added back), then vpmaddwd into int32; the float part per lane as above.
 #define RX_AVX2 __attribute__((target("avx2,fma,f16c")))
+#ifndef RX_AVX2_ROWS
+#define RX_AVX2_ROWS 3  // activation rows per pass over a tile's weights (more spill registers)
+#endif
 
 // quantize_row's results with vector ops (the scalar loop called libm's fmaxf and nearbyintf for every
 // value: 6% of smollm2's decoding CPU samples under perf on the AVX2 EPYC). The same numbers: max is exact
@@ -316,6 +319,17 @@ RX_AVX2 static inline __m256 block_vector8(const rx_weight *w, int which, int64_
     return _mm256_mul_ps(_mm256_loadu_ps(sup), sub);
 }
 
+// group g's fifth bits (bit g of each byte of the plane) moved to bit 4 (shifts within 16-bit lanes move
+// no byte's bit 4 across into the other byte)
+RX_AVX2 static inline __m256i fifth_bits(__m256i hv, int g) {
+    const __m256i fifth = _mm256_set1_epi8(16);
+    return _mm256_and_si256(g < 4 ? _mm256_slli_epi16(hv, 4 - g) : _mm256_srli_epi16(hv, g - 4), fifth);
+}
+
+// One tile x NT activation rows (NT <= RX_AVX2_ROWS). Weight vectors are unpacked two groups at a time
+// and used at once for every row, so that the accumulators, the 16-bit sums and two weight vectors fit
+// AVX2's 16 registers (all eight groups unpacked first spilled to the stack in every case); integer sums
+// are exact in any order, and the float operations per row are the reference's, in its order.
 RX_AVX2 __attribute__((always_inline))
 static inline void tiles_avx2_nt(const rx_weight *w, int64_t tile, const int NT, const int BLK, const int BITS, const int WIDE,
                                  const int8_t *xq, const float *dx, const float *sx, const int32_t *qsum, float *y,
@@ -328,8 +342,8 @@ static inline void tiles_avx2_nt(const rx_weight *w, int64_t tile, const int NT,
     // maddubs results (16-bit pair sums) added in 16 bits before widening, as many as cannot overflow:
     // |pair| <= 2 * max(q) * 128 (15 for 4-bit values, 31 for 5-bit, 63 for 8-bit but Q8_0's 128)
     const int PAIRS = BITS == 4 ? 8 : BITS == 5 ? 4 : WIDE ? 1 : 2;
-    const __m256i low = _mm256_set1_epi8(15), fifth = _mm256_set1_epi8(16), ones = _mm256_set1_epi16(1), flip = _mm256_set1_epi8((char)0x80);
-    __m256 acc[2][RX_CHUNK];
+    const __m256i low = _mm256_set1_epi8(15), ones = _mm256_set1_epi16(1), flip = _mm256_set1_epi8((char)0x80);
+    __m256 acc[2][RX_AVX2_ROWS];
     for (int h = 0; h < 2; h++)
         for (int t = 0; t < NT; t++) acc[h][t] = _mm256_setzero_ps();
     for (int64_t b = 0; b < nblk; b++) {
@@ -337,52 +351,61 @@ static inline void tiles_avx2_nt(const rx_weight *w, int64_t tile, const int NT,
         if (NT <= prefetch_rows)  // ask for the weights RX_AHEAD blocks on, as the VNNI kernel does
             for (int64_t off = 0; off < qbytes; off += 64) _mm_prefetch((const char *)p + RX_AHEAD * qbytes + off, _MM_HINT_T0);
         for (int h = 0; h < 2; h++) {  // rows 0-7, then 8-15: each 64-byte vector's halves
-            __m256i wv[8];
-            if (BITS == 8) {
-                for (int g = 0; g < G; g++) {
-                    wv[g] = _mm256_loadu_si256((const __m256i *)(p + 64 * g + 32 * h));
-                    if (WIDE) wv[g] = _mm256_xor_si256(wv[g], flip);  // q - 128, signed
+            __m256i isum[RX_AVX2_ROWS], s16[RX_AVX2_ROWS];
+            for (int t = 0; t < NT; t++) isum[t] = s16[t] = _mm256_setzero_si256();
+            const __m256i hv = BITS == 5 ? _mm256_loadu_si256((const __m256i *)(p + BLK * 8 + 32 * h)) : _mm256_setzero_si256();
+            int pending = 0;  // groups summed in s16 since it was last widened
+            for (int s = 0; s < G / 2; s++) {  // two groups a step: ga and gb
+                int ga, gb;
+                __m256i wa, wb;
+                if (BITS == 8) {
+                    ga = 2 * s, gb = 2 * s + 1;
+                    wa = _mm256_loadu_si256((const __m256i *)(p + 64 * ga + 32 * h));
+                    wb = _mm256_loadu_si256((const __m256i *)(p + 64 * gb + 32 * h));
+                } else {  // one vector's low and high nibbles: groups s and s + G/2
+                    ga = s, gb = s + G / 2;
+                    const __m256i raw = _mm256_loadu_si256((const __m256i *)(p + 64 * s + 32 * h));
+                    wa = _mm256_and_si256(raw, low);
+                    wb = _mm256_and_si256(_mm256_srli_epi16(raw, 4), low);
+                    if (BITS == 5) {
+                        wa = _mm256_or_si256(wa, fifth_bits(hv, ga));
+                        wb = _mm256_or_si256(wb, fifth_bits(hv, gb));
+                    }
                 }
-            } else {
-                for (int v = 0; v < G / 2; v++) {
-                    const __m256i raw = _mm256_loadu_si256((const __m256i *)(p + 64 * v + 32 * h));
-                    wv[v] = _mm256_and_si256(raw, low);
-                    wv[v + G / 2] = _mm256_and_si256(_mm256_srli_epi16(raw, 4), low);
-                }
-                if (BITS == 5) {  // bit g of each byte to bit 4 of group g's (shifts within 16-bit lanes
-                                  // move no byte's bit 4 across into the other byte)
-                    const __m256i hv = _mm256_loadu_si256((const __m256i *)(p + BLK * 8 + 32 * h));
-                    wv[0] = _mm256_or_si256(wv[0], _mm256_and_si256(_mm256_slli_epi16(hv, 4), fifth));
-                    wv[1] = _mm256_or_si256(wv[1], _mm256_and_si256(_mm256_slli_epi16(hv, 3), fifth));
-                    wv[2] = _mm256_or_si256(wv[2], _mm256_and_si256(_mm256_slli_epi16(hv, 2), fifth));
-                    wv[3] = _mm256_or_si256(wv[3], _mm256_and_si256(_mm256_slli_epi16(hv, 1), fifth));
-                    wv[4] = _mm256_or_si256(wv[4], _mm256_and_si256(hv, fifth));
-                    wv[5] = _mm256_or_si256(wv[5], _mm256_and_si256(_mm256_srli_epi16(hv, 1), fifth));
-                    wv[6] = _mm256_or_si256(wv[6], _mm256_and_si256(_mm256_srli_epi16(hv, 2), fifth));
-                    wv[7] = _mm256_or_si256(wv[7], _mm256_and_si256(_mm256_srli_epi16(hv, 3), fifth));
+                if (WIDE) {  // |q - 128| (shared by the rows) times the activation with q - 128's sign
+                    wa = _mm256_xor_si256(wa, flip);
+                    wb = _mm256_xor_si256(wb, flip);
+                    const __m256i ua = _mm256_sign_epi8(wa, wa), ub = _mm256_sign_epi8(wb, wb);
+                    for (int t = 0; t < NT; t++) {
+                        const int32_t *xa = (const int32_t *)(xq + t * w->cols + b * BLK);
+                        const __m256i pa = _mm256_maddubs_epi16(ua, _mm256_sign_epi8(_mm256_set1_epi32(xa[ga]), wa));
+                        const __m256i pb = _mm256_maddubs_epi16(ub, _mm256_sign_epi8(_mm256_set1_epi32(xa[gb]), wb));
+                        isum[t] = _mm256_add_epi32(isum[t], _mm256_add_epi32(_mm256_madd_epi16(pa, ones), _mm256_madd_epi16(pb, ones)));
+                    }
+                } else {
+                    for (int t = 0; t < NT; t++) {
+                        const int32_t *xa = (const int32_t *)(xq + t * w->cols + b * BLK);
+                        s16[t] = _mm256_add_epi16(s16[t], _mm256_maddubs_epi16(wa, _mm256_set1_epi32(xa[ga])));
+                        s16[t] = _mm256_add_epi16(s16[t], _mm256_maddubs_epi16(wb, _mm256_set1_epi32(xa[gb])));
+                    }
+                    pending += 2;
+                    if (pending == PAIRS || s == G / 2 - 1) {
+                        for (int t = 0; t < NT; t++) {
+                            isum[t] = _mm256_add_epi32(isum[t], _mm256_madd_epi16(s16[t], ones));
+                            s16[t] = _mm256_setzero_si256();
+                        }
+                        pending = 0;
+                    }
                 }
             }
             const __m256 sc = block_vector8(w, 0, nblk, nsup, sup_shift, tile, b, h);
             const __m256 mn = mult ? _mm256_setzero_ps() : block_vector8(w, 1, nblk, nsup, sup_shift, tile, b, h);  // (mult: unused)
             for (int t = 0; t < NT; t++) {
-                const int32_t *xa = (const int32_t *)(xq + t * w->cols + b * BLK);
-                __m256i isum = _mm256_setzero_si256();
-                for (int g0 = 0; g0 < G; g0 += PAIRS) {
-                    __m256i s16 = _mm256_setzero_si256();
-                    for (int g = g0; g < g0 + PAIRS && g < G; g++) {
-                        __m256i a = _mm256_set1_epi32(xa[g]), u = wv[g];
-                        if (WIDE) {  // |q - 128| times the activation with q - 128's sign
-                            a = _mm256_sign_epi8(a, u);
-                            u = _mm256_sign_epi8(u, u);
-                        }
-                        s16 = _mm256_add_epi16(s16, _mm256_maddubs_epi16(u, a));
-                    }
-                    isum = _mm256_add_epi32(isum, _mm256_madd_epi16(s16, ones));
-                }
                 int32_t extra = mult ? (int32_t)w->min_mult * qsum[t * nblk + b] : 0;
                 if (WIDE) extra += 128 * qsum[t * nblk + b];
-                if (extra) isum = _mm256_add_epi32(isum, _mm256_set1_epi32(extra));
-                acc[h][t] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(isum), _mm256_mul_ps(sc, _mm256_set1_ps(dx[t * nblk + b])), acc[h][t]);
+                __m256i is = isum[t];
+                if (extra) is = _mm256_add_epi32(is, _mm256_set1_epi32(extra));
+                acc[h][t] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(is), _mm256_mul_ps(sc, _mm256_set1_ps(dx[t * nblk + b])), acc[h][t]);
                 if (!mult) acc[h][t] = _mm256_fmadd_ps(mn, _mm256_set1_ps(sx[t * nblk + b]), acc[h][t]);
             }
         }
@@ -406,15 +429,20 @@ RX_AVX2 static void tiles_avx2(const rx_weight *w, int64_t t0, int64_t t1, int64
     const int64_t nblk = w->cols / w->blk;
     // 8-bit values above 63 would overflow vpmaddubsw's 16-bit pair sums: Q8_0 (min = -128 scale)
     const int wide = w->bits == 8 && w->min_mode == 3 && w->min_mult == -128.0f;
-    for (int64_t c = 0; c < T; c += 4) {
-        const int nt = (int)(T - c < 4 ? T - c : 4);
-        for (int64_t tile = t0; tile < t1; tile++) {
+    // each tile for every chunk of rows in turn: a second chunk reads the tile from cache, not memory
+    for (int64_t tile = t0; tile < t1; tile++) {
+        for (int64_t c = 0; c < T; c += RX_AVX2_ROWS) {
+            const int nt = (int)(T - c < RX_AVX2_ROWS ? T - c : RX_AVX2_ROWS);
 #define RX_CASE8(NT) rx_case8(w, tile, NT, xq + c * w->cols, dx + c * nblk, sx + c * nblk, qsum + c * nblk, y + c * ystride, ystride, wide)
             switch (nt) {
                 case 1: RX_CASE8(1); break;
+#if RX_AVX2_ROWS > 2
                 case 2: RX_CASE8(2); break;
+#endif
+#if RX_AVX2_ROWS > 3
                 case 3: RX_CASE8(3); break;
-                default: RX_CASE8(4); break;
+#endif
+                default: RX_CASE8(RX_AVX2_ROWS); break;
             }
 #undef RX_CASE8
         }
