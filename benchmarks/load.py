@@ -35,6 +35,7 @@ import argparse
 import asyncio
 import json
 import os
+import shutil
 import signal
 import socket
 import subprocess
@@ -141,33 +142,42 @@ class Server:
 
 
 def build_llama_server(dest: Path) -> Path:
-    """llama-server built from the llama-cpp-python sdist's llama.cpp into `dest` (once): GGML_NATIVE=OFF
-    with this CPU's AVX2 / AVX-512 flags, no AMX."""
-    binary = dest / "build" / "bin" / "llama-server"
+    """llama-server built from the llama-cpp-python sdist's llama.cpp into `dest` (once)."""
+    return build_llama_cpp(dest, "llama-server")
+
+
+def build_llama_cpp(dest: Path, target: str) -> Path:
+    """llama.cpp's `target` (llama-server, llama-bench) built from the llama-cpp-python sdist's llama.cpp
+    into `dest` (once; the source is kept in dest/src for the next target): GGML_NATIVE=OFF with this
+    CPU's AVX2 / AVX-512 flags, no AMX (the native build dies with SIGILL on AMX machines)."""
+    binary = dest / "build" / "bin" / target
     if binary.exists():
         return binary
     import tarfile
     import tempfile
 
     dest.mkdir(parents=True, exist_ok=True)
-    with tempfile.TemporaryDirectory() as tmp:
-        subprocess.run([sys.executable, "-m", "pip", "download", "--no-deps", "--no-binary", ":all:", LLAMA_CPP_PYTHON,
-                        "-d", tmp, "-q"], check=True)
-        (sdist,) = Path(tmp).glob("llama_cpp_python-*.tar.gz")
-        with tarfile.open(sdist) as t:
-            t.extractall(tmp, filter="data")
-        src = next(Path(tmp).glob("llama_cpp_python-*/vendor/llama.cpp"))
-        flags = set(cpu_flags())
-        opts = ["-DGGML_NATIVE=OFF", "-DGGML_AVX=ON", "-DGGML_AVX2=ON", "-DGGML_FMA=ON", "-DGGML_F16C=ON",
-                "-DGGML_AMX_TILE=OFF", "-DGGML_AMX_INT8=OFF", "-DGGML_AMX_BF16=OFF"]
-        for flag, opt in (("avx512f", "GGML_AVX512"), ("avx512vbmi", "GGML_AVX512_VBMI"), ("avx512_vnni", "GGML_AVX512_VNNI"),
-                          ("avx512_bf16", "GGML_AVX512_BF16")):
-            opts.append(f"-D{opt}={'ON' if flag in flags else 'OFF'}")
-        build = dest / "build"
-        subprocess.run(["cmake", "-S", str(src), "-B", str(build), "-DCMAKE_BUILD_TYPE=Release", "-DLLAMA_CURL=OFF",
-                        "-DLLAMA_BUILD_TESTS=OFF", "-DLLAMA_BUILD_EXAMPLES=OFF", *opts], check=True)
-        subprocess.run(["cmake", "--build", str(build), "-j", str(os.cpu_count() or 2), "--target", "llama-server"], check=True)
-        (dest / "build-options.json").write_text(json.dumps({"source": LLAMA_CPP_PYTHON, "cmake": opts}))
+    build, src = dest / "build", dest / "src" / "vendor" / "llama.cpp"
+    if not src.is_dir():
+        with tempfile.TemporaryDirectory() as tmp:
+            subprocess.run([sys.executable, "-m", "pip", "download", "--no-deps", "--no-binary", ":all:", LLAMA_CPP_PYTHON,
+                            "-d", tmp, "-q"], check=True)
+            (sdist,) = Path(tmp).glob("llama_cpp_python-*.tar.gz")
+            with tarfile.open(sdist) as t:
+                t.extractall(tmp, filter="data")
+            shutil.rmtree(dest / "src", ignore_errors=True)
+            shutil.move(str(next(Path(tmp).glob("llama_cpp_python-*/"))), dest / "src")
+        shutil.rmtree(build, ignore_errors=True)  # (configured against a source that is gone)
+    flags = set(cpu_flags())
+    opts = ["-DGGML_NATIVE=OFF", "-DGGML_AVX=ON", "-DGGML_AVX2=ON", "-DGGML_FMA=ON", "-DGGML_F16C=ON",
+            "-DGGML_AMX_TILE=OFF", "-DGGML_AMX_INT8=OFF", "-DGGML_AMX_BF16=OFF"]
+    for flag, opt in (("avx512f", "GGML_AVX512"), ("avx512vbmi", "GGML_AVX512_VBMI"), ("avx512_vnni", "GGML_AVX512_VNNI"),
+                      ("avx512_bf16", "GGML_AVX512_BF16")):
+        opts.append(f"-D{opt}={'ON' if flag in flags else 'OFF'}")
+    subprocess.run(["cmake", "-S", str(src), "-B", str(build), "-DCMAKE_BUILD_TYPE=Release", "-DLLAMA_CURL=OFF",
+                    "-DLLAMA_BUILD_TESTS=OFF", "-DLLAMA_BUILD_EXAMPLES=OFF", *opts], check=True)
+    subprocess.run(["cmake", "--build", str(build), "-j", str(os.cpu_count() or 2), "--target", target], check=True)
+    (dest / "build-options.json").write_text(json.dumps({"source": LLAMA_CPP_PYTHON, "cmake": opts}))
     return binary
 
 
