@@ -42,3 +42,28 @@ def test_cost_in_full_passes_by_bytes_read(tiny, tiny_drafter):
     # the drafter's prompt pass fills its cache without a head; each drafting pass reads it all
     assert sd["bytes_read"] == sd["calls"]["full"] * full + sd["calls"]["draft"] * drafter - drafter_head
     assert sd["full_pass_equivalents_per_token"] == round(sd["bytes_read"] / full / 12, 4)
+
+
+def test_host_time_per_drafted_token_counts_only_decode_rounds_that_drafted(monkeypatch):
+    """`host_ms_per_drafted`: between consecutive verification rounds, the wall time not spent in
+    passes, summed over the rounds that drafted, over their drafts; rounds before the first token
+    and rounds without drafts are left out."""
+    from viasd.decoding import stats as stats_module
+
+    clock, passes = [0.0], [0.0]
+    monkeypatch.setattr(stats_module.time, "perf_counter", lambda: clock[0])
+    s = DecodeStats(pass_seconds=lambda: passes[0])
+    s.observe_round(3, 1)  # before the first token: not counted
+    s.observe_tokens(1)  # the first token: decode-only from here
+    s.observe_round(0, 0)  # the first decode round marks the start
+    clock[0], passes[0] = 0.050, 0.046  # a round with 2 drafts: 4 ms host
+    s.observe_round(2, 2)
+    clock[0], passes[0] = 0.080, 0.070  # no drafts: 6 ms host, not counted
+    s.observe_round(0, 0)
+    clock[0], passes[0] = 0.130, 0.119  # slim rounds between count their drafts too: 3 drafts, 1 ms host
+    s.observe_round(2, 1, verification=False)
+    s.observe_round(1, 1)
+    d = s.to_dict()
+    assert d["host_ms_per_drafted"] == pytest.approx(5.0 / 5, abs=1e-6)
+    assert s.merge(DecodeStats()).to_dict()["host_ms_per_drafted"] == d["host_ms_per_drafted"]
+    assert DecodeStats().to_dict()["host_ms_per_drafted"] is None

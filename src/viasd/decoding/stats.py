@@ -117,9 +117,15 @@ class DecodeStats:
     # `Passes.seconds`); the rest of the decode-only time is host time: sampling, acceptance, drafts'
     # conversion, streaming
     decode_pass_s: float = 0.0
+    # host seconds of the decode-only rounds that drafted, and their drafts (a round runs from one
+    # verification round's `observe_round` to the next: the drafting, acceptance, conversion and
+    # commit between its passes)
+    drafting_host_s: float = 0.0
+    drafting_drafted: int = 0
     pass_seconds: Callable[[], float] | None = field(default=None, repr=False, compare=False)
     _t0: float = field(default_factory=time.perf_counter, repr=False)
     _pass_mark: float | None = field(default=None, repr=False)
+    _round_mark: tuple[float, float, int] | None = field(default=None, repr=False)  # (wall, pass seconds, drafted) at the last round
 
     def observe_call(self, name: str, n: int = 1, verifier_share: float = 0.0, bytes_read: int = 0,
                      rows: int = 0, model: str = "verifier") -> None:
@@ -137,6 +143,12 @@ class DecodeStats:
         in tiered mode whichever settled it)."""
         self.rounds += verification
         self.drafted += n_drafted
+        if verification and self._pass_mark is not None:  # decode-only: after the first token
+            now, passed = time.perf_counter(), self.pass_seconds()
+            if self._round_mark is not None and self.drafted > self._round_mark[2]:
+                self.drafting_host_s += max(0.0, now - self._round_mark[0] - (passed - self._round_mark[1]))
+                self.drafting_drafted += self.drafted - self._round_mark[2]
+            self._round_mark = (now, passed, self.drafted)
         self.accepted += n_accepted
         while len(self.drafted_at) < n_drafted:
             self.drafted_at.append(0)
@@ -211,6 +223,8 @@ class DecodeStats:
             grammar_accepted=self.grammar_accepted + other.grammar_accepted,
             grammar_masks=self.grammar_masks + other.grammar_masks, grammar_s=self.grammar_s + other.grammar_s,
             decode_pass_s=self.decode_pass_s + other.decode_pass_s,
+            drafting_host_s=self.drafting_host_s + other.drafting_host_s,
+            drafting_drafted=self.drafting_drafted + other.drafting_drafted,
         )
 
     def finish(self) -> None:
@@ -239,6 +253,8 @@ class DecodeStats:
             "decode_pass_s": round(self.decode_pass_s, 4),
             "decode_host_s": round(max(0.0, self.wall_s - self.first_token_s - self.decode_pass_s), 4)
             if self.first_token_s is not None else None,
+            # of that, per drafted token: the host time of the rounds that drafted over their drafts
+            "host_ms_per_drafted": round(1e3 * self.drafting_host_s / self.drafting_drafted, 4) if self.drafting_drafted else None,
             # tokens committed per verification round (accepted drafts + the recovered/bonus token),
             # as vLLM and Spec-Bench count it
             "mean_accepted_length": round(self.new_tokens / self.rounds, 4) if self.rounds else 0.0,
