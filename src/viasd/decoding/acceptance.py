@@ -90,17 +90,17 @@ def sample(probs: torch.Tensor, generator: torch.Generator | None) -> int:
     return int(torch.multinomial(probs, 1, generator=generator))
 
 
-def greedy_accept(draft: torch.Tensor, target_logits: torch.Tensor) -> tuple[int, int]:
+def greedy_accept(draft: list[int] | torch.Tensor, target_logits: torch.Tensor) -> tuple[int, int]:
     """Greedy verification: keep drafts while they equal the verifier's argmax.
 
     draft: [k] token ids; target_logits: [k+1, V], row i scores the position of draft[i]
     (row k is the bonus position). Returns (n_accepted, next_token).
     """
-    k = draft.shape[0]
-    target = argmax(target_logits)  # [k+1]
-    mismatch = (draft != target[:k]).nonzero()
-    n = int(mismatch[0]) if mismatch.numel() else k
-    return n, int(target[n])
+    # (compared as Python ints: a handful of small tensor ops cost more than the comparison, every round)
+    target = argmax(target_logits).tolist()  # [k+1]
+    draft = draft.tolist() if isinstance(draft, torch.Tensor) else draft
+    n = next((i for i, (d, t) in enumerate(zip(draft, target)) if d != t), len(draft))
+    return n, target[n]
 
 
 def speculative_sampling(
@@ -154,9 +154,9 @@ def accept(
     distribution (speculative cascades' pi), replacing the one derived from target_logits.
     Returns (n_accepted, next_token).
     """
-    draft = torch.as_tensor(draft, dtype=torch.long)
     if params.greedy:
         return greedy_accept(draft, target_logits if target_probs is None else target_probs)
+    draft = torch.as_tensor(draft, dtype=torch.long)
     p = params.probs(target_logits) if target_probs is None else target_probs
     return speculative_sampling(draft, q, p, generator)
 
