@@ -101,24 +101,31 @@ class TextStream:
 
 def _make_drafter(kind: DraftKind, verifier: LoadedModel, drafter: str | LoadedModel | None, config: GenerateConfig,
                   params: SamplingParams, generator: torch.Generator, progress: bool) -> Drafter:
-    opts, reduced_head = config.drafting, config.viasd.reduced_head
+    opts, reduced_head, probs = config.drafting, config.viasd.reduced_head, draft_probs_read(config)
     if kind is DraftKind.MODEL:
         draft_model = _as_model(drafter, progress)
         if same_vocabulary(verifier, draft_model):
             return ModelDrafter(draft_model.decoder, params, generator, opts.draft_threshold,
-                                drafter_head(verifier, draft_model) if reduced_head else None)
+                                drafter_head(verifier, draft_model) if reduced_head else None, probs)
         return _cross_drafter(verifier, draft_model, config, params, generator)
     if kind is DraftKind.PLD:
         return NgramDrafter(opts.max_ngram, opts.min_ngram)
     route = resolve_route(verifier, "draft", opts.draft_layers, opts.draft_route)
-    return SelfDrafter(verifier.decoder, route.mask, params, generator, opts.draft_threshold, route_head(verifier, route) if reduced_head else None)
+    return SelfDrafter(verifier.decoder, route.mask, params, generator, opts.draft_threshold,
+                       route_head(verifier, route) if reduced_head else None, probs)
+
+
+def draft_probs_read(config: GenerateConfig) -> bool:
+    """Whether decoding with these settings reads the drafter's probabilities q: sampling (the
+    acceptance rule), cascades (the deferral rule), tiered VIA-SD (its confidence tiers)."""
+    return config.temperature > 0 or config.spec.needs_draft_probs or (
+        config.spec.multitier and Mode(config.viasd.mode) is Mode.TIERED)
 
 
 def draft_conversion(config: GenerateConfig) -> Conversion:
     """The conversion a cross-vocabulary drafter uses for these settings (auto resolved)."""
     chosen = Conversion(config.drafting.draft_conversion)
-    needs_probs = config.temperature > 0 or config.spec.needs_draft_probs or (
-        config.spec.multitier and Mode(config.viasd.mode) is Mode.TIERED)
+    needs_probs = draft_probs_read(config)
     if chosen is Conversion.TEXT and config.temperature > 0:
         raise UsageError("draft_conversion 'text' is greedy only: sampling with a drafter of another vocabulary "
                          "drafts the tokens both vocabularies share (draft_conversion 'intersection' or 'auto')")
@@ -146,7 +153,7 @@ def _cross_drafter(verifier: LoadedModel, draft_model: LoadedModel, config: Gene
         vocab = slim_vocab(verifier) if config.viasd.reduced_head else None
         head = draft_model.decoder.reduced_head(bridge.shared_within(vocab) or bridge.shared)
     return CrossVocabDrafter(draft_model.decoder, bridge, conversion, params, generator, config.drafting.draft_threshold,
-                             head, draft_model.eos_token_ids)
+                             head, draft_model.eos_token_ids, probs=draft_probs_read(config))
 
 
 def _loop_args(spec: Strategy, config: GenerateConfig, verifier: LoadedModel) -> tuple[LoopArgs, dict]:

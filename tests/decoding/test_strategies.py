@@ -16,7 +16,7 @@ from viasd.decoding.draft_length import DraftLength, expected_tokens
 from viasd.execution.timing import pass_times
 from viasd.decoding.drafters import Draft, ModelDrafter, NgramDrafter, SelfDrafter
 from viasd.decoding.strategies import speculative_decode
-from viasd.decoding.verifier import DecodeRequest
+from viasd.decoding.verifier import DecodeRequest, Verifier
 from viasd.models.kvcache import LayerMask
 from viasd.routing.resolve import default_draft_layers
 
@@ -46,6 +46,8 @@ def tiny_drafters(tiny, tiny_drafter):
         "self route [0, 3]": SelfDrafter(tiny.decoder, LayerMask.from_layers(n, [0, 3]), GREEDY, None, None),
         "self attn-only route": SelfDrafter(tiny.decoder, LayerMask(attn=(True,) * n, mlp=(True, False, False, True)), GREEDY, None, None),
         "adaptive other-model": ModelDrafter(tiny_drafter.decoder, GREEDY, None, 0.5),
+        "other-model without q": ModelDrafter(tiny_drafter.decoder, GREEDY, None, None, probs=False),
+        "self route [0, 3] without q": SelfDrafter(tiny.decoder, LayerMask.from_layers(n, [0, 3]), GREEDY, None, None, probs=False),
     }
 
 
@@ -504,3 +506,17 @@ def test_streamed_text_reassembles_to_the_decoded_text_for_any_round_sizes(smoll
             assert "".join(pieces) == smollm2.decode(ids) and stream.ids == ids
             assert len(pieces) == len(ids)  # one piece a token ("" where a token ends inside a character)
     assert TextStream(smollm2, print)._steps is not None  # smollm2's fast tokenizer streams incrementally
+
+
+def test_a_drafter_without_q_drafts_what_one_with_q_drafts(tiny, tiny_drafter):
+    """`probs=False` (greedy loops that read no q) skips the softmax: the same tokens, no q; a
+    sampling drafter must keep q (it draws from it)."""
+    context = [5, 9, 2, 7, 11]
+    with_q, without = (ModelDrafter(tiny_drafter.decoder, GREEDY, None, None, probs=p) for p in (True, False))
+    for d in (with_q, without):
+        d.begin(64, Verifier.start(tiny.decoder, None, DecodeRequest(context, 0, GREEDY), 64))
+    a, b = with_q.propose(context, 5), without.propose(context, 5)
+    assert a.tokens == b.tokens and len(a.tokens) == 5
+    assert a.probs is not None and a.probs.shape[0] == 5 and b.probs is None
+    with pytest.raises(ValueError, match="keeps its probabilities"):
+        ModelDrafter(tiny_drafter.decoder, SamplingParams(temperature=1.0), None, None, probs=False)

@@ -102,14 +102,14 @@ class CrossVocabDrafter(ModelDrafter):
 
     def __init__(self, decoder: Decoder, bridge: VocabBridge, conversion: Conversion, params: SamplingParams,
                  generator: torch.Generator | None, threshold: float | None, head: ReducedHead | None = None,
-                 eos: frozenset[int] = frozenset(), ratio: float = 3.0):
+                 eos: frozenset[int] = frozenset(), ratio: float = 3.0, probs: bool = True):
         if conversion is Conversion.AUTO:
             raise ValueError("choose the conversion (api.draft_conversion resolves auto)")
         if conversion is Conversion.TEXT and not params.greedy:
             raise ValueError("text conversion is greedy only: sampling needs the intersection (TLI)")
         if conversion is Conversion.INTERSECTION and head is None:
             raise ValueError("intersection drafting needs the drafter's head over the shared tokens")
-        super().__init__(decoder, params, generator, threshold, head)
+        super().__init__(decoder, params, generator, threshold, head, probs)
         self.bridge, self.conversion, self.eos, self.ratio = bridge, conversion, eos, ratio
         self.context = DrafterContext(bridge)
         self._shared = torch.tensor(bridge.shared, dtype=torch.long)  # [n_shared]
@@ -141,6 +141,8 @@ class CrossVocabDrafter(ModelDrafter):
         tokens, probs = self.draft_ids(ids, k)
         if not tokens:
             return NO_DRAFT
+        if probs is None:  # (a drafter that keeps no q: greedy, for a loop that reads none)
+            return Draft(self.bridge.to_verifier[torch.tensor(tokens)].tolist(), None)
         shared = self._shared
         # [k', V_verifier]: q moved to the verifier's ids of the shared tokens (0 elsewhere; every
         # drafted id is shared: the head scores no others)
