@@ -5,8 +5,8 @@ Issue 41's peer figure: tokens per second of greedy one-token-at-a-time decoding
 `viasd.generate(..., strategy="ar")` decodes N tokens after a short prompt (decode-only: the tokens
 after the first over the time after it; weights as loaded by default, native: the same file's blocks).
 Each arm's call starts with an unmeasured warm-up (llama-bench's own; 8 tokens of viasd's: the first
-decode after the other process ran is slower). The two alternate per round (the order flipped every round), so both see the same state of the
-machine; the summary gives the median of per-round ratios.
+decode after the other process ran is slower). The two alternate per round (the order flipped every
+round), so both see the same state of the machine; the summary gives the median of per-round ratios.
 
 llama-bench is built once from the llama-cpp-python sdist's llama.cpp (as `load.py` builds llama-server:
 GGML_NATIVE=OFF with this CPU's AVX2 / AVX-512 flags, no AMX) unless `--llama-bench` names a binary.
@@ -50,10 +50,8 @@ def llama_bench(binary: Path, gguf: Path, n: int, threads: int) -> dict:
 def viasd_ar(model, ids: list[int], n: int) -> dict:
     from viasd import generate
 
-    r = generate(ids, model, strategy="ar", max_new_tokens=n)
-    s = r.stats.to_dict()
-    k, wall, first = len(r.token_ids), s["wall_s"], s["first_token_s"]
-    return {"tokens": k, "tokens_per_s": (k - 1) / (wall - first) if k > 1 and wall > first else 0.0, "wall_s": wall}
+    s = generate(ids, model, strategy="ar", max_new_tokens=n).stats
+    return {"tokens": s.new_tokens, "tokens_per_s": s.decode_tokens_per_s, "wall_s": s.wall_s}
 
 
 def main() -> int:

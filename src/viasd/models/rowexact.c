@@ -267,9 +267,7 @@ static void quantize_row_vnni(const float *x, int64_t cols, int blk, int8_t *xq,
 // 8-bit types whose q reaches 255 (Q8_0), q - 128 with the sign moved onto the activation, as ggml
 // does, and 128 * sum(xq) added back), then vpmaddwd into int32; the float part per lane as above.
 #define RX_AVX2 __attribute__((target("avx2,fma,f16c")))
-#ifndef RX_AVX2_ROWS
-#define RX_AVX2_ROWS 3  // activation rows per pass over a tile's weights (more spill registers)
-#endif
+#define RX_AVX2_ROWS 3  // activation rows per pass over a tile's weights (4 spill registers to the stack)
 
 // quantize_row's results with vector ops (the scalar loop called libm's fmaxf and nearbyintf for every
 // value: 6% of smollm2's decoding CPU samples under perf on the AVX2 EPYC). The same numbers: max is exact
