@@ -71,7 +71,7 @@ class NativeForward:
         self.pack_parts(*(lin for layer in decoder.layers for lin in (layer.qkv, layer.o, layer.gate_up, layer.down)),
                         decoder.lm_head)
         # decoding passes attend with viasd's row-exact op where the products run on the row-exact kernel
-        # and the CPU has AVX-512 (`rowexact.attention_op_address`), else with ggml's reference flash
+        # and the CPU has AVX-512 or AVX2 (`rowexact.attention_op_address`), else with ggml's reference flash
         # attention; attention="ggml" / "row-exact" asks for one (tests compare them)
         usable = rowexact.attention_unavailable_reason(cfg.head_dim) is None
         if attention is None:

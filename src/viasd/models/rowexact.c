@@ -815,13 +815,14 @@ void rx_rows_ggml_op(void *dst, int ith, int nth, void *userdata) {
     }
 }
 
-// ---------------------------------------------------------------- row-exact attention (AVX-512 F, BW, VL)
+// ---------------------------------------------------------------- row-exact attention (AVX-512 F, BW, VL; AVX2)
 // out[t, h] = sum_p softmax_p(s) v[p],  s[p] = scale * q[t, h] . k[p] (+ softcap) + mask[t, p], over
 // the keys row t's mask leaves visible (mask > -inf). The same float operations for (t, h) whatever
-// the other rows of the call or the thread: keys go in chunks of 16 at fixed positions (p / 16), a
+// the other rows of the call or the thread: keys go in chunks of 16 (AVX2: 8) at fixed positions, a
 // chunk with no visible key adds exactly nothing (nor does any key past the last visible chunk), each
 // dot product reduces its lanes in a fixed tree, the exponentials are computed lane by lane, and the
-// values are summed key by key in order, even and odd keys in two chains added at the end.
+// values are summed key by key in order (AVX-512: even and odd keys in two chains added at the end).
+// The two forms differ in their last bits (each is row-exact on its own CPU).
 // What it replaces, ggml's reference flash attention, does the same per row but one key at a time
 // with scalar exponentials: 5-8x slower here.
 
@@ -942,7 +943,7 @@ static inline void attend_d(const float *q, const char *k, size_t ks, const char
 }
 
 // head sizes as constants (the value sums stay in registers), any other multiple of 16 as a variable
-RX_AVX512 static void attend_one(const float *q, const char *k, size_t ks, const char *v, size_t vs, const uint16_t *mask,
+RX_AVX512 static void attend_one_avx512(const float *q, const char *k, size_t ks, const char *v, size_t vs, const uint16_t *mask,
                                  int64_t n_keys, int D, float scale, float softcap, float *s, float *out) {
     switch (D) {
         case 64: attend_d(q, k, ks, v, vs, mask, n_keys, 64, scale, softcap, s, out); break;
@@ -951,11 +952,150 @@ RX_AVX512 static void attend_one(const float *q, const char *k, size_t ks, const
     }
 }
 
+// ---- the AVX2 form (FMA, F16C): 8 keys a chunk, 8 lanes a vector
+// exp(x) lane by lane, x <= 0 or -inf (-> 0): as exp_ps, 2^n built in the exponent bits (n < -126,
+// where the result is below 2^-126 and adds nothing a softmax sum keeps, gives 0)
+RX_AVX2 static inline __m256 exp_ps8(__m256 x) {
+    const __m256 n = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504f)), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    __m256 r = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693145751953125f), x);
+    r = _mm256_fnmadd_ps(n, _mm256_set1_ps(1.428606765330187e-06f), r);
+    __m256 p = _mm256_set1_ps(1.0f / 5040.0f);
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.0f / 720.0f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.0f / 120.0f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.0f / 24.0f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.0f / 6.0f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(0.5f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.0f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.0f));
+    const __m256 ok = _mm256_cmp_ps(n, _mm256_set1_ps(-126.0f), _CMP_GE_OQ);  // (false for -inf and NaN)
+    const __m256i e = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(_mm256_max_ps(n, _mm256_set1_ps(-126.0f))),
+                                                         _mm256_set1_epi32(127)), 23);
+    return _mm256_and_ps(ok, _mm256_mul_ps(p, _mm256_castsi256_ps(e)));
+}
+
+// the 8 sums of lanes of a[0..7]: lane j of the result = sum of a[j]'s lanes (a fixed tree)
+RX_AVX2 static inline __m256 hsum8(const __m256 *a) {
+    const __m256 t0 = _mm256_hadd_ps(a[0], a[1]), t1 = _mm256_hadd_ps(a[2], a[3]);
+    const __m256 t2 = _mm256_hadd_ps(a[4], a[5]), t3 = _mm256_hadd_ps(a[6], a[7]);
+    const __m256 u0 = _mm256_hadd_ps(t0, t1), u1 = _mm256_hadd_ps(t2, t3);  // [a0..a3 low halves | high halves]
+    return _mm256_add_ps(_mm256_permute2f128_ps(u0, u1, 0x20), _mm256_permute2f128_ps(u0, u1, 0x31));
+}
+
+RX_AVX2 static inline float hsum_ps8(__m256 v) {  // a fixed tree
+    __m128 h = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+    h = _mm_add_ps(h, _mm_movehl_ps(h, h));
+    return _mm_cvtss_f32(_mm_add_ss(h, _mm_movehdup_ps(h)));
+}
+
+RX_AVX2 static inline float hmax_ps8(__m256 v) {
+    __m128 h = _mm_max_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+    h = _mm_max_ps(h, _mm_movehl_ps(h, h));
+    return _mm_cvtss_f32(_mm_max_ss(h, _mm_movehdup_ps(h)));
+}
+
+// values key by key in order into out[0..W) (W <= 64: the sums stay in 8 registers)
+RX_AVX2 __attribute__((always_inline))
+static inline void value_sums8(const char *v, size_t vs, const float *s, int64_t last, const int W, __m256 inv, float *out) {
+    __m256 o[8];
+    for (int i = 0; i < W / 8; i++) o[i] = _mm256_setzero_ps();
+    for (int64_t p = 0; p < last; p++) {
+        if (s[p] == 0.0f) continue;  // masked or underflowed: adds exactly nothing
+        const __m256 e = _mm256_set1_ps(s[p]);
+        const float *vp = (const float *)(v + p * vs);
+        for (int i = 0; i < W / 8; i++) o[i] = _mm256_fmadd_ps(e, _mm256_loadu_ps(vp + 8 * i), o[i]);
+    }
+    for (int i = 0; i < W / 8; i++) _mm256_storeu_ps(out + 8 * i, _mm256_mul_ps(o[i], inv));
+}
+
+RX_AVX2 __attribute__((always_inline))
+static inline void attend_d8(const float *q, const char *k, size_t ks, const char *v, size_t vs, const uint16_t *mask,
+                             int64_t n_keys, const int D, float scale, float softcap, float *s, float *out) {
+    const int64_t n_chunks = (n_keys + 7) / 8;
+    const __m256 neg = _mm256_set1_ps(-INFINITY);
+    __m256 mx = neg;
+    int64_t used = 0;  // chunks up to the last one with a visible key (the rest add nothing)
+    for (int64_t c = 0; c < n_chunks; c++) {
+        const int64_t p0 = c * 8;
+        const int n = n_keys - p0 < 8 ? (int)(n_keys - p0) : 8;
+        uint16_t mh[8];
+        for (int j = 0; j < 8; j++) mh[j] = j < n ? mask[p0 + j] : 0xFC00;  // (f16 -inf past the keys)
+        const __m256 mv = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)mh));
+        const __m256 vis = _mm256_cmp_ps(mv, neg, _CMP_NEQ_OQ);
+        if (!_mm256_movemask_ps(vis)) {  // nothing visible: the chunk adds nothing
+            _mm256_storeu_ps(s + p0, neg);
+            continue;
+        }
+        used = c + 1;
+        __m256 acc[8];
+        for (int j = 0; j < 8; j++) {
+            const float *kp = (const float *)(k + (p0 + (j < n ? j : 0)) * ks);
+            __m256 a = _mm256_mul_ps(_mm256_loadu_ps(q), _mm256_loadu_ps(kp));
+            for (int i = 8; i < D; i += 8) a = _mm256_fmadd_ps(_mm256_loadu_ps(q + i), _mm256_loadu_ps(kp + i), a);
+            acc[j] = a;
+        }
+        __m256 sc = _mm256_mul_ps(hsum8(acc), _mm256_set1_ps(scale));
+        if (softcap != 0.0f) {
+            float tmp[8];
+            _mm256_storeu_ps(tmp, sc);
+            for (int j = 0; j < 8; j++) tmp[j] = softcap * tanhf(tmp[j]);
+            sc = _mm256_loadu_ps(tmp);
+        }
+        sc = _mm256_blendv_ps(neg, _mm256_add_ps(sc, mv), vis);
+        _mm256_storeu_ps(s + p0, sc);
+        mx = _mm256_max_ps(mx, sc);
+    }
+    const float m = hmax_ps8(mx);
+    if (m == -INFINITY) {  // no visible key (ggml's reference gives zeros too)
+        for (int i = 0; i < D; i += 8) _mm256_storeu_ps(out + i, _mm256_setzero_ps());
+        return;
+    }
+    __m256 sum = _mm256_setzero_ps();
+    const __m256 mm = _mm256_set1_ps(m);
+    for (int64_t c = 0; c < used; c++) {
+        const __m256 e = exp_ps8(_mm256_sub_ps(_mm256_loadu_ps(s + c * 8), mm));
+        _mm256_storeu_ps(s + c * 8, e);
+        sum = _mm256_add_ps(sum, e);
+    }
+    const float total = hsum_ps8(sum);
+    const __m256 inv = _mm256_set1_ps(total == 0.0f ? 0.0f : 1.0f / total);
+    const int64_t last = used * 8 < n_keys ? used * 8 : n_keys;
+    int i = 0;
+    for (; i + 64 <= D; i += 64) value_sums8(v + 4 * i, vs, s, last, 64, inv, out + i);
+    for (; i < D; i += 16) value_sums8(v + 4 * i, vs, s, last, 16, inv, out + i);
+}
+
+RX_AVX2 static void attend_one_avx2(const float *q, const char *k, size_t ks, const char *v, size_t vs, const uint16_t *mask,
+                                    int64_t n_keys, int D, float scale, float softcap, float *s, float *out) {
+    switch (D) {
+        case 64: attend_d8(q, k, ks, v, vs, mask, n_keys, 64, scale, softcap, s, out); break;
+        case 128: attend_d8(q, k, ks, v, vs, mask, n_keys, 128, scale, softcap, s, out); break;
+        default: attend_d8(q, k, ks, v, vs, mask, n_keys, D, scale, softcap, s, out); break;
+    }
+}
+
+typedef void (*attend_fn)(const float *, const char *, size_t, const char *, size_t, const uint16_t *, int64_t, int,
+                          float, float, float *, float *);
+
+// the form this CPU runs (AVX-512 where it has it), or NULL
+static attend_fn attend_one(void) {
+    static attend_fn chosen;
+    static int done;
+    if (!done) {
+        __builtin_cpu_init();
+        chosen = rx_has_avx512() ? attend_one_avx512 : rx_has_avx2() ? attend_one_avx2 : NULL;
+        done = 1;
+    }
+    return chosen;
+}
+
+int rx_has_attention(void) { return attend_one() != NULL; }
+
 // ggml custom op (ggml_custom_4d): dst [D, H, T] from src[0] q [D, T, H], src[1] k, src[2] v
 // [D, n_keys, Hkv] float32, src[3] mask [n_keys, T] f16; userdata: rx_attn_params. The (row, head)
 // pairs are split among the threads.
-RX_AVX512 void rx_attn_op(void *dst, int ith, int nth, void *userdata) {
+void rx_attn_op(void *dst, int ith, int nth, void *userdata) {
     const rx_attn_params *prm = (const rx_attn_params *)userdata;
+    const attend_fn attend = attend_one();
     char *d = (char *)dst;
     char *const *src = (char *const *)(d + OFF_SRC);
 #define NE(t) ((const int64_t *)((t) + OFF_NE))
@@ -973,11 +1113,11 @@ RX_AVX512 void rx_attn_op(void *dst, int ith, int nth, void *userdata) {
     for (int64_t task = a; task < b; task++) {
         const int64_t t = task / H, h = task % H, kh = h / (H / Hkv);
         float *out = (float *)(DATA(d) + t * NB(d)[2] + h * NB(d)[1]);
-        if (!attn_buf) {  // out of memory: NaN, never stale
+        if (!attn_buf || !attend) {  // out of memory (or no form for this CPU): NaN, never stale
             for (int i = 0; i < D; i++) out[i] = NAN;
             continue;
         }
-        attend_one((const float *)(DATA(q) + t * NB(q)[1] + h * NB(q)[2]), DATA(k) + kh * NB(k)[2], NB(k)[1],
+        attend((const float *)(DATA(q) + t * NB(q)[1] + h * NB(q)[2]), DATA(k) + kh * NB(k)[2], NB(k)[1],
                    DATA(v) + kh * NB(v)[2], NB(v)[1], (const uint16_t *)(DATA(mk) + t * NB(mk)[1]), n_keys, D,
                    prm->scale, prm->softcap, attn_buf, out);
     }
@@ -988,14 +1128,18 @@ RX_AVX512 void rx_attn_op(void *dst, int ith, int nth, void *userdata) {
 
 // the same on plain arrays, on the calling thread (tests): q [T][H][D], k, v [Hkv][n_keys][D] float32,
 // mask [T][n_keys] f16 bits, out [T][H][D]. Returns 0, or -1 when out of memory.
-RX_AVX512 int rx_attention(const float *q, const float *k, const float *v, const uint16_t *mask, float *out, int64_t T,
+int rx_attention(const float *q, const float *k, const float *v, const uint16_t *mask, float *out, int64_t T,
                            int64_t H, int64_t Hkv, int64_t n_keys, int D, float scale, float softcap) {
+    const attend_fn attend = attend_one();
     float *s = (float *)malloc(((size_t)n_keys + 16) * sizeof(float));
-    if (!s) return -1;
+    if (!s || !attend) {
+        free(s);
+        return -1;
+    }
     for (int64_t t = 0; t < T; t++)
         for (int64_t h = 0; h < H; h++) {
             const int64_t kh = h / (H / Hkv);
-            attend_one(q + (t * H + h) * D, (const char *)(k + kh * n_keys * D), (size_t)D * 4,
+            attend(q + (t * H + h) * D, (const char *)(k + kh * n_keys * D), (size_t)D * 4,
                        (const char *)(v + kh * n_keys * D), (size_t)D * 4, mask + t * n_keys, n_keys, D, scale, softcap, s,
                        out + (t * H + h) * D);
         }

@@ -236,8 +236,8 @@ def attention_unavailable_reason(head_dim: int) -> str | None:
     cdll = lib()
     if cdll is None:
         return f"the row-exact kernels could not be compiled: {_lib_error}"
-    if not cdll.rx_has_avx512():
-        return "the CPU lacks AVX-512"
+    if not cdll.rx_has_attention():
+        return "the CPU lacks AVX-512 and AVX2 with FMA and F16C"
     if head_dim % 16 or head_dim > 256:
         return f"head size {head_dim} is not a multiple of 16 up to 256"
     return None
