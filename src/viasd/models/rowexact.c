@@ -267,7 +267,7 @@ static void quantize_row_vnni(const float *x, int64_t cols, int blk, int8_t *xq,
 // 8-bit types whose q reaches 255 (Q8_0), q - 128 with the sign moved onto the activation, as ggml
 // does, and 128 * sum(xq) added back), then vpmaddwd into int32; the float part per lane as above.
 #define RX_AVX2 __attribute__((target("avx2,fma,f16c")))
-#define RX_AVX2_ROWS 3  // activation rows per pass over a tile's weights (4 spill registers to the stack)
+#define RX_AVX2_ROWS 3  // activation rows per pass over a tile's weights (2 and 4 were slower at 3-8 rows)
 
 // quantize_row's results with vector ops (the scalar loop called libm's fmaxf and nearbyintf for every
 // value: 6% of smollm2's decoding CPU samples under perf on the AVX2 EPYC). The same numbers: max is exact
@@ -324,10 +324,12 @@ RX_AVX2 static inline __m256i fifth_bits(__m256i hv, int g) {
     return _mm256_and_si256(g < 4 ? _mm256_slli_epi16(hv, 4 - g) : _mm256_srli_epi16(hv, g - 4), fifth);
 }
 
-// One tile x NT activation rows (NT <= RX_AVX2_ROWS). Weight vectors are unpacked two groups at a time
-// and used at once for every row, so that the accumulators, the 16-bit sums and two weight vectors fit
-// AVX2's 16 registers (all eight groups unpacked first spilled to the stack in every case); integer sums
-// are exact in any order, and the float operations per row are the reference's, in its order.
+// One tile x NT activation rows (NT <= RX_AVX2_ROWS). Each step unpacks two groups for both halves of
+// the tile (rows 0-7 and 8-15) and uses them at once for every row, so that each row's activation
+// broadcast serves both halves; the 16-bit sums of both halves, the four weight vectors and the two
+// broadcasts fit AVX2's 16 registers for two rows (three spill the float accumulators, which are
+// touched once a block). Integer sums are exact in any order, and the float operations per row are
+// the reference's, in its order.
 RX_AVX2 __attribute__((always_inline))
 static inline void tiles_avx2_nt(const rx_weight *w, int64_t tile, const int NT, const int BLK, const int BITS, const int WIDE,
                                  const int8_t *xq, const float *dx, const float *sx, const int32_t *qsum, float *y,
@@ -348,60 +350,68 @@ static inline void tiles_avx2_nt(const rx_weight *w, int64_t tile, const int NT,
         const uint8_t *p = w->q + (tile * nblk + b) * qbytes;
         if (NT <= prefetch_rows)  // ask for the weights RX_AHEAD blocks on, as the VNNI kernel does
             for (int64_t off = 0; off < qbytes; off += 64) _mm_prefetch((const char *)p + RX_AHEAD * qbytes + off, _MM_HINT_T0);
-        for (int h = 0; h < 2; h++) {  // rows 0-7, then 8-15: each 64-byte vector's halves
-            __m256i isum[RX_AVX2_ROWS], s16[RX_AVX2_ROWS];
-            for (int t = 0; t < NT; t++) isum[t] = s16[t] = _mm256_setzero_si256();
-            const __m256i hv = BITS == 5 ? _mm256_loadu_si256((const __m256i *)(p + BLK * 8 + 32 * h)) : _mm256_setzero_si256();
-            int pending = 0;  // groups summed in s16 since it was last widened
-            for (int s = 0; s < G / 2; s++) {  // two groups a step: ga and gb
-                int ga, gb;
-                __m256i wa, wb;
+        __m256i isum[2][RX_AVX2_ROWS], s16[2][RX_AVX2_ROWS];
+        for (int h = 0; h < 2; h++)
+            for (int t = 0; t < NT; t++) isum[h][t] = s16[h][t] = _mm256_setzero_si256();
+        int pending = 0;  // groups summed in s16 since it was last widened
+        for (int s = 0; s < G / 2; s++) {  // two groups a step: ga and gb, both halves
+            int ga, gb;
+            __m256i wa[2], wb[2];
+            for (int h = 0; h < 2; h++) {
                 if (BITS == 8) {
                     ga = 2 * s, gb = 2 * s + 1;
-                    wa = _mm256_loadu_si256((const __m256i *)(p + 64 * ga + 32 * h));
-                    wb = _mm256_loadu_si256((const __m256i *)(p + 64 * gb + 32 * h));
+                    wa[h] = _mm256_loadu_si256((const __m256i *)(p + 64 * ga + 32 * h));
+                    wb[h] = _mm256_loadu_si256((const __m256i *)(p + 64 * gb + 32 * h));
                 } else {  // one vector's low and high nibbles: groups s and s + G/2
                     ga = s, gb = s + G / 2;
                     const __m256i raw = _mm256_loadu_si256((const __m256i *)(p + 64 * s + 32 * h));
-                    wa = _mm256_and_si256(raw, low);
-                    wb = _mm256_and_si256(_mm256_srli_epi16(raw, 4), low);
+                    wa[h] = _mm256_and_si256(raw, low);
+                    wb[h] = _mm256_and_si256(_mm256_srli_epi16(raw, 4), low);
                     if (BITS == 5) {
-                        wa = _mm256_or_si256(wa, fifth_bits(hv, ga));
-                        wb = _mm256_or_si256(wb, fifth_bits(hv, gb));
-                    }
-                }
-                if (WIDE) {  // |q - 128| (shared by the rows) times the activation with q - 128's sign
-                    wa = _mm256_xor_si256(wa, flip);
-                    wb = _mm256_xor_si256(wb, flip);
-                    const __m256i ua = _mm256_sign_epi8(wa, wa), ub = _mm256_sign_epi8(wb, wb);
-                    for (int t = 0; t < NT; t++) {
-                        const int32_t *xa = (const int32_t *)(xq + t * w->cols + b * BLK);
-                        const __m256i pa = _mm256_maddubs_epi16(ua, _mm256_sign_epi8(_mm256_set1_epi32(xa[ga]), wa));
-                        const __m256i pb = _mm256_maddubs_epi16(ub, _mm256_sign_epi8(_mm256_set1_epi32(xa[gb]), wb));
-                        isum[t] = _mm256_add_epi32(isum[t], _mm256_add_epi32(_mm256_madd_epi16(pa, ones), _mm256_madd_epi16(pb, ones)));
-                    }
-                } else {
-                    for (int t = 0; t < NT; t++) {
-                        const int32_t *xa = (const int32_t *)(xq + t * w->cols + b * BLK);
-                        s16[t] = _mm256_add_epi16(s16[t], _mm256_maddubs_epi16(wa, _mm256_set1_epi32(xa[ga])));
-                        s16[t] = _mm256_add_epi16(s16[t], _mm256_maddubs_epi16(wb, _mm256_set1_epi32(xa[gb])));
-                    }
-                    pending += 2;
-                    if (pending == PAIRS || s == G / 2 - 1) {
-                        for (int t = 0; t < NT; t++) {
-                            isum[t] = _mm256_add_epi32(isum[t], _mm256_madd_epi16(s16[t], ones));
-                            s16[t] = _mm256_setzero_si256();
-                        }
-                        pending = 0;
+                        const __m256i hv = _mm256_loadu_si256((const __m256i *)(p + BLK * 8 + 32 * h));
+                        wa[h] = _mm256_or_si256(wa[h], fifth_bits(hv, ga));
+                        wb[h] = _mm256_or_si256(wb[h], fifth_bits(hv, gb));
                     }
                 }
             }
+            if (WIDE) {  // |q - 128| (shared by the rows) times the activation with q - 128's sign
+                for (int h = 0; h < 2; h++) {
+                    const __m256i sa = _mm256_xor_si256(wa[h], flip), sb = _mm256_xor_si256(wb[h], flip);
+                    const __m256i ua = _mm256_sign_epi8(sa, sa), ub = _mm256_sign_epi8(sb, sb);
+                    for (int t = 0; t < NT; t++) {
+                        const int32_t *xa = (const int32_t *)(xq + t * w->cols + b * BLK);
+                        const __m256i pa = _mm256_maddubs_epi16(ua, _mm256_sign_epi8(_mm256_set1_epi32(xa[ga]), sa));
+                        const __m256i pb = _mm256_maddubs_epi16(ub, _mm256_sign_epi8(_mm256_set1_epi32(xa[gb]), sb));
+                        isum[h][t] = _mm256_add_epi32(isum[h][t], _mm256_add_epi32(_mm256_madd_epi16(pa, ones), _mm256_madd_epi16(pb, ones)));
+                    }
+                }
+            } else {
+                for (int t = 0; t < NT; t++) {
+                    const int32_t *xa = (const int32_t *)(xq + t * w->cols + b * BLK);
+                    const __m256i xa_ = _mm256_set1_epi32(xa[ga]), xb_ = _mm256_set1_epi32(xa[gb]);
+                    for (int h = 0; h < 2; h++) {
+                        s16[h][t] = _mm256_add_epi16(s16[h][t], _mm256_maddubs_epi16(wa[h], xa_));
+                        s16[h][t] = _mm256_add_epi16(s16[h][t], _mm256_maddubs_epi16(wb[h], xb_));
+                    }
+                }
+                pending += 2;
+                if (pending == PAIRS || s == G / 2 - 1) {
+                    for (int h = 0; h < 2; h++)
+                        for (int t = 0; t < NT; t++) {
+                            isum[h][t] = _mm256_add_epi32(isum[h][t], _mm256_madd_epi16(s16[h][t], ones));
+                            s16[h][t] = _mm256_setzero_si256();
+                        }
+                    pending = 0;
+                }
+            }
+        }
+        for (int h = 0; h < 2; h++) {  // rows 0-7, then 8-15: each 64-byte vector's halves
             const __m256 sc = block_vector8(w, 0, nblk, nsup, sup_shift, tile, b, h);
             const __m256 mn = mult ? _mm256_setzero_ps() : block_vector8(w, 1, nblk, nsup, sup_shift, tile, b, h);  // (mult: unused)
             for (int t = 0; t < NT; t++) {
                 int32_t extra = mult ? (int32_t)w->min_mult * qsum[t * nblk + b] : 0;
                 if (WIDE) extra += 128 * qsum[t * nblk + b];
-                __m256i is = isum[t];
+                __m256i is = isum[h][t];
                 if (extra) is = _mm256_add_epi32(is, _mm256_set1_epi32(extra));
                 acc[h][t] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(is), _mm256_mul_ps(sc, _mm256_set1_ps(dx[t * nblk + b])), acc[h][t]);
                 if (!mult) acc[h][t] = _mm256_fmadd_ps(mn, _mm256_set1_ps(sx[t * nblk + b]), acc[h][t]);
