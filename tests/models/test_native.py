@@ -275,6 +275,36 @@ def test_native_forward_attends_with_the_row_exact_op_where_it_runs(tiny_native)
         assert (a - b).abs().max() <= 0.02 * b.abs().max()
 
 
+def test_products_with_the_norm_and_residual_fused_in_give_the_separate_ops_logits(tiny_native):
+    """Where the products run on the row-exact kernel, the RMS norm before them and the residual sum
+    after them are fused into the product op (fewer ops, fewer barriers), with ggml's float
+    operations: every logit is bit for bit what the separate ops give, prompt and decoding passes."""
+    from viasd.models import ggml_forward
+
+    dec = tiny_native.decoder
+    fused = dec._graph
+    plain = ggml_forward.NativeForward(dec, pack=fused._pack)
+    plain._fuses = lambda lin, residual=False: False
+    ids = (torch.arange(40) * 7 + 3) % 64
+    outs, nodes = {}, {}
+    try:
+        for name, graph in (("fused", fused), ("plain", plain)):
+            dec._graph = graph
+            cache = dec.new_cache(len(ids))
+            outs[name] = [dec.forward(ids[:30], 0, cache), dec.forward(ids[30:31], 30, cache),
+                          dec.forward(ids[31:35], 31, cache), dec.forward(ids[35:], 35, cache, last_only=True)]
+            g = gk.lib()
+            nodes[name] = sum(g.graph_n_nodes(built[0].graph) for built in graph._graphs.values())
+    finally:
+        dec._graph = fused
+    for a, b in zip(outs["fused"], outs["plain"]):
+        assert torch.equal(a, b)
+    if gk.ROW_EXACT in fused.packed:
+        assert nodes["fused"] < nodes["plain"]
+    else:
+        assert nodes["fused"] == nodes["plain"]
+
+
 def test_quant_embedding_rows_and_range():
     w = torch.randn(50, 32, generator=torch.Generator().manual_seed(2))
     native = _native(w, Q8_0)

@@ -5,7 +5,8 @@ which `Decoder.forward` checks before and records after calling this), built wit
 decoding step is one call into C instead of some twenty torch ops a layer: embedding lookup (and
 Gemma's scale), per layer the norm, the Q/K/V products (+ bias), Q/K norms, RoPE, the writes of K and
 V into the cache at their positions, attention, the output projection, the MLP, the residuals and
-Gemma's extra norms; then the final norm and the LM head.
+Gemma's extra norms; then the final norm and the LM head. On the row-exact kernel a product's input
+norm and the residual sum after it run inside the product's op (`gk.fused_matmul`).
 
 Graphs are built per (rows, route, last_only, cache length, first layer, layer whose incoming
 stream is stored, with or without logits, LM head) and kept (a few dozen: decoding uses a handful
@@ -98,19 +99,41 @@ class NativeForward:
 
     # ------------------------------------------------------------------ building blocks
     def _f32(self, graph: gk._Graph, t: torch.Tensor) -> gk._T:
+        return graph.f32(self._keep_f32(t))
+
+    def _keep_f32(self, t: torch.Tensor) -> torch.Tensor:
+        """A float32 contiguous copy of `t` (a norm, a bias) that lives as long as this object."""
         t = t.to(torch.float32).contiguous()
         self._keep.append(t)
-        return graph.f32(t)
+        return t
 
     def _norm(self, graph: gk._Graph, x: gk._T, weight: torch.Tensor) -> gk._T:
         g = lib()
         return g.mul(graph.ctx, g.rms_norm(graph.ctx, x, self.dec.config.rms_eps), self._f32(graph, weight))
 
-    def _segments(self, graph: gk._Graph, lin: QuantLinear, x: gk._T, sizes: list[int], n_rows: int) -> list[gk._T]:
+    def _fuses(self, lin: QuantLinear, residual: bool = False) -> bool:
+        """Whether `lin`'s products can take their input's norm (and, `residual`, the sum after them)."""
+        return all(gk.fusable(p) for p in lin.parts) and (not residual or (len(lin.parts) == 1 and lin.bias is None))
+
+    def _normed(self, graph: gk._Graph, lin: QuantLinear, x: gk._T, norm: torch.Tensor, sizes: list[int],
+                n_rows: int, residual: gk._T | None = None) -> list[gk._T]:
+        """`_segments` of rms_norm(x) * norm (plus `residual`, see `_fuses`), fused into the products
+        where they allow it."""
+        if self._fuses(lin, residual is not None):
+            return self._segments(graph, lin, x, sizes, n_rows, norm=norm)
+        return self._segments(graph, lin, self._norm(graph, x, norm), sizes, n_rows)
+
+    def _segments(self, graph: gk._Graph, lin: QuantLinear, x: gk._T, sizes: list[int], n_rows: int,
+                  norm: torch.Tensor | None = None, residual: gk._T | None = None) -> list[gk._T]:
         """x through `lin`, cut into consecutive output segments of `sizes` rows (views into the part
-        holding each; a segment never straddles two parts), bias added: [size, n_rows] each."""
+        holding each; a segment never straddles two parts), bias added: [size, n_rows] each. With
+        `norm` / `residual` (where `_fuses(lin)`): rms_norm(x) * norm in, residual + out, fused."""
         g = lib()
-        outs = [gk.matmul(graph, p, x, n_rows) for p in lin.parts]
+        if norm is not None or residual is not None:
+            w = None if norm is None else self._keep_f32(norm)
+            outs = [gk.fused_matmul(graph, p, x, n_rows, w, self.dec.config.rms_eps, residual) for p in lin.parts]
+        else:
+            outs = [gk.matmul(graph, p, x, n_rows) for p in lin.parts]
         segs, part_i, used, offset = [], 0, 0, 0
         for size in sizes:
             while used >= lin.parts[part_i].rows:
@@ -229,13 +252,15 @@ class NativeForward:
         nq, nkv = cfg.n_heads * cfg.head_dim, cfg.n_kv_heads * cfg.head_dim
         theta = cfg.rope_theta if layer.rope == 0 else cfg.rope_local_theta
         freq_scale = 1.0 / cfg.rope_factor if layer.rope == 0 else 1.0
-        h = self._norm(graph, x, layer.attn_norm)
-        q, k, v = self._segments(graph, layer.qkv, h, [nq, nkv, nkv], n_rows)
+        q, k, v = self._normed(graph, layer.qkv, x, layer.attn_norm, [nq, nkv, nkv], n_rows)
         q = self._heads(graph, q, cfg.n_heads, n_rows, layer.q_norm, pos, theta, freq_scale)  # [d, H, T]
         k = self._heads(graph, k, cfg.n_kv_heads, n_rows, layer.k_norm, pos, theta, freq_scale)  # [d, Hkv, T]
         v = self._heads(graph, v, cfg.n_kv_heads, n_rows, None, None, 0.0, 1.0)
         attn = self._attend(graph, i, layer, q, k, v, leaves["items"], parts, writes)  # [d, H, T]
-        (a,) = self._segments(graph, layer.o, g.reshape_2d(ctx, attn, nq, n_rows), [cfg.hidden], n_rows)
+        attn = g.reshape_2d(ctx, attn, nq, n_rows)
+        if layer.post_attn_norm is None and self._fuses(layer.o, residual=True):
+            return self._segments(graph, layer.o, attn, [cfg.hidden], n_rows, residual=x)[0]
+        (a,) = self._segments(graph, layer.o, attn, [cfg.hidden], n_rows)
         if layer.post_attn_norm is not None:
             a = self._norm(graph, a, layer.post_attn_norm)
         return g.add(ctx, x, a)
@@ -243,9 +268,10 @@ class NativeForward:
     def _mlp_block(self, graph: gk._Graph, layer, x: gk._T, n_rows: int) -> gk._T:
         """x plus the layer's MLP sub-layer (norm, gate/up, activation, down product)."""
         g, cfg = lib(), self.dec.config
-        h = self._norm(graph, x, layer.mlp_norm)
-        gate, up = self._segments(graph, layer.gate_up, h, [cfg.intermediate, cfg.intermediate], n_rows)
+        gate, up = self._normed(graph, layer.gate_up, x, layer.mlp_norm, [cfg.intermediate, cfg.intermediate], n_rows)
         act = (g.swiglu_split if cfg.activation == "silu" else g.geglu_split)(graph.ctx, gate, up)
+        if layer.post_mlp_norm is None and self._fuses(layer.down, residual=True):
+            return self._segments(graph, layer.down, act, [cfg.hidden], n_rows, residual=x)[0]
         (m,) = self._segments(graph, layer.down, act, [cfg.hidden], n_rows)
         if layer.post_mlp_norm is not None:
             m = self._norm(graph, m, layer.post_mlp_norm)
@@ -268,9 +294,8 @@ class NativeForward:
                 sel = graph.tensor(I32, len(out_rows))
                 sel.contents.data = leaves["out_rows"].data_ptr()
                 x = g.get_rows(ctx, x, sel)
-        x = self._norm(graph, x, dec.norm)
         head = head or dec.lm_head
-        (logits,) = self._segments(graph, head, x, [head.out_features], len(out_rows))
+        (logits,) = self._normed(graph, head, x, dec.norm, [head.out_features], len(out_rows))
         graph.finish(logits, expand=tuple(writes))
         return graph, leaves, logits
 

@@ -233,6 +233,7 @@ class _Graph:
         self._fixups: dict[int, list[tuple[_Tensor, int]]] = {}  # per-call leaf -> [(view, offset)]
         self._element_strides: list[_T] = []  # AMX row-batch products (see `matmul`)
         self._reshaped_outputs: dict[int, _T] = {}  # output (a reshape) -> the node it reshapes
+        self.keep: list = []  # the ops' userdata structs, alive as long as the graph
 
     def tensor(self, ggml_type: int, *ne: int) -> _T:
         g = lib()
@@ -548,6 +549,25 @@ class _Packed:
             _lib.buffer_free(self._buffer)
             _lib.free(self._ctx)
             self._buffer = None
+
+
+def fusable(w: NativeTensor) -> bool:
+    """Whether `matmul` can take the input's RMS norm and a residual into the product (`fused_matmul`)."""
+    return w.packed is not None and w.packed.kind == ROW_EXACT
+
+
+def fused_matmul(graph: _Graph, w: NativeTensor, x: _T, n_rows: int, norm: torch.Tensor | None, eps: float,
+                 residual: _T | None) -> _T:
+    """`residual + W (rms_norm(x, eps) * norm)` as one op (either part optional: norm None, residual
+    None), with ggml's float operations for both, on the row-exact kernel (`fusable(w)`): the two
+    threads meet once instead of three or five times. `norm`: float32, contiguous, kept alive by
+    the caller."""
+    op = rowexact.FusedOp(ctypes.addressof(w.packed.tensor.op), None if norm is None else norm.data_ptr(), eps,
+                          int(residual is not None))
+    graph.keep.append(op)
+    args = (_T * 2)(x, residual) if residual is not None else (_T * 1)(x)
+    return lib().custom_4d(graph.ctx, F32, w.rows, n_rows, 1, 1, args, len(args), rowexact.fused_op_address(), -1,
+                           ctypes.addressof(op))
 
 
 def matmul(graph: _Graph, w: NativeTensor, x: _T, n_rows: int) -> _T:

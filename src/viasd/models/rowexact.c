@@ -544,6 +544,68 @@ void rx_ggml_op(void *dst, int ith, int nth, void *userdata) {
     }
 }
 
+// The same product with the ops ggml would run around it fused in (two fewer barriers between the
+// threads for each op fused): on the way in, its input's RMS norm times a weight, by ggml's float
+// operations (rms_norm: the squares summed in double in order, x * (1 / sqrt(mean + eps)); then mul:
+// one float product); on the way out, a residual added (ggml's add: one float sum). Each thread
+// normalizes every row itself (a few hundred floats) and adds the residual to its own outputs.
+// userdata: a struct rx_fused_op; src[1]: the residual [rows] per activation row when `add`.
+typedef struct {
+    const rx_op *op;
+    const float *norm;  // [cols], or NULL: no norm
+    float eps;
+    int32_t add;
+} rx_fused_op;
+
+static __thread float *norm_buf;
+static __thread size_t norm_cap;
+
+void rx_ggml_fused_op(void *dst, int ith, int nth, void *userdata) {
+    const rx_fused_op *f = (const rx_fused_op *)userdata;
+    const rx_op *op = f->op;
+    const rx_io io = op_io(dst);
+    const int64_t cols = op->w.cols, ntiles = op->w.rows / 16;
+    const int64_t r0 = 16 * (ntiles * ith / nth), r1 = 16 * (ntiles * (ith + 1) / nth);
+    const float *x = io.x;
+    int64_t x_stride = io.x_stride;
+    int status = 0;
+    if (f->norm) {
+        const size_t need = (size_t)(io.T * cols);
+        if (norm_cap < need) {
+            free(norm_buf);
+            norm_buf = (float *)malloc(need * sizeof(float));
+            norm_cap = norm_buf ? need : 0;
+        }
+        if (!norm_buf) status = -1;
+        else {
+            for (int64_t t = 0; t < io.T; t++) {
+                const float *xr = io.x + t * io.x_stride;
+                float *n = norm_buf + t * cols;
+                double sum = 0.0;
+                for (int64_t i = 0; i < cols; i++) sum += (double)(xr[i] * xr[i]);
+                const float mean = sum / cols;
+                const float scale = 1.0f / sqrtf(mean + f->eps);
+                for (int64_t i = 0; i < cols; i++) n[i] = (xr[i] * scale) * f->norm[i];
+            }
+            x = norm_buf;
+            x_stride = cols;
+        }
+    }
+    if (status == 0) status = rx_matmul(&op->w, x, x_stride, io.T, io.y, io.y_stride, ith, nth, op->impl);
+    if (status != 0) {  // out of memory: this thread's outputs become NaN, never stale
+        for (int64_t t = 0; t < io.T; t++)
+            for (int64_t r = r0; r < r1; r++) io.y[t * io.y_stride + r] = NAN;
+        return;
+    }
+    if (f->add) {
+        const char *res = *(char *const *)((char *)dst + OFF_SRC + sizeof(void *));
+        const float *rd = *(const float *const *)(res + OFF_DATA);
+        const int64_t rs = (int64_t)(((const size_t *)(res + OFF_NB))[1] / 4);
+        for (int64_t t = 0; t < io.T; t++)
+            for (int64_t r = r0; r < r1; r++) io.y[t * io.y_stride + r] = rd[t * rs + r] + io.y[t * io.y_stride + r];
+    }
+}
+
 // ---------------------------------------------------------------- ggml's repacked Q4_K, several rows (AVX2)
 // ggml's CPU_REPACK layout for Q4_K on AVX2 (block_q4_Kx8: 8 output rows' super-blocks interleaved)
 // is multiplied one activation row at a time by ggml_gemv_q4_K_8x8_q8_K; its several-row GEMM sums in

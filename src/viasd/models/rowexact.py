@@ -64,6 +64,10 @@ class _Op(ctypes.Structure):  # struct rx_op
     _fields_ = [("w", _Weight), ("impl", ctypes.c_int32)]
 
 
+class FusedOp(ctypes.Structure):  # struct rx_fused_op
+    _fields_ = [("op", ctypes.c_void_p), ("norm", ctypes.c_void_p), ("eps", ctypes.c_float), ("add", ctypes.c_int32)]
+
+
 _lib: ctypes.CDLL | None = None
 _lib_error: str | None = None
 _lock = threading.Lock()
@@ -212,6 +216,12 @@ def best_kernel() -> int:
 def op_address() -> int:
     """Address of the ggml custom-op function (`ggml_custom_4d`'s fun)."""
     return ctypes.cast(lib().rx_ggml_op, ctypes.c_void_p).value
+
+
+def fused_op_address() -> int:
+    """Address of the product with its input's RMS norm and a residual fused in (`rx_ggml_fused_op`;
+    userdata a `FusedOp`)."""
+    return ctypes.cast(lib().rx_ggml_fused_op, ctypes.c_void_p).value
 
 
 def set_prefetch_rows(rows: int) -> None:
