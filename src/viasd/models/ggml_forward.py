@@ -116,12 +116,23 @@ class NativeForward:
         return all(gk.fusable(p) for p in lin.parts) and (not residual or (len(lin.parts) == 1 and lin.bias is None))
 
     def _normed(self, graph: gk._Graph, lin: QuantLinear, x: gk._T, norm: torch.Tensor, sizes: list[int],
-                n_rows: int, residual: gk._T | None = None) -> list[gk._T]:
-        """`_segments` of rms_norm(x) * norm (plus `residual`, see `_fuses`), fused into the products
-        where they allow it."""
-        if self._fuses(lin, residual is not None):
+                n_rows: int) -> list[gk._T]:
+        """`_segments` of rms_norm(x) * norm, the norm fused into the products where they allow it."""
+        if self._fuses(lin):
             return self._segments(graph, lin, x, sizes, n_rows, norm=norm)
         return self._segments(graph, lin, self._norm(graph, x, norm), sizes, n_rows)
+
+    def _residual(self, graph: gk._Graph, lin: QuantLinear, h: gk._T, x: gk._T, post_norm: torch.Tensor | None,
+                  n_rows: int) -> gk._T:
+        """x + post_norm(lin(h)) (a sub-layer's output added to the stream), the sum fused into the
+        product where it allows it (no post norm: Gemma's sits between the two)."""
+        hidden = [self.dec.config.hidden]
+        if post_norm is None and self._fuses(lin, residual=True):
+            return self._segments(graph, lin, h, hidden, n_rows, residual=x)[0]
+        (out,) = self._segments(graph, lin, h, hidden, n_rows)
+        if post_norm is not None:
+            out = self._norm(graph, out, post_norm)
+        return lib().add(graph.ctx, x, out)
 
     def _segments(self, graph: gk._Graph, lin: QuantLinear, x: gk._T, sizes: list[int], n_rows: int,
                   norm: torch.Tensor | None = None, residual: gk._T | None = None) -> list[gk._T]:
@@ -257,25 +268,14 @@ class NativeForward:
         k = self._heads(graph, k, cfg.n_kv_heads, n_rows, layer.k_norm, pos, theta, freq_scale)  # [d, Hkv, T]
         v = self._heads(graph, v, cfg.n_kv_heads, n_rows, None, None, 0.0, 1.0)
         attn = self._attend(graph, i, layer, q, k, v, leaves["items"], parts, writes)  # [d, H, T]
-        attn = g.reshape_2d(ctx, attn, nq, n_rows)
-        if layer.post_attn_norm is None and self._fuses(layer.o, residual=True):
-            return self._segments(graph, layer.o, attn, [cfg.hidden], n_rows, residual=x)[0]
-        (a,) = self._segments(graph, layer.o, attn, [cfg.hidden], n_rows)
-        if layer.post_attn_norm is not None:
-            a = self._norm(graph, a, layer.post_attn_norm)
-        return g.add(ctx, x, a)
+        return self._residual(graph, layer.o, g.reshape_2d(ctx, attn, nq, n_rows), x, layer.post_attn_norm, n_rows)
 
     def _mlp_block(self, graph: gk._Graph, layer, x: gk._T, n_rows: int) -> gk._T:
         """x plus the layer's MLP sub-layer (norm, gate/up, activation, down product)."""
         g, cfg = lib(), self.dec.config
         gate, up = self._normed(graph, layer.gate_up, x, layer.mlp_norm, [cfg.intermediate, cfg.intermediate], n_rows)
         act = (g.swiglu_split if cfg.activation == "silu" else g.geglu_split)(graph.ctx, gate, up)
-        if layer.post_mlp_norm is None and self._fuses(layer.down, residual=True):
-            return self._segments(graph, layer.down, act, [cfg.hidden], n_rows, residual=x)[0]
-        (m,) = self._segments(graph, layer.down, act, [cfg.hidden], n_rows)
-        if layer.post_mlp_norm is not None:
-            m = self._norm(graph, m, layer.post_mlp_norm)
-        return g.add(graph.ctx, x, m)
+        return self._residual(graph, layer.down, act, x, layer.post_mlp_norm, n_rows)
 
     def _logits(self, graph: gk._Graph, x: gk._T, leaves: dict, parts: tuple, n_rows: int, head: QuantLinear | None,
                 writes: list) -> tuple:

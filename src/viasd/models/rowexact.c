@@ -533,15 +533,26 @@ static rx_io op_io(void *dst) {
     return io;
 }
 
+// thread ith's output rows [*r0, *r1) of a product (whole tiles, as rx_matmul splits them)
+static void own_rows(const rx_weight *w, int ith, int nth, int64_t *r0, int64_t *r1) {
+    const int64_t ntiles = w->rows / 16;
+    *r0 = 16 * (ntiles * ith / nth);
+    *r1 = 16 * (ntiles * (ith + 1) / nth);
+}
+
+// out of memory (for quantized or normalized activations): this thread's outputs become NaN, never stale
+static void poison_rows(const rx_weight *w, const rx_io *io, int ith, int nth) {
+    int64_t r0, r1;
+    own_rows(w, ith, nth, &r0, &r1);
+    for (int64_t t = 0; t < io->T; t++)
+        for (int64_t r = r0; r < r1; r++) io->y[t * io->y_stride + r] = NAN;
+}
+
 void rx_ggml_op(void *dst, int ith, int nth, void *userdata) {
     const rx_op *op = (const rx_op *)userdata;
     const rx_io io = op_io(dst);
-    if (rx_matmul(&op->w, io.x, io.x_stride, io.T, io.y, io.y_stride, ith, nth, op->impl) != 0) {
-        // out of memory for the quantized activations: this thread's outputs become NaN, never stale
-        const int64_t ntiles = op->w.rows / 16, r0 = 16 * (ntiles * ith / nth), r1 = 16 * (ntiles * (ith + 1) / nth);
-        for (int64_t t = 0; t < io.T; t++)
-            for (int64_t r = r0; r < r1; r++) io.y[t * io.y_stride + r] = NAN;
-    }
+    if (rx_matmul(&op->w, io.x, io.x_stride, io.T, io.y, io.y_stride, ith, nth, op->impl) != 0)
+        poison_rows(&op->w, &io, ith, nth);
 }
 
 // The same product with the ops ggml would run around it fused in (two fewer barriers between the
@@ -564,8 +575,7 @@ void rx_ggml_fused_op(void *dst, int ith, int nth, void *userdata) {
     const rx_fused_op *f = (const rx_fused_op *)userdata;
     const rx_op *op = f->op;
     const rx_io io = op_io(dst);
-    const int64_t cols = op->w.cols, ntiles = op->w.rows / 16;
-    const int64_t r0 = 16 * (ntiles * ith / nth), r1 = 16 * (ntiles * (ith + 1) / nth);
+    const int64_t cols = op->w.cols;
     const float *x = io.x;
     int64_t x_stride = io.x_stride;
     int status = 0;
@@ -592,12 +602,13 @@ void rx_ggml_fused_op(void *dst, int ith, int nth, void *userdata) {
         }
     }
     if (status == 0) status = rx_matmul(&op->w, x, x_stride, io.T, io.y, io.y_stride, ith, nth, op->impl);
-    if (status != 0) {  // out of memory: this thread's outputs become NaN, never stale
-        for (int64_t t = 0; t < io.T; t++)
-            for (int64_t r = r0; r < r1; r++) io.y[t * io.y_stride + r] = NAN;
+    if (status != 0) {
+        poison_rows(&op->w, &io, ith, nth);
         return;
     }
     if (f->add) {
+        int64_t r0, r1;
+        own_rows(&op->w, ith, nth, &r0, &r1);
         const char *res = *(char *const *)((char *)dst + OFF_SRC + sizeof(void *));
         const float *rd = *(const float *const *)(res + OFF_DATA);
         const int64_t rs = (int64_t)(((const size_t *)(res + OFF_NB))[1] / 4);
