@@ -15,9 +15,9 @@
 // Weight layout (packed by rowexact.py), per tile of 16 output rows and per block of blk inputs:
 //   8-bit: blk/4 vectors of 64 bytes; byte 4r + j of vector g = q[row r][4g + j]
 //   4-bit: blk/8 vectors of 64 bytes; byte 4r + j of vector v = q[r][4v + j] | q[r][4(v + blk/8) + j] << 4
-//   5-bit (Q5_0, blk 32, AVX2 and reference kernels): the 4-bit layout of the low four bits, then one
-//     vector of 64 bytes of fifth bits: bit g of byte 4r + j = bit 4 of q[r][4g + j] (the file's size,
-//     where 8-bit values read 1.5x its bytes)
+//   5-bit (Q5_0, blk 32): the 4-bit layout of the low four bits, then one vector of 64 bytes of fifth
+//     bits: bit g of byte 4r + j = bit 4 of q[r][4g + j] (the file's size, where 8-bit values read 1.5x
+//     its bytes)
 //   scale, min of a block: 16 lanes (row r at lane r), stored as the file allows it exactly:
 //     mode 1: half per block; 2: int8 per block times a float per super-block (sup_blocks blocks, per
 //     row: the K-quants' two-level scales); min mode 3: min_mult * scale (an integer min_mult)
@@ -166,8 +166,8 @@ static inline void tile_vnni_nt(const rx_weight *w, int64_t tile, const int NT, 
                                 int64_t ystride) {
     const int64_t nblk = w->cols / BLK;
     const int G = BLK / 4;  // groups of 4 inputs a block
-    const int64_t qbytes = (int64_t)BLK * (BITS == 8 ? 16 : 8);
-    const __m512i low = _mm512_set1_epi8(15);
+    const int64_t qbytes = (int64_t)BLK * (BITS == 8 ? 16 : 8) + (BITS == 5 ? 64 : 0);
+    const __m512i low = _mm512_set1_epi8(15), fifth = _mm512_set1_epi8(16);
     __m512 acc[RX_CHUNK];
     for (int t = 0; t < NT; t++) acc[t] = _mm512_setzero_ps();
     for (int64_t b = 0; b < nblk; b++) {
@@ -182,6 +182,11 @@ static inline void tile_vnni_nt(const rx_weight *w, int64_t tile, const int NT, 
                 const __m512i raw = _mm512_loadu_si512((const void *)(p + 64 * v));
                 wv[v] = _mm512_and_si512(raw, low);
                 wv[v + G / 2] = _mm512_and_si512(_mm512_srli_epi16(raw, 4), low);
+            }
+            if (BITS == 5) {  // bit g of the fifth-bit vector's bytes becomes bit 4 of group g's values
+                const __m512i hv = _mm512_loadu_si512((const void *)(p + BLK * 8));
+                for (int g = 0; g < G; g++)  // (0xF8: wv | (shifted & fifth))
+                    wv[g] = _mm512_ternarylogic_epi32(wv[g], g < 4 ? _mm512_slli_epi16(hv, 4 - g) : _mm512_srli_epi16(hv, g - 4), fifth, 0xF8);
             }
         }
         const __m512 sc = block_vector(w, 0, tile, b);
@@ -208,6 +213,7 @@ __attribute__((target("avx512f,avx512bw,avx512vnni"), always_inline))
 static inline void rx_case(const rx_weight *w, int64_t tile, const int NT, const int8_t *xq, const float *dx,
                            const float *sx, const int32_t *qsum, float *y, int64_t ystride) {
     if (w->bits == 4) tile_vnni_nt(w, tile, NT, 32, 4, xq, dx, sx, qsum, y, ystride);
+    else if (w->bits == 5) tile_vnni_nt(w, tile, NT, 32, 5, xq, dx, sx, qsum, y, ystride);
     else if (w->blk == 32) tile_vnni_nt(w, tile, NT, 32, 8, xq, dx, sx, qsum, y, ystride);
     else tile_vnni_nt(w, tile, NT, 16, 8, xq, dx, sx, qsum, y, ystride);
 }
@@ -216,10 +222,6 @@ __attribute__((target("avx512f,avx512bw,avx512vnni")))
 static void tiles_vnni(const rx_weight *w, int64_t t0, int64_t t1, int64_t T, const int8_t *xq, const float *dx,
                        const float *sx, const int32_t *qsum, float *y, int64_t ystride) {
     const int64_t nblk = w->cols / w->blk;
-    if (w->bits == 5) {  // (no AVX-512 form of the 5-bit layout: rowexact.py packs it for the AVX2 kernel only)
-        tiles_ref(w, t0, t1, T, xq, dx, sx, qsum, y, ystride);
-        return;
-    }
 #define RX_CASE(NT) rx_case(w, tile, NT, xq + c * w->cols, dx + c * nblk, sx + c * nblk, qsum + c * nblk, y + c * ystride, ystride)
     for (int64_t c = 0; c < T; c += RX_CHUNK) {
         const int nt = (int)(T - c < RX_CHUNK ? T - c : RX_CHUNK);

@@ -9,8 +9,7 @@ same order whatever the rows of the call, and shares each weight load among up t
 
 The weights keep the file's values exactly: each block of the GGUF (Q4_0, Q4_1, Q4_K, Q5_0, Q6_K, Q8_0)
 becomes unsigned integers q with a float scale and min per block of 16 or 32 (w = scale * q + min),
-stored 4-bit for 4-bit types, Q5_0 in 4-bit and 1-bit planes (but for the AVX-512
-kernel), 8-bit otherwise. Activations are quantized per block of each row to
+stored 4-bit for 4-bit types, Q5_0 in 4-bit and 1-bit planes, 8-bit otherwise. Activations are quantized per block of each row to
 int8, as ggml quantizes them (to Q8 blocks) for its own integer dot products.
 
 The C source is compiled on first use with the system C compiler (the one that built ggml-py) into
@@ -355,13 +354,12 @@ class RowExactWeight:
     """A weight in the kernel's layout (tiles of 16 rows; see rowexact.c), and its custom-op struct."""
 
     def __init__(self, ggml_type: int, data: torch.Tensor, rows: int, cols: int, impl: int | None = None):
-        """impl: the kernel the op runs (default: the fastest this CPU runs); Q5_0 is packed in 5-bit
-        planes for every kernel but AVX-512 VNNI's (which has no 5-bit form and takes its 8-bit values)."""
+        """impl: the kernel the op runs (default: the fastest this CPU runs)."""
         if rows % 16:
             raise ValueError(f"the row-exact kernel needs a multiple of 16 rows, got {rows}")
         impl = best_kernel() if impl is None else impl
         u = _unpack(ggml_type, data.numpy(), rows, cols)
-        bits = 5 if ggml_type == Q5_0 and impl != VNNI else u.bits
+        bits = 5 if ggml_type == Q5_0 else u.bits  # (in planes: the file's bytes, not 1.5x them as 8-bit values)
         blk, nblk, tiles = u.blk, cols // u.blk, rows // 16
         t = u.q.reshape(tiles, 16, nblk, blk).transpose(0, 2, 1, 3)  # [tile, block, r, i]
         if bits == 8:  # [tile, block, g, r, j]
