@@ -18,6 +18,9 @@
 //   5-bit (Q5_0, blk 32): the 4-bit layout of the low four bits, then one vector of 64 bytes of fifth
 //     bits: bit g of byte 4r + j = bit 4 of q[r][4g + j] (the file's size, where 8-bit values read 1.5x
 //     its bytes)
+//   6-bit (Q6_K, blk 16): the 4-bit layout of the low four bits, then one vector of 64 bytes of high bit
+//     pairs: bits 2g, 2g + 1 of byte 4r + j = bits 4, 5 of q[r][4g + j] (the file's size, where 8-bit
+//     values read 1.3x its bytes)
 //   scale, min of a block: 16 lanes (row r at lane r), stored as the file allows it exactly:
 //     mode 1: half per block; 2: int8 per block times a float per super-block (sup_blocks blocks, per
 //     row: the K-quants' two-level scales); min mode 3: min_mult * scale (an integer min_mult)
@@ -102,14 +105,16 @@ static int32_t wq(const rx_weight *w, int64_t tile, int64_t b, int r, int i) {
         const uint8_t *p = w->q + (tile * nblk + b) * (int64_t)w->blk * 16;
         return p[(i / 4) * 64 + r * 4 + (i % 4)];
     }
-    const int64_t qbytes = (int64_t)w->blk * 8 + (w->bits == 5 ? 64 : 0);
+    const int64_t qbytes = (int64_t)w->blk * 8 + (w->bits > 4 ? 64 : 0);
     const uint8_t *p = w->q + (tile * nblk + b) * qbytes;
     const int half = w->blk / 2;
     const int hi = i >= half, k = i - hi * half;
     const uint8_t byte = p[(k / 4) * 64 + r * 4 + (k % 4)];
     const int32_t low = hi ? byte >> 4 : byte & 15;
     if (w->bits == 4) return low;
-    return low | ((p[w->blk * 8 + r * 4 + (i % 4)] >> (i / 4)) & 1) << 4;
+    const uint8_t high = p[w->blk * 8 + r * 4 + (i % 4)];
+    if (w->bits == 5) return low | ((high >> (i / 4)) & 1) << 4;
+    return low | ((high >> (2 * (i / 4))) & 3) << 4;
 }
 
 static void tiles_ref(const rx_weight *w, int64_t t0, int64_t t1, int64_t T, const int8_t *xq, const float *dx,
@@ -166,8 +171,8 @@ static inline void tile_vnni_nt(const rx_weight *w, int64_t tile, const int NT, 
                                 int64_t ystride) {
     const int64_t nblk = w->cols / BLK;
     const int G = BLK / 4;  // groups of 4 inputs a block
-    const int64_t qbytes = (int64_t)BLK * (BITS == 8 ? 16 : 8) + (BITS == 5 ? 64 : 0);
-    const __m512i low = _mm512_set1_epi8(15), fifth = _mm512_set1_epi8(16);
+    const int64_t qbytes = (int64_t)BLK * (BITS == 8 ? 16 : 8) + (BITS == 5 || BITS == 6 ? 64 : 0);
+    const __m512i low = _mm512_set1_epi8(15), fifth = _mm512_set1_epi8(16), pair = _mm512_set1_epi8(48);
     __m512 acc[RX_CHUNK];
     for (int t = 0; t < NT; t++) acc[t] = _mm512_setzero_ps();
     for (int64_t b = 0; b < nblk; b++) {
@@ -187,6 +192,11 @@ static inline void tile_vnni_nt(const rx_weight *w, int64_t tile, const int NT, 
                 const __m512i hv = _mm512_loadu_si512((const void *)(p + BLK * 8));
                 for (int g = 0; g < G; g++)  // (0xF8: wv | (shifted & fifth))
                     wv[g] = _mm512_ternarylogic_epi32(wv[g], g < 4 ? _mm512_slli_epi16(hv, 4 - g) : _mm512_srli_epi16(hv, g - 4), fifth, 0xF8);
+            }
+            if (BITS == 6) {  // bits 2g, 2g + 1 of the pair vector's bytes become bits 4, 5 of group g's values
+                const __m512i hv = _mm512_loadu_si512((const void *)(p + BLK * 8));
+                for (int g = 0; g < G; g++)
+                    wv[g] = _mm512_ternarylogic_epi32(wv[g], g < 2 ? _mm512_slli_epi16(hv, 4 - 2 * g) : _mm512_srli_epi16(hv, 2 * g - 4), pair, 0xF8);
             }
         }
         const __m512 sc = block_vector(w, 0, tile, b);
@@ -214,6 +224,7 @@ static inline void rx_case(const rx_weight *w, int64_t tile, const int NT, const
                            const float *sx, const int32_t *qsum, float *y, int64_t ystride) {
     if (w->bits == 4) tile_vnni_nt(w, tile, NT, 32, 4, xq, dx, sx, qsum, y, ystride);
     else if (w->bits == 5) tile_vnni_nt(w, tile, NT, 32, 5, xq, dx, sx, qsum, y, ystride);
+    else if (w->bits == 6) tile_vnni_nt(w, tile, NT, 16, 6, xq, dx, sx, qsum, y, ystride);
     else if (w->blk == 32) tile_vnni_nt(w, tile, NT, 32, 8, xq, dx, sx, qsum, y, ystride);
     else tile_vnni_nt(w, tile, NT, 16, 8, xq, dx, sx, qsum, y, ystride);
 }
@@ -326,6 +337,12 @@ RX_AVX2 static inline __m256i fifth_bits(__m256i hv, int g) {
     return _mm256_and_si256(g < 4 ? _mm256_slli_epi16(hv, 4 - g) : _mm256_srli_epi16(hv, g - 4), fifth);
 }
 
+// the 6-bit layout's bits 4 and 5 of group g's values
+RX_AVX2 static inline __m256i high_pair(__m256i hv, int g) {
+    const __m256i pair = _mm256_set1_epi8(48);
+    return _mm256_and_si256(g < 2 ? _mm256_slli_epi16(hv, 4 - 2 * g) : _mm256_srli_epi16(hv, 2 * g - 4), pair);
+}
+
 // One tile x NT activation rows (NT <= RX_AVX2_ROWS). Each step unpacks two groups for both halves of
 // the tile (rows 0-7 and 8-15) and uses them at once for every row, so that each row's activation
 // broadcast serves both halves; the 16-bit sums of both halves, the four weight vectors and the two
@@ -340,9 +357,9 @@ static inline void tiles_avx2_nt(const rx_weight *w, int64_t tile, const int NT,
     const int sup_shift = __builtin_ctz((unsigned)w->sup_blocks);
     const int mult = w->min_mode == 3;
     const int G = BLK / 4;
-    const int64_t qbytes = (int64_t)BLK * (BITS == 8 ? 16 : 8) + (BITS == 5 ? 64 : 0);
+    const int64_t qbytes = (int64_t)BLK * (BITS == 8 ? 16 : 8) + (BITS == 5 || BITS == 6 ? 64 : 0);
     // maddubs results (16-bit pair sums) added in 16 bits before widening, as many as cannot overflow:
-    // |pair| <= 2 * max(q) * 128 (15 for 4-bit values, 31 for 5-bit, 63 for 8-bit but Q8_0's 128)
+    // |pair| <= 2 * max(q) * 128 (15 for 4-bit values, 31 for 5-bit, 63 for 6-bit and 8-bit but Q8_0's 128)
     const int PAIRS = BITS == 4 ? 8 : BITS == 5 ? 4 : WIDE ? 1 : 2;
     const __m256i low = _mm256_set1_epi8(15), ones = _mm256_set1_epi16(1), flip = _mm256_set1_epi8((char)0x80);
     __m256 acc[2][RX_AVX2_ROWS];
@@ -373,6 +390,11 @@ static inline void tiles_avx2_nt(const rx_weight *w, int64_t tile, const int NT,
                         const __m256i hv = _mm256_loadu_si256((const __m256i *)(p + BLK * 8 + 32 * h));
                         wa[h] = _mm256_or_si256(wa[h], fifth_bits(hv, ga));
                         wb[h] = _mm256_or_si256(wb[h], fifth_bits(hv, gb));
+                    }
+                    if (BITS == 6) {
+                        const __m256i hv = _mm256_loadu_si256((const __m256i *)(p + BLK * 8 + 32 * h));
+                        wa[h] = _mm256_or_si256(wa[h], high_pair(hv, ga));
+                        wb[h] = _mm256_or_si256(wb[h], high_pair(hv, gb));
                     }
                 }
             }
@@ -429,6 +451,7 @@ static inline void rx_case8(const rx_weight *w, int64_t tile, const int NT, cons
                             const float *sx, const int32_t *qsum, float *y, int64_t ystride, int wide) {
     if (w->bits == 4) tiles_avx2_nt(w, tile, NT, 32, 4, 0, xq, dx, sx, qsum, y, ystride);
     else if (w->bits == 5) tiles_avx2_nt(w, tile, NT, 32, 5, 0, xq, dx, sx, qsum, y, ystride);
+    else if (w->bits == 6) tiles_avx2_nt(w, tile, NT, 16, 6, 0, xq, dx, sx, qsum, y, ystride);
     else if (w->blk == 16) tiles_avx2_nt(w, tile, NT, 16, 8, 0, xq, dx, sx, qsum, y, ystride);
     else if (wide) tiles_avx2_nt(w, tile, NT, 32, 8, 1, xq, dx, sx, qsum, y, ystride);
     else tiles_avx2_nt(w, tile, NT, 32, 8, 0, xq, dx, sx, qsum, y, ystride);

@@ -9,7 +9,8 @@ same order whatever the rows of the call, and shares each weight load among up t
 
 The weights keep the file's values exactly: each block of the GGUF (Q4_0, Q4_1, Q4_K, Q5_0, Q6_K, Q8_0)
 becomes unsigned integers q with a float scale and min per block of 16 or 32 (w = scale * q + min),
-stored 4-bit for 4-bit types, Q5_0 in 4-bit and 1-bit planes, 8-bit otherwise. Activations are quantized per block of each row to
+stored 4-bit for 4-bit types, Q5_0 in 4-bit and 1-bit planes, Q6_K in 4-bit and 2-bit planes, 8-bit
+otherwise (Q8_0). Activations are quantized per block of each row to
 int8, as ggml quantizes them (to Q8 blocks) for its own integer dot products.
 
 The C source is compiled on first use with the system C compiler (the one that built ggml-py) into
@@ -359,7 +360,8 @@ class RowExactWeight:
             raise ValueError(f"the row-exact kernel needs a multiple of 16 rows, got {rows}")
         impl = best_kernel() if impl is None else impl
         u = _unpack(ggml_type, data.numpy(), rows, cols)
-        bits = 5 if ggml_type == Q5_0 else u.bits  # (in planes: the file's bytes, not 1.5x them as 8-bit values)
+        # Q5_0 and Q6_K in planes: the file's bytes, not 1.5x / 1.3x them as 8-bit values
+        bits = 5 if ggml_type == Q5_0 else 6 if ggml_type == Q6_K else u.bits
         blk, nblk, tiles = u.blk, cols // u.blk, rows // 16
         t = u.q.reshape(tiles, 16, nblk, blk).transpose(0, 2, 1, 3)  # [tile, block, r, i]
         if bits == 8:  # [tile, block, g, r, j]
@@ -370,6 +372,10 @@ class RowExactWeight:
             if bits == 5:  # then the fifth bits: bit g of byte 4r + j = bit 4 of q[r][4g + j]
                 fifth = (t >> 4).reshape(tiles, nblk, 16, blk // 4, 4) << np.arange(blk // 4, dtype=np.uint8).reshape(1, 1, 1, -1, 1)
                 packed = np.concatenate([packed.reshape(tiles, nblk, -1), fifth.sum(axis=3, dtype=np.uint8).reshape(tiles, nblk, -1)], axis=2)
+            if bits == 6:  # then the high bit pairs: bits 2g, 2g + 1 of byte 4r + j = bits 4, 5 of q[r][4g + j]
+                shift = 2 * np.arange(blk // 4, dtype=np.uint8).reshape(1, 1, 1, -1, 1)
+                pairs = ((t >> 4) & 3).reshape(tiles, nblk, 16, blk // 4, 4) << shift
+                packed = np.concatenate([packed.reshape(tiles, nblk, -1), pairs.sum(axis=3, dtype=np.uint8).reshape(tiles, nblk, -1)], axis=2)
         self.q = torch.from_numpy(np.ascontiguousarray(packed).reshape(-1))
 
         def lanes(a: np.ndarray, dtype) -> torch.Tensor:  # [rows, n] -> [tile, n, 16]
