@@ -45,7 +45,7 @@ def test_concurrent_requests_share_passes_and_each_answer_equals_serving_alone(t
     assert app.state.worker.session.members == 0
 
 
-def test_speculative_members_draft_together_and_verify_together(tiny_q8, tiny_drafter):
+def test_speculative_members_draft_together_and_verify_together(tiny_q8, tiny_drafter, monkeypatch):
     """`batching.lockstep`: while a drafter's calls are parked, the verifier's wait for them, so no
     step runs a drafter pass and a verifier pass at once (run as they came, three `sd` requests
     started apart would each pay both in most steps); each answer equals the request alone."""
@@ -53,6 +53,9 @@ def test_speculative_members_draft_together_and_verify_together(tiny_q8, tiny_dr
 
     drafter = native_q8(tiny_drafter)  # 2 layers against the verifier's 4: its passes read fewer bytes
     assert drafter.decoder.weight_bytes() < tiny_q8.decoder.weight_bytes()
+    # a step waits for every member (5 ms by default: beside another test worker on 2 cores, a member's
+    # host work between passes can take longer, and its pass then runs alone)
+    monkeypatch.setattr(batching, "MAX_WAIT_S", 1.0)
     session = batching.BatchSession()
     steps: list[list[int | None]] = []
     run = session._run
@@ -91,6 +94,7 @@ def test_lossless_viasd_members_share_resumed_and_stream_storing_passes(tiny_q8,
         return many(self, calls, rows)
 
     monkeypatch.setattr(Decoder, "forward_many", recording)
+    monkeypatch.setattr(batching, "MAX_WAIT_S", 1.0)  # every member in each step, however loaded the machine
     session = batching.BatchSession()
     prompts = [[5, 6, 7, 5, 6, 7, 5, 6], [8, 9, 8, 9, 8, 9, 8], [11, 12, 13, 11, 12, 13]]
     kw = dict(strategy="viasd", mode="lossless", draft="pld", slim_layers=(0, 1, 3), k=3, max_new_tokens=40, adapt_k=False,
