@@ -112,9 +112,8 @@ static int32_t wq(const rx_weight *w, int64_t tile, int64_t b, int r, int i) {
     const uint8_t byte = p[(k / 4) * 64 + r * 4 + (k % 4)];
     const int32_t low = hi ? byte >> 4 : byte & 15;
     if (w->bits == 4) return low;
-    const uint8_t high = p[w->blk * 8 + r * 4 + (i % 4)];
-    if (w->bits == 5) return low | ((high >> (i / 4)) & 1) << 4;
-    return low | ((high >> (2 * (i / 4))) & 3) << 4;
+    const int H = w->bits - 4;  // high bits a value: group g's at bits H*g .. H*g + H - 1 of the plane's byte
+    return low | ((p[w->blk * 8 + r * 4 + (i % 4)] >> (H * (i / 4))) & ((1 << H) - 1)) << 4;
 }
 
 static void tiles_ref(const rx_weight *w, int64_t t0, int64_t t1, int64_t T, const int8_t *xq, const float *dx,
@@ -175,7 +174,8 @@ static inline void tile_vnni_nt(const rx_weight *w, int64_t tile, const int NT, 
     const int sup_shift = __builtin_ctz((unsigned)w->sup_blocks);
     const int G = BLK / 4;  // groups of 4 inputs a block
     const int64_t qbytes = (int64_t)BLK * (BITS == 8 ? 16 : 8) + (BITS == 5 || BITS == 6 ? 64 : 0);
-    const __m512i low = _mm512_set1_epi8(15), fifth = _mm512_set1_epi8(16), pair = _mm512_set1_epi8(48);
+    const int H = BITS - 4;  // (5-, 6-bit: high bits a value in the plane after the nibbles)
+    const __m512i low = _mm512_set1_epi8(15), high = _mm512_set1_epi8((char)(((1 << H) - 1) << 4));
     __m512 acc[RX_CHUNK];
     for (int t = 0; t < NT; t++) acc[t] = _mm512_setzero_ps();
     for (int64_t b = 0; b < nblk; b++) {
@@ -191,15 +191,12 @@ static inline void tile_vnni_nt(const rx_weight *w, int64_t tile, const int NT, 
                 wv[v] = _mm512_and_si512(raw, low);
                 wv[v + G / 2] = _mm512_and_si512(_mm512_srli_epi16(raw, 4), low);
             }
-            if (BITS == 5) {  // bit g of the fifth-bit vector's bytes becomes bit 4 of group g's values
+            if (BITS == 5 || BITS == 6) {  // bits H*g.. of the plane's bytes become bits 4.. of group g's values
                 const __m512i hv = _mm512_loadu_si512((const void *)(p + BLK * 8));
-                for (int g = 0; g < G; g++)  // (0xF8: wv | (shifted & fifth))
-                    wv[g] = _mm512_ternarylogic_epi32(wv[g], g < 4 ? _mm512_slli_epi16(hv, 4 - g) : _mm512_srli_epi16(hv, g - 4), fifth, 0xF8);
-            }
-            if (BITS == 6) {  // bits 2g, 2g + 1 of the pair vector's bytes become bits 4, 5 of group g's values
-                const __m512i hv = _mm512_loadu_si512((const void *)(p + BLK * 8));
-                for (int g = 0; g < G; g++)
-                    wv[g] = _mm512_ternarylogic_epi32(wv[g], g < 2 ? _mm512_slli_epi16(hv, 4 - 2 * g) : _mm512_srli_epi16(hv, 2 * g - 4), pair, 0xF8);
+                for (int g = 0; g < G; g++) {  // (0xF8: wv | (shifted & high), as high_bits does for AVX2)
+                    const int up = 4 - H * g;
+                    wv[g] = _mm512_ternarylogic_epi32(wv[g], up >= 0 ? _mm512_slli_epi16(hv, up) : _mm512_srli_epi16(hv, -up), high, 0xF8);
+                }
             }
         }
         const __m512 sc = block_vector(w, 0, nblk, nsup, sup_shift, tile, b);
@@ -333,17 +330,12 @@ RX_AVX2 static inline __m256 block_vector8(const rx_weight *w, int which, int64_
     return _mm256_mul_ps(_mm256_loadu_ps(sup), sub);
 }
 
-// group g's fifth bits (bit g of each byte of the plane) moved to bit 4 (shifts within 16-bit lanes move
-// no byte's bit 4 across into the other byte)
-RX_AVX2 static inline __m256i fifth_bits(__m256i hv, int g) {
-    const __m256i fifth = _mm256_set1_epi8(16);
-    return _mm256_and_si256(g < 4 ? _mm256_slli_epi16(hv, 4 - g) : _mm256_srli_epi16(hv, g - 4), fifth);
-}
-
-// the 6-bit layout's bits 4 and 5 of group g's values
-RX_AVX2 static inline __m256i high_pair(__m256i hv, int g) {
-    const __m256i pair = _mm256_set1_epi8(48);
-    return _mm256_and_si256(g < 2 ? _mm256_slli_epi16(hv, 4 - 2 * g) : _mm256_srli_epi16(hv, 2 * g - 4), pair);
+// group g's H high bits (bits H*g.. of each byte of the plane) moved to bits 4.. (shifts within 16-bit
+// lanes move no bit into the other byte's bits 4 .. 3 + H)
+RX_AVX2 static inline __m256i high_bits(__m256i hv, int g, int H) {
+    const __m256i high = _mm256_set1_epi8((char)(((1 << H) - 1) << 4));
+    const int up = 4 - H * g;
+    return _mm256_and_si256(up >= 0 ? _mm256_slli_epi16(hv, up) : _mm256_srli_epi16(hv, -up), high);
 }
 
 // One tile x NT activation rows (NT <= RX_AVX2_ROWS). Each step unpacks two groups for both halves of
@@ -389,15 +381,10 @@ static inline void tiles_avx2_nt(const rx_weight *w, int64_t tile, const int NT,
                     const __m256i raw = _mm256_loadu_si256((const __m256i *)(p + 64 * s + 32 * h));
                     wa[h] = _mm256_and_si256(raw, low);
                     wb[h] = _mm256_and_si256(_mm256_srli_epi16(raw, 4), low);
-                    if (BITS == 5) {
+                    if (BITS == 5 || BITS == 6) {
                         const __m256i hv = _mm256_loadu_si256((const __m256i *)(p + BLK * 8 + 32 * h));
-                        wa[h] = _mm256_or_si256(wa[h], fifth_bits(hv, ga));
-                        wb[h] = _mm256_or_si256(wb[h], fifth_bits(hv, gb));
-                    }
-                    if (BITS == 6) {
-                        const __m256i hv = _mm256_loadu_si256((const __m256i *)(p + BLK * 8 + 32 * h));
-                        wa[h] = _mm256_or_si256(wa[h], high_pair(hv, ga));
-                        wb[h] = _mm256_or_si256(wb[h], high_pair(hv, gb));
+                        wa[h] = _mm256_or_si256(wa[h], high_bits(hv, ga, BITS - 4));
+                        wb[h] = _mm256_or_si256(wb[h], high_bits(hv, gb, BITS - 4));
                     }
                 }
             }

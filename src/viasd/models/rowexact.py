@@ -369,13 +369,11 @@ class RowExactWeight:
         else:  # low nibble: group v, high nibble: group v + blk/8
             half = (t & 15).reshape(tiles, nblk, 16, 2, blk // 8, 4)
             packed = (half[:, :, :, 0] | (half[:, :, :, 1] << 4)).transpose(0, 1, 3, 2, 4)
-            if bits == 5:  # then the fifth bits: bit g of byte 4r + j = bit 4 of q[r][4g + j]
-                fifth = (t >> 4).reshape(tiles, nblk, 16, blk // 4, 4) << np.arange(blk // 4, dtype=np.uint8).reshape(1, 1, 1, -1, 1)
-                packed = np.concatenate([packed.reshape(tiles, nblk, -1), fifth.sum(axis=3, dtype=np.uint8).reshape(tiles, nblk, -1)], axis=2)
-            if bits == 6:  # then the high bit pairs: bits 2g, 2g + 1 of byte 4r + j = bits 4, 5 of q[r][4g + j]
-                shift = 2 * np.arange(blk // 4, dtype=np.uint8).reshape(1, 1, 1, -1, 1)
-                pairs = ((t >> 4) & 3).reshape(tiles, nblk, 16, blk // 4, 4) << shift
-                packed = np.concatenate([packed.reshape(tiles, nblk, -1), pairs.sum(axis=3, dtype=np.uint8).reshape(tiles, nblk, -1)], axis=2)
+            if bits > 4:  # then the high bits, h = bits - 4 a value: bits h*g .. of byte 4r + j = bits 4 .. of q[r][4g + j]
+                h = bits - 4
+                shift = (h * np.arange(blk // 4, dtype=np.uint8)).reshape(1, 1, 1, -1, 1)
+                high = (t >> 4).reshape(tiles, nblk, 16, blk // 4, 4) << shift
+                packed = np.concatenate([packed.reshape(tiles, nblk, -1), high.sum(axis=3, dtype=np.uint8).reshape(tiles, nblk, -1)], axis=2)
         self.q = torch.from_numpy(np.ascontiguousarray(packed).reshape(-1))
 
         def lanes(a: np.ndarray, dtype) -> torch.Tensor:  # [rows, n] -> [tile, n, 16]
