@@ -508,15 +508,20 @@ def test_streamed_text_reassembles_to_the_decoded_text_for_any_round_sizes(smoll
     assert TextStream(smollm2, print)._steps is not None  # smollm2's fast tokenizer streams incrementally
 
 
-def test_a_drafter_without_q_drafts_what_one_with_q_drafts(tiny, tiny_drafter):
-    """`probs=False` (greedy loops that read no q) skips the softmax: the same tokens, no q; a
-    sampling drafter must keep q (it draws from it)."""
+@pytest.mark.parametrize("reduced", [False, True])
+def test_a_drafter_without_q_drafts_what_one_with_q_drafts(tiny, tiny_drafter, reduced):
+    """`probs=False` (greedy loops that read no q) skips the softmax: the same tokens, no q (with a
+    reduced head, the argmax among the head's ids without the full-vocabulary row); a sampling
+    drafter must keep q (it draws from it)."""
     context = [5, 9, 2, 7, 11]
-    with_q, without = (ModelDrafter(tiny_drafter.decoder, GREEDY, None, None, probs=p) for p in (True, False))
+    head = tiny_drafter.decoder.reduced_head(list(range(1, tiny.config.vocab_size, 3))) if reduced else None
+    with_q, without = (ModelDrafter(tiny_drafter.decoder, GREEDY, None, None, head, probs=p) for p in (True, False))
     for d in (with_q, without):
         d.begin(64, Verifier.start(tiny.decoder, None, DecodeRequest(context, 0, GREEDY), 64))
     a, b = with_q.propose(context, 5), without.propose(context, 5)
     assert a.tokens == b.tokens and len(a.tokens) == 5
     assert a.probs is not None and a.probs.shape[0] == 5 and b.probs is None
+    if reduced:
+        assert all(t % 3 == 1 for t in b.tokens)
     with pytest.raises(ValueError, match="keeps its probabilities"):
         ModelDrafter(tiny_drafter.decoder, SamplingParams(temperature=1.0), None, None, probs=False)

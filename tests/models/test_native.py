@@ -503,6 +503,8 @@ def test_tiny_native_reduced_head_and_resumed_pass_are_exact(tiny_native):
     full = dec.forward(torch.tensor([3, 9, 4, 7]), 0, a)
     reduced = dec.forward(torch.tensor([3, 9, 4, 7]), 0, b, head=head)
     assert torch.equal(reduced[:, vocab], full[:, vocab]) and torch.isinf(reduced[:, 0]).all()
+    compact = dec.forward(torch.tensor([3, 9, 4, 7]), 0, dec.new_cache(32), head=head, expand=False)
+    assert torch.equal(compact, full[:, vocab])  # [T, 16]: the head's ids alone, in order
     route = LayerMask(attn=(True, True, False, True), mlp=(True, True, True, False))
     for lower_rows in (0, 1):
         expected, got = resumed_after_slim(tiny_native, route, [3, 9, 4, 11], [5, 8, 2, 40], lower_rows)

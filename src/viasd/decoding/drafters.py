@@ -111,6 +111,9 @@ class _AutoregressiveDrafter:
         of 1-2 rows more costs about what one row does)."""
         cache, start = self._sync(context)
         start = min(start, len(context) - 1)  # always recompute the last token to get its logits
+        # greedy over a reduced head, nothing masked: the argmax among the head's own ids
+        compact = self.head is not None and not self.keep_probs and self.threshold is None and first is None \
+            and self.grammar is None
         feed = torch.tensor(context[start:] + ([] if guess is None else [guess]))
         tokens: list[int] = []
         probs: list[torch.Tensor] = []
@@ -119,7 +122,7 @@ class _AutoregressiveDrafter:
             if ahead is not None:
                 logits, ahead = ahead, None
             else:
-                logits = self._pass(feed, start, cache, rows=2 if guess is not None and not tokens else 1)
+                logits = self._pass(feed, start, cache, rows=2 if guess is not None and not tokens else 1, expand=not compact)
                 if guess is not None and not tokens:
                     logits, ahead = logits  # [V] at the context's last token, [V] at the guess
                 start += feed.shape[0]
@@ -136,6 +139,8 @@ class _AutoregressiveDrafter:
                 token = self.params.draw(q, self.generator)
                 if self.keep_probs:
                     probs.append(q)
+            elif compact:  # (ascending ids: the first maximum is the expanded row's first maximum)
+                token = int(self.head.ids[int(argmax(logits))])
             else:  # greedy: the logits' argmax (softmax keeps their order)
                 token = int(argmax(logits))
             tokens.append(token)
@@ -149,9 +154,11 @@ class _AutoregressiveDrafter:
         self._drafted(context, tokens)
         return tokens, torch.stack(probs) if probs else None
 
-    def _pass(self, feed: torch.Tensor, start: int, cache: KVCache, rows: int = 1) -> torch.Tensor:
-        """The logits of the last `rows` rows of a drafting pass over `feed` ([V], or [rows, V])."""
-        logits = self.passes.forward(self.decoder, feed, start, cache, route=self.route, last_only=rows == 1, head=self.head)
+    def _pass(self, feed: torch.Tensor, start: int, cache: KVCache, rows: int = 1, expand: bool = True) -> torch.Tensor:
+        """The logits of the last `rows` rows of a drafting pass over `feed` ([V], or [rows, V]; with
+        `expand` False and a reduced head, over its ids: [N], [rows, N])."""
+        logits = self.passes.forward(self.decoder, feed, start, cache, route=self.route, last_only=rows == 1, head=self.head,
+                                     **({} if expand else {"expand": False}))
         self.stats.observe_call(CallKind.DRAFT, verifier_share=self.verifier_share, rows=feed.shape[0], model=self.owner,
                                 bytes_read=pass_bytes(self.decoder, self.route, head=self.head))
         return logits[0] if rows == 1 else logits[-rows:]
