@@ -22,8 +22,9 @@
 //     pairs: bits 2g, 2g + 1 of byte 4r + j = bits 4, 5 of q[r][4g + j] (the file's size, where 8-bit
 //     values read 1.3x its bytes)
 //   scale, min of a block: 16 lanes (row r at lane r), stored as the file allows it exactly:
-//     mode 1: half per block; 2: int8 per block times a float per super-block (sup_blocks blocks, per
-//     row: the K-quants' two-level scales); min mode 3: min_mult * scale (an integer min_mult)
+//     mode 1: half per block; 2: int8 per block times a half per super-block (sup_blocks blocks, per
+//     row: the K-quants' two-level scales, d and dmin as the file has them); min mode 3: min_mult * scale
+//     (an integer min_mult)
 // Rows are a multiple of 16, columns a multiple of blk (16 or 32).
 
 #include <stdint.h>
@@ -37,7 +38,7 @@ typedef struct {
     int32_t blk, bits;
     const uint8_t *q;
     const void *scale, *min;  // per block [tile][block][16], in scale_mode / min_mode's type
-    const float *scale_sup, *min_sup;  // mode 2: per super-block [tile][super][16]
+    const uint16_t *scale_sup, *min_sup;  // mode 2: per super-block [tile][super][16], half (the file's d, dmin)
     int32_t scale_mode, min_mode, sup_blocks;  // sup_blocks: 1, 8 (Q4_K) or 16 (Q6_K), a power of two
     float min_mult;  // min mode 3
 } rx_weight;
@@ -65,8 +66,8 @@ static float block_value(const rx_weight *w, int which, int64_t tile, int64_t b,
     const void *p = which ? w->min : w->scale;
     if (mode == 1) return half_to_float(((const uint16_t *)p)[i]);
     const int64_t nsup = nblk / w->sup_blocks;
-    const float *sup = which ? w->min_sup : w->scale_sup;
-    return sup[(tile * nsup + b / w->sup_blocks) * 16 + r] * (float)((const int8_t *)p)[i];
+    const uint16_t *sup = which ? w->min_sup : w->scale_sup;
+    return half_to_float(sup[(tile * nsup + b / w->sup_blocks) * 16 + r]) * (float)((const int8_t *)p)[i];
 }
 
 // offsets into struct ggml_tensor, given by the caller (from the bound layout)
@@ -151,18 +152,25 @@ static int prefetch_rows = RX_CHUNK;
 
 void rx_set_prefetch_rows(int rows) { prefetch_rows = rows; }
 
-// (nblk, nsup and sup_shift = log2(sup_blocks) from the caller, as for block_vector8: two integer
-// divisions per call cost a 4864x1024 Q4_K product a third more time on one thread, hot in cache)
+// A super-block's scale (which = 0) or min (1) of mode 2, as floats (zero in other modes): read and
+// converted once every sup_blocks blocks (sup_shift = log2(sup_blocks), from the caller: two integer
+// divisions a call cost a 4864x1024 Q4_K product a third more time on one thread, hot in cache)
 __attribute__((target("avx512f,avx512bw,avx512vnni")))
-static inline __m512 block_vector(const rx_weight *w, int which, int64_t nblk, int64_t nsup, int sup_shift, int64_t tile,
-                                  int64_t b) {
+static inline __m512 sup_vector(const rx_weight *w, int which, int64_t nsup, int sup_shift, int64_t tile, int64_t b) {
+    if ((which ? w->min_mode : w->scale_mode) != 2) return _mm512_setzero_ps();
+    const uint16_t *sup = (which ? w->min_sup : w->scale_sup) + (tile * nsup + (b >> sup_shift)) * 16;
+    return _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)sup));
+}
+
+// a block's scale or min: mode 1 its half, mode 2 its int8 times the super-block's `sup`
+__attribute__((target("avx512f,avx512bw,avx512vnni")))
+static inline __m512 block_vector(const rx_weight *w, int which, int64_t nblk, int64_t tile, int64_t b, __m512 sup) {
     const int64_t i = (tile * nblk + b) * 16;
     const int mode = which ? w->min_mode : w->scale_mode;
     const void *p = which ? w->min : w->scale;
     if (mode == 1) return _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)((const uint16_t *)p + i)));
-    const float *sup = (which ? w->min_sup : w->scale_sup) + (tile * nsup + (b >> sup_shift)) * 16;
     const __m512 sub = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)((const int8_t *)p + i))));
-    return _mm512_mul_ps(_mm512_loadu_ps(sup), sub);
+    return _mm512_mul_ps(sup, sub);
 }
 
 // One tile x NT activation rows (compile-time NT: the accumulators stay in registers). (Two tiles at
@@ -179,7 +187,7 @@ static inline void tile_vnni_nt(const rx_weight *w, int64_t tile, const int NT, 
     const int64_t qbytes = (int64_t)BLK * (BITS == 8 ? 16 : 8) + (BITS == 5 || BITS == 6 ? 64 : 0);
     const int H = BITS - 4;  // (5-, 6-bit: high bits a value in the plane after the nibbles)
     const __m512i low = _mm512_set1_epi8(15), high = _mm512_set1_epi8((char)(((1 << H) - 1) << 4));
-    __m512 acc[RX_CHUNK];
+    __m512 acc[RX_CHUNK], sup_sc = _mm512_setzero_ps(), sup_mn = _mm512_setzero_ps();
     for (int t = 0; t < NT; t++) acc[t] = _mm512_setzero_ps();
     for (int64_t b = 0; b < nblk; b++) {
         const uint8_t *p = w->q + (tile * nblk + b) * qbytes;
@@ -204,9 +212,10 @@ static inline void tile_vnni_nt(const rx_weight *w, int64_t tile, const int NT, 
                 }
             }
         }
-        const __m512 sc = block_vector(w, 0, nblk, nsup, sup_shift, tile, b);
+        if (!(b & (w->sup_blocks - 1))) sup_sc = sup_vector(w, 0, nsup, sup_shift, tile, b), sup_mn = sup_vector(w, 1, nsup, sup_shift, tile, b);
+        const __m512 sc = block_vector(w, 0, nblk, tile, b, sup_sc);
         const int mult = w->min_mode == 3;
-        const __m512 mn = mult ? _mm512_setzero_ps() : block_vector(w, 1, nblk, nsup, sup_shift, tile, b);  // (mult: unused)
+        const __m512 mn = mult ? _mm512_setzero_ps() : block_vector(w, 1, nblk, tile, b, sup_mn);  // (mult: unused)
         for (int t = 0; t < NT; t++) {
             const int32_t *xa = (const int32_t *)(xq + t * w->cols + b * BLK);
             __m512i s0 = _mm512_setzero_si512(), s1 = _mm512_setzero_si512();
@@ -322,17 +331,23 @@ RX_AVX2 static void quantize_row_avx2(const float *x, int64_t cols, int blk, int
     }
 }
 
-// (nblk, nsup and sup_shift = log2(sup_blocks), a power of two, come from the caller: integer divisions
-// here, once per block, were the AVX2 kernel's hottest instructions under perf)
-RX_AVX2 static inline __m256 block_vector8(const rx_weight *w, int which, int64_t nblk, int64_t nsup, int sup_shift,
-                                           int64_t tile, int64_t b, int h) {
+// sup_vector's half h (rows 8h .. 8h + 7) for AVX2
+RX_AVX2 static inline __m256 sup_vector8(const rx_weight *w, int which, int64_t nsup, int sup_shift, int64_t tile, int64_t b,
+                                         int h) {
+    if ((which ? w->min_mode : w->scale_mode) != 2) return _mm256_setzero_ps();
+    const uint16_t *sup = (which ? w->min_sup : w->scale_sup) + (tile * nsup + (b >> sup_shift)) * 16 + 8 * h;
+    return _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)sup));
+}
+
+// block_vector's half h
+RX_AVX2 static inline __m256 block_vector8(const rx_weight *w, int which, int64_t nblk, int64_t tile, int64_t b, int h,
+                                           __m256 sup) {
     const int64_t i = (tile * nblk + b) * 16 + 8 * h;
     const int mode = which ? w->min_mode : w->scale_mode;
     const void *p = which ? w->min : w->scale;
     if (mode == 1) return _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)((const uint16_t *)p + i)));
-    const float *sup = (which ? w->min_sup : w->scale_sup) + (tile * nsup + (b >> sup_shift)) * 16 + 8 * h;
     const __m256 sub = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)((const int8_t *)p + i))));
-    return _mm256_mul_ps(_mm256_loadu_ps(sup), sub);
+    return _mm256_mul_ps(sup, sub);
 }
 
 // group g's H high bits (bits H*g.. of each byte of the plane) moved to bits 4.. (shifts within 16-bit
@@ -362,7 +377,7 @@ static inline void tiles_avx2_nt(const rx_weight *w, int64_t tile, const int NT,
     // |pair| <= 2 * max(q) * 128 (15 for 4-bit values, 31 for 5-bit, 63 for 6-bit and 8-bit but Q8_0's 128)
     const int PAIRS = BITS == 4 ? 8 : BITS == 5 ? 4 : WIDE ? 1 : 2;
     const __m256i low = _mm256_set1_epi8(15), ones = _mm256_set1_epi16(1), flip = _mm256_set1_epi8((char)0x80);
-    __m256 acc[2][RX_AVX2_ROWS];
+    __m256 acc[2][RX_AVX2_ROWS], sup_sc[2] = {_mm256_setzero_ps(), _mm256_setzero_ps()}, sup_mn[2] = {_mm256_setzero_ps(), _mm256_setzero_ps()};
     for (int h = 0; h < 2; h++)
         for (int t = 0; t < NT; t++) acc[h][t] = _mm256_setzero_ps();
     for (int64_t b = 0; b < nblk; b++) {
@@ -426,9 +441,11 @@ static inline void tiles_avx2_nt(const rx_weight *w, int64_t tile, const int NT,
                 }
             }
         }
+        if (!(b & (w->sup_blocks - 1)))
+            for (int h = 0; h < 2; h++) sup_sc[h] = sup_vector8(w, 0, nsup, sup_shift, tile, b, h), sup_mn[h] = sup_vector8(w, 1, nsup, sup_shift, tile, b, h);
         for (int h = 0; h < 2; h++) {  // rows 0-7, then 8-15: each 64-byte vector's halves
-            const __m256 sc = block_vector8(w, 0, nblk, nsup, sup_shift, tile, b, h);
-            const __m256 mn = mult ? _mm256_setzero_ps() : block_vector8(w, 1, nblk, nsup, sup_shift, tile, b, h);  // (mult: unused)
+            const __m256 sc = block_vector8(w, 0, nblk, tile, b, h, sup_sc[h]);
+            const __m256 mn = mult ? _mm256_setzero_ps() : block_vector8(w, 1, nblk, tile, b, h, sup_mn[h]);  // (mult: unused)
             for (int t = 0; t < NT; t++) {
                 int32_t extra = mult ? (int32_t)w->min_mult * qsum[t * nblk + b] : 0;
                 if (WIDE) extra += 128 * qsum[t * nblk + b];

@@ -388,7 +388,7 @@ class RowExactWeight:
             if spec[0] == "half":
                 arr, sup, modes[which] = lanes(spec[1], np.float16), None, 1
             else:
-                arr, sup, modes[which] = lanes(spec[2], np.int8), lanes(spec[1], np.float32), 2
+                arr, sup, modes[which] = lanes(spec[2], np.int8), lanes(spec[1], np.float16), 2  # (the file's halves: exact)
             self._arrays += [a for a in (arr, sup) if a is not None]
             ptrs[which], ptrs[which + "_sup"] = arr.data_ptr(), None if sup is None else sup.data_ptr()
         self.rows, self.cols, self.blk, self.bits = rows, cols, blk, bits
