@@ -142,9 +142,9 @@ static void tiles_ref(const rx_weight *w, int64_t t0, int64_t t1, int64_t T, con
 // ---------------------------------------------------------------- AVX-512 VNNI kernel
 #define RX_CHUNK 8  // activation rows per pass over a tile's weights
 #define RX_AHEAD 8  // software prefetch distance, in blocks
-// and into L2 from further on (qwen2.5-coder-0.5b's one-row pass 0.91-0.93x the time with 16-48 blocks on
-// the AMX Xeon, AVX2 kernel 0.95x; one level alone, at 4-32 blocks, was no faster than 8 into L1)
-#define RX_AHEAD_L2 32
+#define RX_AHEAD_L2 32  // and into L2 this far on: the hardware streamers alone left it short (qwen2.5-coder-0.5b's
+// one-row pass 0.91-0.93x the time with 16-48 blocks on the AMX Xeon, the AVX2 kernel 0.95x; one level
+// alone, at 4-32 blocks, was no faster than 8 into L1)
 // software prefetch of the weights for passes of up to this many rows (all by default: with 8 rows a
 // block's weights are still read from memory while the previous ones are multiplied; benchmarks lower
 // it to compare, see rx_set_prefetch_rows)
@@ -212,7 +212,8 @@ static inline void tile_vnni_nt(const rx_weight *w, int64_t tile, const int NT, 
                 }
             }
         }
-        if (!(b & (w->sup_blocks - 1))) sup_sc = sup_vector(w, 0, nsup, sup_shift, tile, b), sup_mn = sup_vector(w, 1, nsup, sup_shift, tile, b);
+        if (!(b & (w->sup_blocks - 1)))  // a super-block begins
+            sup_sc = sup_vector(w, 0, nsup, sup_shift, tile, b), sup_mn = sup_vector(w, 1, nsup, sup_shift, tile, b);
         const __m512 sc = block_vector(w, 0, nblk, tile, b, sup_sc);
         const int mult = w->min_mode == 3;
         const __m512 mn = mult ? _mm512_setzero_ps() : block_vector(w, 1, nblk, tile, b, sup_mn);  // (mult: unused)
@@ -377,7 +378,8 @@ static inline void tiles_avx2_nt(const rx_weight *w, int64_t tile, const int NT,
     // |pair| <= 2 * max(q) * 128 (15 for 4-bit values, 31 for 5-bit, 63 for 6-bit and 8-bit but Q8_0's 128)
     const int PAIRS = BITS == 4 ? 8 : BITS == 5 ? 4 : WIDE ? 1 : 2;
     const __m256i low = _mm256_set1_epi8(15), ones = _mm256_set1_epi16(1), flip = _mm256_set1_epi8((char)0x80);
-    __m256 acc[2][RX_AVX2_ROWS], sup_sc[2] = {_mm256_setzero_ps(), _mm256_setzero_ps()}, sup_mn[2] = {_mm256_setzero_ps(), _mm256_setzero_ps()};
+    __m256 acc[2][RX_AVX2_ROWS], sup_sc[2] = {_mm256_setzero_ps(), _mm256_setzero_ps()},
+           sup_mn[2] = {_mm256_setzero_ps(), _mm256_setzero_ps()};  // (mode 2: a super-block's, per half)
     for (int h = 0; h < 2; h++)
         for (int t = 0; t < NT; t++) acc[h][t] = _mm256_setzero_ps();
     for (int64_t b = 0; b < nblk; b++) {
@@ -442,7 +444,8 @@ static inline void tiles_avx2_nt(const rx_weight *w, int64_t tile, const int NT,
             }
         }
         if (!(b & (w->sup_blocks - 1)))
-            for (int h = 0; h < 2; h++) sup_sc[h] = sup_vector8(w, 0, nsup, sup_shift, tile, b, h), sup_mn[h] = sup_vector8(w, 1, nsup, sup_shift, tile, b, h);
+            for (int h = 0; h < 2; h++)
+                sup_sc[h] = sup_vector8(w, 0, nsup, sup_shift, tile, b, h), sup_mn[h] = sup_vector8(w, 1, nsup, sup_shift, tile, b, h);
         for (int h = 0; h < 2; h++) {  // rows 0-7, then 8-15: each 64-byte vector's halves
             const __m256 sc = block_vector8(w, 0, nblk, tile, b, h, sup_sc[h]);
             const __m256 mn = mult ? _mm256_setzero_ps() : block_vector8(w, 1, nblk, tile, b, h, sup_mn[h]);  // (mult: unused)
