@@ -11,7 +11,7 @@ import pytest
 httpx = pytest.importorskip("httpx")
 openai = pytest.importorskip("openai")
 pytest.importorskip("fastapi")
-from viasd import generate  # noqa: E402
+from viasd import compute, generate  # noqa: E402
 from viasd.server import ServeSettings, create_app  # noqa: E402
 from support import native_q8  # noqa: E402
 from live_server import LiveServer, metric  # noqa: E402
@@ -31,15 +31,26 @@ def test_concurrent_requests_share_passes_and_each_answer_equals_serving_alone(t
                       progress=False, slim_layers=(0, 1, 3), **s).text for p, s, n in asks]
     passes = []
     with LiveServer(app) as live, ThreadPoolExecutor(len(asks)) as pool:
-        live.app.state.worker.session.on_pass = lambda r, rows: passes.append(r)
+        worker = live.app.state.worker
+        worker.session.on_pass = lambda r, rows: passes.append(r)
+        # the compute thread held until three requests are in, so that some passes are shared however
+        # busy the machine (the first request alone finished before the next arrived under `make
+        # test`'s other worker); the later ones join running ones
+        gate = threading.Event()
+        compute.submit(gate.wait, 60)
         def ask(i):
-            time.sleep(0.005 * i)  # staggered arrivals: requests join running ones (close enough to overlap)
+            time.sleep(0.005 * i)  # staggered arrivals
             p, s, n = asks[i]
             r = httpx.post(live.url + "/v1/completions", timeout=300,
                            json={"model": "tiny", "prompt": p, "max_tokens": n, "viasd": s})
             assert r.status_code == 200, r.text
             return r.json()["choices"][0]["text"]
-        together = list(pool.map(ask, range(len(asks))))
+        answers = pool.map(ask, range(len(asks)))
+        try:
+            wait_for(lambda: worker.pending >= 3, "three requests in", limit=60)
+        finally:
+            gate.set()
+        together = list(answers)
     assert together == alone
     assert passes and max(passes) >= 2
     assert app.state.worker.session.members == 0
