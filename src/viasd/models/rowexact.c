@@ -98,16 +98,17 @@ static void quantize_row(const float *x, int64_t cols, int blk, int8_t *xq, floa
     }
 }
 
+// bytes of one tile's block in the packed layout (above): 8-bit values, or nibbles and a high-bit plane
+__attribute__((always_inline)) static inline int64_t block_bytes(int blk, int bits) {
+    return (int64_t)blk * (bits == 8 ? 16 : 8) + (bits == 5 || bits == 6 ? 64 : 0);
+}
+
 // ---------------------------------------------------------------- reference kernel (any CPU)
 static int32_t wq(const rx_weight *w, int64_t tile, int64_t b, int r, int i) {
     // quantized weight of row 16*tile + r, input b*blk + i, from the packed layout
     const int64_t nblk = w->cols / w->blk;
-    if (w->bits == 8) {
-        const uint8_t *p = w->q + (tile * nblk + b) * (int64_t)w->blk * 16;
-        return p[(i / 4) * 64 + r * 4 + (i % 4)];
-    }
-    const int64_t qbytes = (int64_t)w->blk * 8 + (w->bits > 4 ? 64 : 0);
-    const uint8_t *p = w->q + (tile * nblk + b) * qbytes;
+    const uint8_t *p = w->q + (tile * nblk + b) * block_bytes(w->blk, w->bits);
+    if (w->bits == 8) return p[(i / 4) * 64 + r * 4 + (i % 4)];
     const int half = w->blk / 2;
     const int hi = i >= half, k = i - hi * half;
     const uint8_t byte = p[(k / 4) * 64 + r * 4 + (k % 4)];
@@ -152,6 +153,12 @@ static int prefetch_rows = RX_CHUNK;
 
 void rx_set_prefetch_rows(int rows) { prefetch_rows = rows; }
 
+// ask for the weights of the block RX_AHEAD blocks on (into L1) and RX_AHEAD_L2 on (into L2); p: this block
+__attribute__((always_inline)) static inline void prefetch_ahead(const uint8_t *p, int64_t qbytes) {
+    for (int64_t off = 0; off < qbytes; off += 64) _mm_prefetch((const char *)p + RX_AHEAD * qbytes + off, _MM_HINT_T0);
+    for (int64_t off = 0; off < qbytes; off += 64) _mm_prefetch((const char *)p + RX_AHEAD_L2 * qbytes + off, _MM_HINT_T1);
+}
+
 // A super-block's scale (which = 0) or min (1) of mode 2, as floats (zero in other modes): read and
 // converted once every sup_blocks blocks (sup_shift = log2(sup_blocks), from the caller: two integer
 // divisions a call cost a 4864x1024 Q4_K product a third more time on one thread, hot in cache)
@@ -184,17 +191,14 @@ static inline void tile_vnni_nt(const rx_weight *w, int64_t tile, const int NT, 
     const int64_t nblk = w->cols / BLK, nsup = nblk / w->sup_blocks;
     const int sup_shift = __builtin_ctz((unsigned)w->sup_blocks);
     const int G = BLK / 4;  // groups of 4 inputs a block
-    const int64_t qbytes = (int64_t)BLK * (BITS == 8 ? 16 : 8) + (BITS == 5 || BITS == 6 ? 64 : 0);
+    const int64_t qbytes = block_bytes(BLK, BITS);
     const int H = BITS - 4;  // (5-, 6-bit: high bits a value in the plane after the nibbles)
     const __m512i low = _mm512_set1_epi8(15), high = _mm512_set1_epi8((char)(((1 << H) - 1) << 4));
     __m512 acc[RX_CHUNK], sup_sc = _mm512_setzero_ps(), sup_mn = _mm512_setzero_ps();
     for (int t = 0; t < NT; t++) acc[t] = _mm512_setzero_ps();
     for (int64_t b = 0; b < nblk; b++) {
         const uint8_t *p = w->q + (tile * nblk + b) * qbytes;
-        if (NT <= prefetch_rows) {  // ask for the weights RX_AHEAD blocks on (RX_AHEAD_L2 into L2)
-            for (int64_t off = 0; off < qbytes; off += 64) _mm_prefetch((const char *)p + RX_AHEAD * qbytes + off, _MM_HINT_T0);
-            for (int64_t off = 0; off < qbytes; off += 64) _mm_prefetch((const char *)p + RX_AHEAD_L2 * qbytes + off, _MM_HINT_T1);
-        }
+        if (NT <= prefetch_rows) prefetch_ahead(p, qbytes);
         __m512i wv[8];
         if (BITS == 8) {
             for (int g = 0; g < G; g++) wv[g] = _mm512_loadu_si512((const void *)(p + 64 * g));
@@ -373,7 +377,7 @@ static inline void tiles_avx2_nt(const rx_weight *w, int64_t tile, const int NT,
     const int sup_shift = __builtin_ctz((unsigned)w->sup_blocks);
     const int mult = w->min_mode == 3;
     const int G = BLK / 4;
-    const int64_t qbytes = (int64_t)BLK * (BITS == 8 ? 16 : 8) + (BITS == 5 || BITS == 6 ? 64 : 0);
+    const int64_t qbytes = block_bytes(BLK, BITS);
     // maddubs results (16-bit pair sums) added in 16 bits before widening, as many as cannot overflow:
     // |pair| <= 2 * max(q) * 128 (15 for 4-bit values, 31 for 5-bit, 63 for 6-bit and 8-bit but Q8_0's 128)
     const int PAIRS = BITS == 4 ? 8 : BITS == 5 ? 4 : WIDE ? 1 : 2;
@@ -384,10 +388,7 @@ static inline void tiles_avx2_nt(const rx_weight *w, int64_t tile, const int NT,
         for (int t = 0; t < NT; t++) acc[h][t] = _mm256_setzero_ps();
     for (int64_t b = 0; b < nblk; b++) {
         const uint8_t *p = w->q + (tile * nblk + b) * qbytes;
-        if (NT <= prefetch_rows) {  // ask for the weights RX_AHEAD blocks on (RX_AHEAD_L2 into L2), as the VNNI kernel does
-            for (int64_t off = 0; off < qbytes; off += 64) _mm_prefetch((const char *)p + RX_AHEAD * qbytes + off, _MM_HINT_T0);
-            for (int64_t off = 0; off < qbytes; off += 64) _mm_prefetch((const char *)p + RX_AHEAD_L2 * qbytes + off, _MM_HINT_T1);
-        }
+        if (NT <= prefetch_rows) prefetch_ahead(p, qbytes);
         __m256i isum[2][RX_AVX2_ROWS], s16[2][RX_AVX2_ROWS];
         for (int h = 0; h < 2; h++)
             for (int t = 0; t < NT; t++) isum[h][t] = s16[h][t] = _mm256_setzero_si256();
