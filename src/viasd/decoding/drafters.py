@@ -158,7 +158,7 @@ class _AutoregressiveDrafter:
         """The logits of the last `rows` rows of a drafting pass over `feed` ([V], or [rows, V]; with
         `expand` False and a reduced head, over its ids: [N], [rows, N])."""
         logits = self.passes.forward(self.decoder, feed, start, cache, route=self.route, last_only=rows == 1, head=self.head,
-                                     **({} if expand else {"expand": False}))
+                                     **({} if expand else {"expand": False}))  # (asked only of decoders with reduced heads)
         self.stats.observe_call(CallKind.DRAFT, verifier_share=self.verifier_share, rows=feed.shape[0], model=self.owner,
                                 bytes_read=pass_bytes(self.decoder, self.route, head=self.head))
         return logits[0] if rows == 1 else logits[-rows:]
