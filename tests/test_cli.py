@@ -31,6 +31,7 @@ def run(capsys, *argv):
         (["generate", "hi", "--strategy", "viasd", "--correct"],
          "viasd: error: correct applies to strategy viasd in tiered mode with greedy decoding"),
         (["frobnicate"], "invalid choice: 'frobnicate'"),
+        (["generate", "hi", "--drafter-weights", "int4"], "invalid choice: 'int4'"),
         (["generate", "hi", "--top-k", "-1"], "viasd: error: top_k must be >= 0, got -1"),
         (["generate", "hi", "--min-p", "2"], "viasd: error: min_p must be <= 1.0, got 2.0"),
         (["generate", "hi", "--repetition-penalty", "0"], "viasd: error: repetition_penalty must be > 0.0, got 0.0"),

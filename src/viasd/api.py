@@ -24,7 +24,7 @@ from viasd.decoding.verifier import DecodeRequest
 from viasd.execution.passes import Passes
 from viasd.errors import UsageError, VocabularyMismatchError
 from viasd import compute
-from viasd.models.loading import LoadedModel, load_model, same_vocabulary
+from viasd.models.loading import LoadedModel, load_drafter, load_model, same_vocabulary
 from viasd.models.vocabulary import VocabBridge
 from viasd.models.zoo import DEFAULT_MODEL
 from viasd.routing.resolve import drafter_head, resolve_route, route_head, slim_vocab
@@ -32,10 +32,12 @@ from viasd.settings import (CONVERSIONS, DRAFT_KINDS, MODES, CascadeOptions, Dra
                             GenerateConfig, ViasdOptions, bias_of, check_bias_ids, preflight_files)
 from viasd.validation import check_text, check_token_ids
 
-def _as_model(model: str | LoadedModel, progress: bool) -> LoadedModel:
+def _as_model(model: str | LoadedModel, progress: bool, drafter: bool = False) -> LoadedModel:
     if not isinstance(model, (str, LoadedModel)) or (isinstance(model, str) and not model):
         raise UsageError(f"model must be a model name or path (str) or a LoadedModel, got {model!r}")
-    return model if isinstance(model, LoadedModel) else load_model(model, progress=progress)
+    if isinstance(model, LoadedModel):
+        return model
+    return load_drafter(model, progress=progress) if drafter else load_model(model, progress=progress)
 
 
 class StopGeneration(Exception):
@@ -103,7 +105,7 @@ def _make_drafter(kind: DraftKind, verifier: LoadedModel, drafter: str | LoadedM
                   params: SamplingParams, generator: torch.Generator, progress: bool) -> Drafter:
     opts, reduced_head, probs = config.drafting, config.viasd.reduced_head, draft_probs_read(config)
     if kind is DraftKind.MODEL:
-        draft_model = _as_model(drafter, progress)
+        draft_model = _as_model(drafter, progress, drafter=True)
         if same_vocabulary(verifier, draft_model):
             return ModelDrafter(draft_model.decoder, params, generator, opts.draft_threshold,
                                 drafter_head(verifier, draft_model) if reduced_head else None, probs)

@@ -9,7 +9,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 from viasd.errors import UsageError, ViasdError
-from viasd.validation import WEIGHT_FORMATS
+from viasd.validation import DRAFTER_REQUANT, REQUANT_FORMATS, WEIGHT_FORMATS
 
 DEMO_PROMPT = "Explain in three sentences why the sky is blue."
 BENCH_EXTRA = ("optuna", "sacrebleu", "rouge_score", "matplotlib")  # what `pip install 'viasd[bench]'` adds (pyproject.toml)
@@ -33,7 +33,7 @@ def read_stdin(what: str) -> bytes:
 
 def _generate(args: argparse.Namespace) -> int:
     from viasd.api import GenerateConfig, generate, preflight_files
-    from viasd.models.loading import load_model
+    from viasd.models.loading import load_drafter, load_model
     from viasd.settings import from_args
     from viasd.validation import check_device, check_text, decode_utf8, dumps_strict
 
@@ -46,7 +46,8 @@ def _generate(args: argparse.Namespace) -> int:
     preflight_files(config.flat())
     progress = not args.quiet
     model = load_model(args.model, weights=args.weights, device=args.device, progress=progress)
-    drafter = load_model(args.drafter, weights=args.weights, device=args.device, progress=progress) if args.drafter else None
+    drafter = (load_drafter(args.drafter, args.weights, args.drafter_weights, args.device, progress)
+               if args.drafter else None)
 
     def emit(text: str) -> None:
         sys.stdout.write(text)
@@ -174,8 +175,7 @@ def _add_routes(p: argparse.ArgumentParser) -> None:
 
 
 def _search(args: argparse.Namespace) -> int:
-    from viasd.models.loading import load_model
-    from viasd.models.loading import check_cache_writable
+    from viasd.models.loading import check_cache_writable, load_drafter, load_model
     from viasd.routing.search import build_calibration, check_settings, drafter_misses, open_storage, search_route
     from viasd.validation import check_int, check_text, check_writable_file
 
@@ -193,7 +193,7 @@ def _search(args: argparse.Namespace) -> int:
     model = load_model(args.model, progress=progress)
     calib = build_calibration(model, n_seqs=args.calib_seqs, seq_len=args.calib_len, progress=progress)
     if args.rescue_drafter:
-        calib.misses = drafter_misses(model, load_model(args.rescue_drafter, progress=progress), calib)
+        calib.misses = drafter_misses(model, load_drafter(args.rescue_drafter, progress=progress), calib)
     route = search_route(model, args.budget, args.trials, seed=args.seed, storage=study_storage, cost=args.cost,
                          pin_ends=args.pin_ends, calib=calib, n_random=args.random_trials, progress=progress,
                          prefix=args.prefix, head_vocab=args.head_vocab, budget_unit=args.budget_unit,
@@ -243,7 +243,7 @@ def _calibrate(args: argparse.Namespace) -> int:
     from viasd.calibrate import calibrate, check_settings, plot_curve, thresholds_path, write_thresholds
     from viasd.settings import from_args
     from viasd.routing.resolve import resolve_route
-    from viasd.models.loading import load_model
+    from viasd.models.loading import load_drafter, load_model
     from viasd.routing.search import dev_prompts
 
     progress = not args.quiet
@@ -253,7 +253,7 @@ def _calibrate(args: argparse.Namespace) -> int:
     check_settings(args.prompts, args.min_agreement)
     out = thresholds_path(args.out, args.route, args.model, args.correct)  # writable, checked before the minutes of work
     model = load_model(args.model, progress=progress)
-    drafter = load_model(args.drafter, progress=progress) if args.drafter else None
+    drafter = load_drafter(args.drafter, progress=progress) if args.drafter else None
     route_file = resolve_route(model, "slim", None, args.route).path
     prompts = dev_prompts(model, args.prompts)
     best, cands = calibrate(model, base, prompts, drafter, args.grid, args.min_agreement, progress)
@@ -291,7 +291,7 @@ def _add_calibrate(p: argparse.ArgumentParser) -> None:
 def _bench(args: argparse.Namespace) -> int:
     from viasd.api import GenerateConfig, preflight_files
     from viasd.bench import check_results_file, load_tasks, parse_methods, results_lock, run_bench
-    from viasd.models.loading import load_model
+    from viasd.models.loading import load_drafter, load_model
     from viasd.settings import from_args
 
     from viasd.validation import check_text, check_writable_file
@@ -308,7 +308,8 @@ def _bench(args: argparse.Namespace) -> int:
     with results_lock(out):  # before the models load: a second run on the same file is refused at once
         progress = not args.quiet
         model = load_model(args.model, progress=progress)
-        drafters = {name: load_model(name, progress=progress) for name in dict.fromkeys(args.drafter or [])}
+        drafters = {name: load_drafter(name, drafter_weights=args.drafter_weights, progress=progress)
+                    for name in dict.fromkeys(args.drafter or [])}
         n = run_bench(model, drafters, methods, prompts, out, base, progress)
     print(f"{out}: {n} new record(s); {len(prompts) * len(methods)} in the run")
     return 0
@@ -335,6 +336,7 @@ def _add_bench(p: argparse.ArgumentParser) -> None:
                         "own first answer; statistics cover both turns) (default: %(default)s)")
     add_arguments(p, only=("max_new_tokens", "k", "seed", "slim_route"))  # every method's, unless it sets its own
     p.add_argument("--out", "-o", default="results.jsonl", help="JSONL results; rerunning skips records already there (default: %(default)s)")
+    _add_drafter_weights(p, "native weights re-quantized to")
     p.add_argument("--quiet", "-q", action="store_true")
 
 
@@ -366,7 +368,15 @@ def _add_model_flags(p: argparse.ArgumentParser) -> None:
                    help="native: the GGUF's own quantized weights through ggml's kernels (a model without a GGUF: its "
                         "float weights); float32: every weight dequantized, the exact reference; bfloat16 / float16: "
                         "half the bytes of float32 (default: %(default)s)")
+    _add_drafter_weights(p, "the --weights format, native weights re-quantized to")
     p.add_argument("--quiet", "-q", action="store_true", help="no progress bars")
+
+
+def _add_drafter_weights(p: argparse.ArgumentParser, default: str) -> None:
+    p.add_argument("--drafter-weights", choices=WEIGHT_FORMATS + REQUANT_FORMATS, metavar="FORMAT",
+                   help=f"the drafter's weights, one of {', '.join(WEIGHT_FORMATS + REQUANT_FORMATS)}: q4_0 re-quantizes "
+                        "its native weights as they load, so its passes read fewer bytes; a drafter's precision changes "
+                        f"how many drafts are accepted, never the output (default: {default} {DRAFTER_REQUANT})")
 
 
 def _add_generate(p: argparse.ArgumentParser) -> None:

@@ -24,6 +24,10 @@ SEED_MAX = 2**64 - 1  # torch.Generator.manual_seed takes an unsigned 64-bit see
 DEVICE_TYPES = ("cpu", "cuda", "mps")
 # --weights: the model file's own format ("native"), or every weight dequantized to a float type
 WEIGHT_FORMATS = ("native", "float32", "bfloat16", "float16")
+# what a load may re-quantize native weights to (a drafter's by default: its precision changes only how
+# many drafts are accepted, never the output), and the drafters' default
+REQUANT_FORMATS = ("q4_0",)
+DRAFTER_REQUANT = "q4_0"
 # the most any user-named input file (route, thresholds, bench task file) may hold: /dev/zero, a
 # huge or endless file is refused with one line instead of being read whole into memory
 MAX_INPUT_BYTES = 64 << 20

@@ -9,7 +9,7 @@ import torch
 from viasd.api import generate
 from viasd.errors import UsageError
 from viasd.models import ggml_kernels as gk
-from viasd.models.loading import load_model
+from viasd.models.loading import load_drafter, load_model
 from viasd.models.native import native_names, quantize
 from viasd.models.decoder import Decoder
 
@@ -432,6 +432,31 @@ def test_native_from_a_gguf_file_reads_its_blocks(fake_gguf):
     a = f32.decoder.forward(ids, 0, f32.decoder.new_cache(40))
     b = plain.decoder.forward(ids, 0, plain.decoder.new_cache(40))
     assert (a - b).abs().max() < 1e-4
+
+
+def test_a_drafter_loads_the_files_blocks_requantized_to_q4_0_and_sd_still_equals_ar(fake_gguf, tiny):
+    """`load_drafter`: by default the file's Q8_0 blocks re-quantized to Q4_0 (each weight within
+    Q4_0's step of the file's); asked, the file's own; a float model's weights unchanged. Drafting
+    with the re-quantized drafter leaves sd's output ar's."""
+    drafter = load_drafter(str(fake_gguf), progress=False)
+    model = load_model(str(fake_gguf), progress=False)
+    assert drafter.weights == "q4_0" and model.weights == "native"
+    for a, b in zip(drafter.decoder.layers, model.decoder.layers):
+        assert {p.ggml_type for p in a.qkv.parts + a.down.parts} == {Q4_0}
+        wa, wb = (torch.cat([p.dequantize() for p in layer.qkv.parts]) for layer in (a, b))
+        # Q4_0: a block's values are d * (-8..7), d its largest magnitude / 8: within one step of the file's
+        step = wb.reshape(-1, 32).abs().amax(1, keepdim=True) / 8
+        assert not torch.equal(wa, wb) and ((wa - wb).reshape(-1, 32).abs() <= step * 1.01).all()
+    assert load_drafter(str(fake_gguf), drafter_weights="native", progress=False).weights == "native"
+    assert load_drafter(str(fake_gguf), "float32", progress=False).weights == "float32"  # the verifier's float format
+    assert load_drafter(str(tiny.path), progress=False).weights == "float32"  # no GGUF: its own float weights
+    prompt = list(range(3, 20))
+    expected = run_ar(model, prompt, 24, model.eos_token_ids)
+    assert generate(prompt, model, drafter=drafter, strategy="sd", max_new_tokens=24, k=4).token_ids == expected
+    with pytest.raises(UsageError, match="drafter weights must be one of native, float32, bfloat16, float16, q4_0, got 'int4'"):
+        load_drafter(str(fake_gguf), drafter_weights="int4")
+    with pytest.raises(UsageError, match="requantize must be one of q4_0 or None, got 'q5_0'"):
+        load_model(str(fake_gguf), requantize="q5_0")
 
 
 @pytest.mark.model

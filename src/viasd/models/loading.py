@@ -34,7 +34,7 @@ from viasd import compute
 from viasd.models.cache import _log, cache_dir, check_cache_writable, sha256_file
 from viasd.models.convert import _META, _record_checksums, convert_gguf, verify_converted
 from viasd.models.download import fetch_zoo, zoo_gguf_verified
-from viasd.models.native import NATIVE_ARCHITECTURES, read_native
+from viasd.models.native import NATIVE_ARCHITECTURES, read_native, requantize as requantize_native
 from viasd.models.config import SUPPORTED_ARCHITECTURES, ModelConfig
 from viasd.models.decoder import Decoder
 from viasd.models.vocabulary import Vocabulary, vocabulary_of
@@ -61,7 +61,7 @@ class LoadedModel:
     decoder: Decoder  # or models.t5.EncoderDecoder (same forward and cache interface, plus encode)
     tokenizer: object = field(repr=False)
     source_sha256: str | None = None  # of the GGUF for zoo / GGUF sources
-    weights: str = "float32"  # the weight format it runs: "native" (the GGUF's own blocks) or a float type
+    weights: str = "float32"  # the weight format it runs: "native" (the GGUF's own blocks), one it was re-quantized to ("q4_0") or a float type
 
     @property
     def kernels(self) -> dict[str, int] | None:
@@ -224,6 +224,7 @@ def load_model(
     progress: bool = True,
     pack: bool | str = True,
     weights: str | None = None,
+    requantize: str | None = None,
 ) -> LoadedModel:
     """Load `source` (zoo alias, GGUF path, transformers directory or hub id) into the lean runtime.
 
@@ -236,23 +237,14 @@ def load_model(
     and for native weights ggml's plain kernels instead of viasd's row-exact kernel or ggml's AMX /
     repacked ones; `pack="ggml"`: native weights in ggml's AMX / repacked layouts only;
     `pack="row-exact"`: the default choice (the row-exact kernel wherever the CPU runs it).
+    `requantize="q4_0"`: native weights re-quantized to that type as they load (fewer bytes a pass, less
+    precision: what drafters load with, `validation.DRAFTER_REQUANT`); a model that runs float
+    weights is unaffected.
     """
     from viasd.errors import ViasdError
-    from viasd.validation import WEIGHT_FORMATS, check_device, check_text
+    from viasd.validation import check_device
 
-    if isinstance(source, os.PathLike):
-        source = os.fspath(source)
-    if not isinstance(source, str) or not source.strip():
-        raise UnknownModelError(f"model must be a zoo alias, a path or a hub id (a non-empty str), got {source!r}")
-    check_text("model", source)
-    if dtype is not None and dtype not in (torch.float32, torch.bfloat16, torch.float16):
-        raise UsageError(f"dtype must be torch.float32, torch.bfloat16 or torch.float16, got {dtype!r}")
-    if weights is not None and weights not in WEIGHT_FORMATS:
-        raise UsageError(f"weights must be one of {', '.join(WEIGHT_FORMATS)}, got {weights!r}")
-    if weights is not None and dtype is not None and weights != str(dtype).removeprefix("torch."):
-        raise UsageError(f"weights={weights!r} and dtype={dtype} disagree: give one of them")
-    if pack not in (True, False, "ggml", "row-exact"):
-        raise UsageError(f"pack must be True, False, 'ggml' or 'row-exact', got {pack!r}")
+    source = _checked_load(source, dtype, weights, requantize, pack)
     device = check_device(device)
     asked = weights or (str(dtype).removeprefix("torch.") if dtype is not None else None)
     weights = asked or "native"
@@ -263,7 +255,7 @@ def load_model(
     dtype = torch.float32 if weights == "native" else getattr(torch, weights)
     cached = path.resolve().is_relative_to((cache_dir() / "models").resolve())
     try:
-        return _load_dir(source, path, digest, dtype, device, pack, native_from)
+        return _load_dir(source, path, digest, dtype, device, pack, native_from, requantize)
     except ViasdError as e:
         # errors about another file than the conversion (the GGUF, a compiled kernel) name that file
         if not cached or isinstance(e, (UnsupportedArchitectureError, CorruptGGUFError, CorruptCacheError)):
@@ -276,7 +268,46 @@ def load_model(
     _log(f"viasd: the cached conversion {path} is damaged ({why}); rebuilding it")
     shutil.rmtree(path, ignore_errors=True)
     path, digest = resolve(source, progress)
-    return _load_dir(source, path, digest, dtype, device, pack, native_from)
+    return _load_dir(source, path, digest, dtype, device, pack, native_from, requantize)
+
+
+def _checked_load(source, dtype, weights, requantize, pack) -> str:
+    """`load_model`'s arguments checked; the source as a str."""
+    from viasd.validation import REQUANT_FORMATS, WEIGHT_FORMATS, check_text
+
+    if isinstance(source, os.PathLike):
+        source = os.fspath(source)
+    if not isinstance(source, str) or not source.strip():
+        raise UnknownModelError(f"model must be a zoo alias, a path or a hub id (a non-empty str), got {source!r}")
+    check_text("model", source)
+    if dtype is not None and dtype not in (torch.float32, torch.bfloat16, torch.float16):
+        raise UsageError(f"dtype must be torch.float32, torch.bfloat16 or torch.float16, got {dtype!r}")
+    if weights is not None and weights not in WEIGHT_FORMATS:
+        raise UsageError(f"weights must be one of {', '.join(WEIGHT_FORMATS)}, got {weights!r}")
+    if weights is not None and dtype is not None and weights != str(dtype).removeprefix("torch."):
+        raise UsageError(f"weights={weights!r} and dtype={dtype} disagree: give one of them")
+    if requantize is not None and requantize not in REQUANT_FORMATS:
+        raise UsageError(f"requantize must be one of {', '.join(REQUANT_FORMATS)} or None, got {requantize!r}")
+    if pack not in (True, False, "ggml", "row-exact"):
+        raise UsageError(f"pack must be True, False, 'ggml' or 'row-exact', got {pack!r}")
+    return source
+
+
+def load_drafter(source: str, weights: str | None = None, drafter_weights: str | None = None, device: str = "cpu",
+                 progress: bool = True) -> LoadedModel:
+    """A drafter model, loaded as `load_model` loads one in `weights` (the verifier's format), or in
+    `drafter_weights` when given (a `WEIGHT_FORMATS` or `REQUANT_FORMATS` name). By default its native
+    weights are re-quantized to `DRAFTER_REQUANT`: a drafter's precision changes only how many of its
+    drafts are accepted, never the output, and its passes read fewer bytes."""
+    from viasd.validation import DRAFTER_REQUANT, REQUANT_FORMATS, WEIGHT_FORMATS
+
+    if drafter_weights is not None and drafter_weights not in WEIGHT_FORMATS + REQUANT_FORMATS:
+        raise UsageError(f"drafter weights must be one of {', '.join(WEIGHT_FORMATS + REQUANT_FORMATS)}, got {drafter_weights!r}")
+    fmt = drafter_weights or (DRAFTER_REQUANT if weights in (None, "native") else weights)
+    if fmt in REQUANT_FORMATS:
+        return load_model(source, weights=weights if drafter_weights is None else "native", device=device,
+                          progress=progress, requantize=fmt)
+    return load_model(source, weights=fmt, device=device, progress=progress)
 
 
 def _native_source(source: str, progress: bool, device: str, explicit: bool) -> Path | None:
@@ -306,7 +337,8 @@ def _native_source(source: str, progress: bool, device: str, explicit: bool) -> 
     return None
 
 
-def _load_dir(source: str, path: Path, digest: str | None, dtype, device, pack, native_from: Path | None = None) -> LoadedModel:
+def _load_dir(source: str, path: Path, digest: str | None, dtype, device, pack, native_from: Path | None = None,
+              requantize: str | None = None) -> LoadedModel:
     """Config, weights and tokenizer of a transformers directory; every way a file there is bad is a
     CorruptFileError naming it."""
     from transformers import AutoConfig, AutoTokenizer
@@ -322,6 +354,8 @@ def _load_dir(source: str, path: Path, digest: str | None, dtype, device, pack, 
     native = None
     if native_from is not None and config.architecture in NATIVE_ARCHITECTURES:
         native = read_native(native_from, config)  # the float copies of these are not read
+        if requantize is not None:
+            native = requantize_native(native, requantize)
     try:
         state = load_state_dict(path, skip=set(native or ()))
     except (ModelNotFoundError, CorruptFileError):
@@ -346,7 +380,7 @@ def _load_dir(source: str, path: Path, digest: str | None, dtype, device, pack, 
         raise CorruptFileError(f"{path}: unreadable tokenizer ({type(e).__name__}: {_first_line(e)})") from None
     if tokenizer is None or not callable(getattr(tokenizer, "decode", None)) or isinstance(tokenizer, bool):
         raise CorruptFileError(f"{path}: no usable tokenizer (tokenizer.json missing?)")
-    weights = "native" if getattr(decoder, "native", None) else str(dtype).removeprefix("torch.")
+    weights = (requantize or "native") if getattr(decoder, "native", None) else str(dtype).removeprefix("torch.")
     return LoadedModel(name=source, path=path, config=config, decoder=decoder, tokenizer=tokenizer, source_sha256=digest,
                        weights=weights)
 

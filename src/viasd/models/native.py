@@ -10,7 +10,8 @@ Where each tensor lies in the file comes from gguf's reader the first time and f
 the cache after that (`tensor_index`).
 
 `quantize(state, ggml_type)` makes native weights from float ones (ggml's own quantizer), for models
-that come without a GGUF file, tests among them.
+that come without a GGUF file, tests among them; `requantize(tensors, name)` re-quantizes a file's
+weights to a smaller type at load (a drafter's: `load_model(requantize="q4_0")`).
 """
 
 from __future__ import annotations
@@ -280,3 +281,13 @@ def quantize(state: dict[str, torch.Tensor], config: ModelConfig | None, ggml_ty
         quantize_chunk(ggml_type, w.data_ptr(), data.data_ptr(), 0, rows, cols, None)
         out[name] = gk.NativeTensor(data, ggml_type, cols)
     return out
+
+
+def requantize(tensors: dict[str, gk.NativeTensor], name: str) -> dict[str, gk.NativeTensor]:
+    """The same weights in the ggml type `name` (one of `validation.REQUANT_FORMATS`): each dequantized
+    by ggml, then quantized by ggml's own quantizer (those already of that type kept as they are)."""
+    from gguf import GGMLQuantizationType
+
+    ggml_type = int(GGMLQuantizationType[name.upper()])
+    return {k: t if t.ggml_type == ggml_type else quantize({k: t.dequantize()}, None, ggml_type, [k])[k]
+            for k, t in tensors.items()}

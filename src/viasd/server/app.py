@@ -84,10 +84,12 @@ def create_app(model, drafter=None, settings: ServeSettings | None = None, worke
     return app
 
 
-def build_app(model_name: str, drafter_name: str | None, settings, weights: str = "native", device: str = "cpu", progress: bool = False):
-    """Load the model (and drafter) by name, then the app over them (`viasd serve`, each Ray Serve replica)."""
-    from viasd.models.loading import load_model
+def build_app(model_name: str, drafter_name: str | None, settings, weights: str = "native", device: str = "cpu",
+              progress: bool = False, drafter_weights: str | None = None):
+    """Load the model (and drafter: `loading.load_drafter`) by name, then the app over them (`viasd
+    serve`, each Ray Serve replica)."""
+    from viasd.models.loading import load_drafter, load_model
 
     model = load_model(model_name, weights=weights, device=device, progress=progress)
-    drafter = load_model(drafter_name, weights=weights, device=device, progress=progress) if drafter_name else None
+    drafter = load_drafter(drafter_name, weights, drafter_weights, device, progress) if drafter_name else None
     return create_app(model, drafter, settings)

@@ -25,22 +25,24 @@ def _require_ray():
     return ray, serve
 
 
-def build_replica_app(model_name: str, drafter_name: str | None, settings, weights: str = "native", device: str = "cpu"):
+def build_replica_app(model_name: str, drafter_name: str | None, settings, weights: str = "native", device: str = "cpu",
+                      drafter_weights: str | None = None):
     """Runs on each replica when it starts: load the model, build the app."""
     from viasd.server.app import build_app
 
-    return build_app(model_name, drafter_name, settings, weights=weights, device=device, progress=False)
+    return build_app(model_name, drafter_name, settings, weights=weights, device=device, progress=False,
+                     drafter_weights=drafter_weights)
 
 
 def deploy(model_name: str, drafter_name: str | None, settings, replicas: int, host: str = "127.0.0.1", port: int = 8000,
            weights: str = "native", device: str = "cpu", drain_timeout: float = 30.0, cpus_per_replica: float = 1.0,
-           blocking_timeout_s: float = 600.0) -> str:
+           blocking_timeout_s: float = 600.0, drafter_weights: str | None = None) -> str:
     """Deploy on the Ray cluster this process is connected to (ray.init done); returns the base URL
     once every replica has loaded its model."""
     _, serve = _require_ray()
     serve.start(http_options={"host": host, "port": port})
     def builder():  # a plain function: Ray Serve calls it on each replica (a partial would be taken for an ASGI app)
-        return build_replica_app(model_name, drafter_name, settings, weights, device)
+        return build_replica_app(model_name, drafter_name, settings, weights, device, drafter_weights)
 
     deployment = serve.deployment(
         serve.ingress(builder)(),
@@ -70,7 +72,7 @@ def serve_replicas(args, settings) -> int:
     previous = {sig: signal.signal(sig, lambda *_: stop.set()) for sig in (signal.SIGTERM, signal.SIGINT)}
     try:
         url = deploy(args.model, args.drafter, settings, args.replicas, args.host, args.port, args.weights, args.device,
-                     args.drain_timeout)
+                     args.drain_timeout, drafter_weights=args.drafter_weights)
         print(f"viasd serve: {args.replicas} Ray Serve replica(s) of {args.model} on {url}/v1 (SIGTERM drains)", file=sys.stderr)
         stop.wait()
         print("viasd serve: shutting down the replicas (in-flight requests finish first)", file=sys.stderr)

@@ -104,7 +104,8 @@ def serve_command(args: argparse.Namespace) -> int:
         return serve_replicas(args, settings)
     sock = listen_socket(args.host, args.port)  # before the model loads: a bind failure is one line, not minutes later
     try:
-        app = build_app(args.model, args.drafter, settings, weights=args.weights, device=args.device, progress=not args.quiet)
+        app = build_app(args.model, args.drafter, settings, weights=args.weights, device=args.device, progress=not args.quiet,
+                        drafter_weights=args.drafter_weights)
         run_uvicorn(app, args.host, args.port, args.drain_timeout, args.log_level, sock=sock)
     finally:
         sock.close()
