@@ -147,3 +147,17 @@ def test_recorded_pass_costs_are_measured_not_the_policys_learnt_times(tiny):
         assert tiny.decoder._pass_times == {(rows, False): learnt}  # the policy's table as it was
     finally:
         tiny.decoder.__dict__.pop("_pass_times", None)
+
+
+def test_a_drafter_given_as_model_and_format_runs_in_that_format(fake_gguf, tmp_path, capsys):
+    """`-d MODEL:FORMAT`: the same drafter in two weight formats within one run, each record saying
+    which; both leave sd's output ar's."""
+    tasks = tmp_path / "tasks.jsonl"
+    tasks.write_text(json.dumps({"prompt": "w1 w2 w3 w1 w2"}) + "\n")
+    out = tmp_path / "r.jsonl"
+    d = str(fake_gguf)
+    assert main(["bench", "-m", d, "-d", f"{d}:native", "-d", f"{d}:q4_0", "--methods", f"ar,sd@{d}:native,sd@{d}:q4_0",
+                 "--tasks", f"file:{tasks}", "-n", "8", "--out", str(out), "-q"]) == 0, capsys.readouterr().err
+    records = {r["method"].rpartition(":")[2]: r for r in load_records_tolerant(out)}
+    assert {m: r["weights"]["drafter"] for m, r in records.items()} == {"ar": None, "native": "native", "q4_0": "q4_0"}
+    assert records["native"]["token_ids"] == records["q4_0"]["token_ids"] == records["ar"]["token_ids"]

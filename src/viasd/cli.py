@@ -308,11 +308,19 @@ def _bench(args: argparse.Namespace) -> int:
     with results_lock(out):  # before the models load: a second run on the same file is refused at once
         progress = not args.quiet
         model = load_model(args.model, progress=progress)
-        drafters = {name: load_drafter(name, drafter_weights=args.drafter_weights, progress=progress)
+        drafters = {name: load_drafter(*_drafter_format(name, args.drafter_weights), progress=progress)
                     for name in dict.fromkeys(args.drafter or [])}
         n = run_bench(model, drafters, methods, prompts, out, base, progress)
     print(f"{out}: {n} new record(s); {len(prompts) * len(methods)} in the run")
     return 0
+
+
+def _drafter_format(name: str, default: str | None) -> tuple[str, None, str | None]:
+    """A bench --drafter value MODEL or MODEL:FORMAT: (the model, no verifier format, its weights)."""
+    model, _, fmt = name.rpartition(":")
+    if model and fmt in WEIGHT_FORMATS + REQUANT_FORMATS:
+        return model, None, fmt
+    return name, None, default
 
 
 def _add_bench(p: argparse.ArgumentParser) -> None:
@@ -323,7 +331,8 @@ def _add_bench(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", "-m", default=DEFAULT_MODEL, help="(default: %(default)s)")
     p.add_argument("--drafter", "-d", action="append", metavar="MODEL",
                    help="drafter model for sd (and cascade / viasd-*, which otherwise draft with a route or pld); "
-                        "repeat it for several: a method METHOD@MODEL drafts with that one, the others with the first")
+                        "repeat it for several: a method METHOD@MODEL drafts with that one, the others with the first; "
+                        "MODEL:FORMAT loads it in that --drafter-weights format (sd@MODEL:native,sd@MODEL:q4_0 compares them)")
     p.add_argument("--methods", default="ar,pld,self-sd,cascade,viasd-lossless,viasd-tiered",
                    help=f"comma-separated, from {', '.join(METHODS)}; cascade and viasd-* take :pld / :self / :model; sd, pld, "
                         "self-sd and cascade take +adapt / +fixed (draft lengths from measured costs or always --k; see --adapt-k); "
