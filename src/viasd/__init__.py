@@ -4,7 +4,7 @@ from viasd.api import GenerateConfig, generate
 from viasd.decoding.registry import STRATEGIES
 from viasd.decoding.stats import DecodeResult, DecodeStats
 from viasd.errors import UsageError, ViasdError
-from viasd.models import DEFAULT_MODEL, ZOO, LoadedModel, load_model
+from viasd.models import DEFAULT_MODEL, ZOO, LoadedModel, load_drafter, load_model
 from viasd.version import __version__
 __all__ = [
     "DEFAULT_MODEL",
@@ -17,5 +17,6 @@ __all__ = [
     "UsageError",
     "ViasdError",
     "generate",
+    "load_drafter",
     "load_model",
 ]
