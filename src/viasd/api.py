@@ -14,7 +14,7 @@ import torch
 
 from viasd.decoding.acceptance import DeferralRule, SamplingParams
 from viasd.decoding.crossvocab import Conversion, CrossVocabDrafter
-from viasd.decoding.drafters import Drafter, GrammarDrafter, ModelDrafter, NgramDrafter, SelfDrafter
+from viasd.decoding.drafters import Drafter, GrammarDrafter, LookupDrafter, ModelDrafter, NgramDrafter, SelfDrafter
 from viasd.decoding.grammar import Constraint, check_format, grammar_of
 from viasd.decoding.multitier import resume_layer
 from viasd.decoding.processors import LogitProcessors
@@ -103,13 +103,20 @@ class TextStream:
 
 def _make_drafter(kind: DraftKind, verifier: LoadedModel, drafter: str | LoadedModel | None, config: GenerateConfig,
                   params: SamplingParams, generator: torch.Generator, progress: bool) -> Drafter:
-    opts, reduced_head, probs = config.drafting, config.viasd.reduced_head, draft_probs_read(config)
+    opts, reduced_head, probs, spec = config.drafting, config.viasd.reduced_head, draft_probs_read(config), config.spec
     if kind is DraftKind.MODEL:
         draft_model = _as_model(drafter, progress, drafter=True)
         if same_vocabulary(verifier, draft_model):
-            return ModelDrafter(draft_model.decoder, params, generator, opts.draft_threshold,
-                                drafter_head(verifier, draft_model) if reduced_head else None, probs)
-        return _cross_drafter(verifier, draft_model, config, params, generator)
+            chosen = ModelDrafter(draft_model.decoder, params, generator, opts.draft_threshold,
+                                  drafter_head(verifier, draft_model) if reduced_head else None, probs)
+        else:
+            chosen = _cross_drafter(verifier, draft_model, config, params, generator)
+        # sd (a model's drafts, checked one by one, q unread; the other model-drafting loops read q or
+        # verify through a slim pass), not under a grammar (its drafter proposes only what the grammar allows)
+        sd = spec.drafter is DraftKind.MODEL and not spec.needs_draft_probs
+        if opts.lookup and sd and check_format(config.response_format)[0] == "text":
+            return LookupDrafter(chosen, opts.max_ngram)
+        return chosen
     if kind is DraftKind.PLD:
         return NgramDrafter(opts.max_ngram, opts.min_ngram)
     route = resolve_route(verifier, "draft", opts.draft_layers, opts.draft_route)
@@ -360,6 +367,8 @@ def _checked_request(prompt, config: GenerateConfig | None, settings: dict, on_t
 
 def _drafter_record(chosen: Drafter | None) -> dict:
     """What the result record says of a drafter model: how its drafts reach the verifier, its head."""
+    if isinstance(chosen, LookupDrafter):
+        chosen = chosen.inner
     if not isinstance(chosen, ModelDrafter):
         return {}
     conversion = chosen.conversion.value if isinstance(chosen, CrossVocabDrafter) else "same-vocabulary"

@@ -92,8 +92,12 @@ class DraftOptions:
                                                    reads=SELF_DRAFTING, lo=0, hi=MAX_LAYER, metavar="L")
     draft_route: str | None = setting(None, "self drafting: a route file instead of --draft-layers (see `viasd routes show`)",
                                       reads=SELF_DRAFTING, metavar="ROUTE.json", server=None)
-    max_ngram: int = setting(3, "prompt lookup: the longest n-gram matched", reads=PLD_DRAFTING, lo=1, hi=64)
+    max_ngram: int = setting(3, "prompt lookup: the longest n-gram matched (sd's --lookup: the one matched)",
+                             reads=PLD_DRAFTING + ("sd",), lo=1, hi=64)
     min_ngram: int = setting(1, "prompt lookup: the shortest n-gram matched", reads=PLD_DRAFTING, lo=1, hi=64)
+    lookup: bool = setting(True, "sd: where the text's last --max-ngram tokens occurred before, verify the tokens that "
+                           "followed them (prompt lookup) instead of drafting with the model: free drafts, the same output",
+                           reads=("sd",))
     adapt_k: bool | None = setting(
         None, "--k is the most; each round verifies the number of drafts that commits the most tokens per measured "
         "second, down to none (default: on for sd, pld, self-sd and viasd under greedy decoding, where a lossless "

@@ -1,11 +1,13 @@
-"""N-gram prompt-lookup drafting as tables of token arrays (no model)."""
+"""N-gram prompt-lookup drafting as tables of token arrays (no model), and in front of a drafter model."""
 
 from __future__ import annotations
 
 import numpy as np
 import pytest
 
-from viasd.decoding.drafters import NgramDrafter, ngram_lookup
+from viasd.api import generate
+from viasd.decoding.draft_length import propose
+from viasd.decoding.drafters import Draft, LookupDrafter, NgramDrafter, ngram_lookup
 
 
 @pytest.mark.parametrize(
@@ -57,3 +59,42 @@ def test_ngram_drafter_proposes_without_probabilities():
 def test_ngram_drafter_rejects_bad_sizes():
     with pytest.raises(ValueError, match="min_ngram <= max_ngram"):
         NgramDrafter(max_ngram=1, min_ngram=2)
+
+
+class _Counting:
+    """A drafter model stand-in: proposes `tokens`, counting its calls."""
+
+    def __init__(self, tokens):
+        self.tokens, self.calls = tokens, 0
+
+    def begin(self, max_len, verifier):
+        pass
+
+    def propose(self, context, k):
+        self.calls += 1
+        return Draft(self.tokens[:k], None)
+
+
+def test_a_drafter_model_behind_prompt_lookup_is_asked_only_where_lookup_finds_nothing():
+    inner = _Counting([5, 5, 5])
+    drafter = LookupDrafter(inner, 3)
+    found, peek = propose(drafter, [1, 2, 3, 9, 8, 1, 2, 3], 4, None)  # [1, 2, 3] occurred: 9, 8, 1, 2 followed
+    assert (found.tokens, found.probs, found.looked_up, peek, inner.calls) == ([9, 8, 1, 2], None, True, None, 0)
+    assert propose(drafter, [1, 2, 3, 9, 8, 1, 2, 3], 2, None)[0].tokens == [9, 8]  # at most k
+    drafted, _ = propose(drafter, [1, 2, 3, 9, 2, 3], 4, None)  # only [2, 3] occurred: the model drafts
+    assert (drafted.tokens, drafted.looked_up, inner.calls) == ([5, 5, 5], False, 1)
+    assert drafted.cut(2).looked_up is False and found.cut(2).looked_up is True
+
+
+@pytest.mark.model
+def test_sd_behind_prompt_lookup_verifies_what_the_text_repeats_and_still_equals_ar(smollm2):
+    """smollm2 asked to copy a list: lookup proposes the list's words as the answer repeats them (drafts
+    made without the drafter model, counted apart), the full model keeps them, and the output is ar's
+    with lookup and without."""
+    prompt = "Copy this list exactly, twice: apple, banana, cherry, date, elderberry, fig, grape."
+    ar = generate(prompt, smollm2, strategy="ar", max_new_tokens=48).token_ids
+    runs = {on: generate(prompt, smollm2, drafter=smollm2, strategy="sd", max_new_tokens=48, k=4, lookup=on)
+            for on in (True, False)}
+    assert all(r.token_ids == ar for r in runs.values())
+    found, without = (runs[on].stats.to_dict() for on in (True, False))
+    assert found["lookup_drafted"] >= found["lookup_accepted"] > 0 and without["lookup_drafted"] == 0

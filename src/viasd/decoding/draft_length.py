@@ -214,9 +214,13 @@ def propose(drafter: Drafter, tokens: list[int], k: int, policy: DraftLength | N
     drafter proposes k and is cut; the first token cut off comes back too (`peek`), so that the policy
     scores the drafter on it even in rounds that verify no draft (else an acceptance estimate that
     chose no draft could never learn otherwise). A grammar's forced tokens (`drafters.GrammarDrafter`)
-    come first in every draft, beyond k and whatever the policy chooses: they cost no drafting."""
+    come first in every draft, beyond k and whatever the policy chooses: they cost no drafting. A
+    drafter model behind prompt lookup (`drafters.LookupDrafter`) proposes the k tokens lookup finds,
+    where it finds any, without the model or the policy (`Draft.looked_up`)."""
     if k <= 0:
         return NO_DRAFT, None
+    if (lookup := getattr(drafter, "lookup", None)) is not None and (found := lookup(tokens, k)).tokens:
+        return found, None
     if policy is None:
         return drafter.propose(tokens, k), None
     if policy.free_drafts:

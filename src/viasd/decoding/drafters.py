@@ -33,6 +33,7 @@ class Draft:
     # the token was drawn from; when greedy, softmax(logits): the drafter's confidence.
     probs: torch.Tensor | None
     forced: int = 0  # the first `forced` tokens are the grammar's (`GrammarDrafter`), q one-hot
+    looked_up: bool = False  # found by prompt lookup in front of a drafter model (`LookupDrafter`), not the model's
 
     def __len__(self) -> int:
         return len(self.tokens)
@@ -41,7 +42,7 @@ class Draft:
         """The first n proposals."""
         if n >= len(self.tokens):
             return self
-        return Draft(self.tokens[:n], None if self.probs is None else self.probs[:n], min(self.forced, n))
+        return Draft(self.tokens[:n], None if self.probs is None else self.probs[:n], min(self.forced, n), self.looked_up)
 
 
 NO_DRAFT = Draft([], None)
@@ -276,6 +277,33 @@ class NgramDrafter:
             if begin is not None:
                 return Draft(seq[begin : begin + k], None)
         return Draft([], None)
+
+
+class LookupDrafter:
+    """A drafter model behind prompt lookup (`sd`'s `lookup`): where the context's last n tokens
+    occurred before, the tokens that followed them are proposed (`lookup`: free, no pass); elsewhere
+    the model drafts (`propose`). A passage the output copies (a summary quoting its source, code
+    repeating a name) then costs no drafting passes; the model catches up on what it did not draft in
+    its next pass. Every other attribute is the model drafter's (the draft-length policy prices its
+    passes, and learns only its drafts' acceptance: `Draft.looked_up`)."""
+
+    def __init__(self, inner: Drafter, n: int):
+        self.inner, self.ngram = inner, NgramDrafter(n, n)
+
+    def __getattr__(self, name: str):
+        return getattr(self.inner, name)
+
+    def begin(self, max_len: int, verifier: Verifier) -> None:
+        self.inner.begin(max_len, verifier)
+        self.ngram.begin(max_len, verifier)
+
+    def lookup(self, context: list[int], k: int) -> Draft:
+        """Up to k tokens that followed the latest earlier occurrence of the context's last n tokens."""
+        found = self.ngram.propose(context, k).tokens
+        return Draft(found, None, looked_up=True) if found else NO_DRAFT
+
+    def propose(self, context: list[int], k: int) -> Draft:
+        return self.inner.propose(context, k)
 
 
 def ngram_lookup(context: np.ndarray, k: int, max_ngram: int, min_ngram: int) -> list[int]:

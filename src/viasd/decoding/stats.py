@@ -111,6 +111,8 @@ class DecodeStats:
     # kept, rows masked, and the host seconds the masks took
     grammar_drafted: int = 0
     grammar_accepted: int = 0
+    lookup_drafted: int = 0  # drafts prompt lookup found in front of a drafter model (`LookupDrafter`)
+    lookup_accepted: int = 0
     grammar_masks: int = 0
     grammar_s: float = 0.0
     # decode-only seconds (after the first token) inside model passes (`pass_seconds`: the request's
@@ -180,6 +182,11 @@ class DecodeStats:
         self.grammar_drafted += n_forced
         self.grammar_accepted += n_kept
 
+    def observe_lookup(self, n_found: int, n_kept: int) -> None:
+        """n_found drafts found by prompt lookup (no drafting pass) were judged and n_kept of them kept."""
+        self.lookup_drafted += n_found
+        self.lookup_accepted += n_kept
+
     @contextmanager
     def grammar_clock(self, rows: int) -> Iterator[None]:
         """Time `rows` grammar masks (host time)."""
@@ -221,6 +228,8 @@ class DecodeStats:
             rescues=self.rescues + other.rescues, rescues_kept=self.rescues_kept + other.rescues_kept,
             grammar_drafted=self.grammar_drafted + other.grammar_drafted,
             grammar_accepted=self.grammar_accepted + other.grammar_accepted,
+            lookup_drafted=self.lookup_drafted + other.lookup_drafted,
+            lookup_accepted=self.lookup_accepted + other.lookup_accepted,
             grammar_masks=self.grammar_masks + other.grammar_masks, grammar_s=self.grammar_s + other.grammar_s,
             decode_pass_s=self.decode_pass_s + other.decode_pass_s,
             drafting_host_s=self.drafting_host_s + other.drafting_host_s,
@@ -293,6 +302,9 @@ class DecodeStats:
             "grammar_drafted": self.grammar_drafted,
             "grammar_accepted": self.grammar_accepted,
             "grammar_mask_us": round(1e6 * self.grammar_s / self.grammar_masks, 1) if self.grammar_masks else None,
+            # sd behind prompt lookup: drafts lookup found (free: no drafting pass), and those kept
+            "lookup_drafted": self.lookup_drafted,
+            "lookup_accepted": self.lookup_accepted,
             "acceptance_per_position": [round(a / d, 4) if d else 0.0 for a, d in zip(self.accepted_at, self.drafted_at)],
         }
 
