@@ -216,10 +216,12 @@ def propose(drafter: Drafter, tokens: list[int], k: int, policy: DraftLength | N
     chose no draft could never learn otherwise). A grammar's forced tokens (`drafters.GrammarDrafter`)
     come first in every draft, beyond k and whatever the policy chooses: they cost no drafting. A
     drafter model behind prompt lookup (`drafters.LookupDrafter`) proposes the k tokens lookup finds,
-    where it finds any, without the model or the policy (`Draft.looked_up`)."""
+    where it finds any, without the model or the policy (`Draft.looked_up`); beside other requests
+    only the policy's choice is drafted (extra rows in a shared pass make the others wait too)."""
     if k <= 0:
         return NO_DRAFT, None
-    if (lookup := getattr(drafter, "lookup", None)) is not None and (found := lookup(tokens, k)).tokens:
+    lookup = getattr(drafter, "lookup", None)
+    if lookup is not None and (policy is None or not policy.passes.others()) and (found := lookup(tokens, k)).tokens:
         return found, None
     if policy is None:
         return drafter.propose(tokens, k), None
