@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 
 from viasd.api import generate
-from viasd.decoding.draft_length import propose
+from viasd.decoding.draft_length import DraftLength, propose
 from viasd.decoding.drafters import Draft, LookupDrafter, NgramDrafter, ngram_lookup
 
 
@@ -84,6 +84,28 @@ def test_a_drafter_model_behind_prompt_lookup_is_asked_only_where_lookup_finds_n
     drafted, _ = propose(drafter, [1, 2, 3, 9, 2, 3], 4, None)  # only [2, 3] occurred: the model drafts
     assert (drafted.tokens, drafted.looked_up, inner.calls) == ([5, 5, 5], False, 1)
     assert drafted.cut(2).looked_up is False and found.cut(2).looked_up is True
+
+
+class _Beside:
+    """A request's passes beside `n` others (`Passes.others`)."""
+
+    def __init__(self, n):
+        self.n = n
+
+    def others(self):
+        return self.n
+
+    def alone(self):
+        return self.n == 0
+
+
+def test_beside_other_requests_prompt_lookup_leaves_the_round_to_the_policy():
+    tokens = [1, 2, 3, 9, 8, 1, 2, 3]
+    for others, looked_up in ((0, True), (2, False)):
+        policy = DraftLength(4, [1.0, 1.1, 1.2, 1.3, 1.4], free_drafts=False, draft_s=0.2, passes=_Beside(others))
+        inner = _Counting([5, 5, 5])
+        draft, _ = propose(LookupDrafter(inner, 3), tokens, 4, policy)
+        assert draft.looked_up is looked_up and inner.calls == (0 if looked_up else int(len(draft) > 0))
 
 
 @pytest.mark.model
