@@ -308,19 +308,21 @@ def _bench(args: argparse.Namespace) -> int:
     with results_lock(out):  # before the models load: a second run on the same file is refused at once
         progress = not args.quiet
         model = load_model(args.model, progress=progress)
-        drafters = {name: load_drafter(*_drafter_format(name, args.drafter_weights), progress=progress)
-                    for name in dict.fromkeys(args.drafter or [])}
+        drafters = {}
+        for name in dict.fromkeys(args.drafter or []):
+            source, fmt = _drafter_format(name, args.drafter_weights)
+            drafters[name] = load_drafter(source, drafter_weights=fmt, progress=progress)
         n = run_bench(model, drafters, methods, prompts, out, base, progress)
     print(f"{out}: {n} new record(s); {len(prompts) * len(methods)} in the run")
     return 0
 
 
-def _drafter_format(name: str, default: str | None) -> tuple[str, None, str | None]:
-    """A bench --drafter value MODEL or MODEL:FORMAT: (the model, no verifier format, its weights)."""
+def _drafter_format(name: str, default: str | None) -> tuple[str, str | None]:
+    """A bench --drafter value MODEL or MODEL:FORMAT: (the model, its weights' format)."""
     model, _, fmt = name.rpartition(":")
     if model and fmt in WEIGHT_FORMATS + REQUANT_FORMATS:
-        return model, None, fmt
-    return name, None, default
+        return model, fmt
+    return name, default
 
 
 def _add_bench(p: argparse.ArgumentParser) -> None:
