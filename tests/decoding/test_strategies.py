@@ -14,7 +14,7 @@ from viasd import generate
 from viasd.decoding.acceptance import SamplingParams
 from viasd.decoding.draft_length import DraftLength, expected_tokens
 from viasd.execution.timing import pass_times
-from viasd.decoding.drafters import Draft, ModelDrafter, NgramDrafter, SelfDrafter
+from viasd.decoding.drafters import Draft, LookupDrafter, ModelDrafter, NgramDrafter, SelfDrafter
 from viasd.decoding.strategies import speculative_decode
 from viasd.decoding.verifier import DecodeRequest, Verifier
 from viasd.models.kvcache import LayerMask
@@ -381,30 +381,35 @@ def test_adaptive_draft_lengths_keep_every_drafter_lossless(tiny, tiny_drafter, 
     assert len(costs) == 3 and costs == sorted(costs) and costs[0] > 0
 
 
-@pytest.mark.parametrize("kind", ["model", "model-head", "pld"])
+@pytest.mark.parametrize("kind", ["model", "model-head", "pld", "model-lookup"])
 def test_sampled_tokens_follow_the_verifier_distribution(small_vocab_pair, kind):
     """N = 1500 sampled decodes of 4 tokens: the first from the prefill, the next three from one
     verification of k = 2 drafts (accepts, recoveries and bonuses); each position's empirical
     distribution is within TV 0.05 of the exact marginal (sampling noise alone: ~0.02 with 8 tokens).
     model-head: the drafter scores 4 of the 8 tokens only (a reduced head), so its proposal
-    distribution is 0 on the others, which the verifier must still produce in their share."""
+    distribution is 0 on the others, which the verifier must still produce in their share.
+    model-lookup: the model behind 2-token prompt lookup; the prompt holds (5, v) for every first
+    token v but 5, so the round verifies looked-up tokens after those and the model's after 5."""
     verifier, drafter_model = small_vocab_pair
     params = SamplingParams(temperature=1.0, top_p=0.95)
-    prompt = [1, 2, 3, 1, 2] if kind == "pld" else [4, 0]
+    prompt = {"pld": [1, 2, 3, 1, 2], "model-lookup": [5, 0, 5, 1, 5, 2, 5, 3, 5, 4, 5, 6, 5, 7, 5]}.get(kind, [4, 0])
     marginals = exact_marginals(verifier, prompt, params, n=4)
     g = torch.Generator().manual_seed(7)
     counts = torch.zeros(4, marginals[0].shape[0])
     n = 1500
-    drafted = accepted = 0
+    drafted = accepted = looked_up = 0
     for _ in range(n):
         head = drafter_model.decoder.reduced_head([0, 2, 3, 5]) if kind == "model-head" else None
         drafter = ModelDrafter(drafter_model.decoder, params, g, None, head) if kind.startswith("model") else NgramDrafter()
+        if kind == "model-lookup":
+            drafter = LookupDrafter(drafter, 2)
         req = DecodeRequest(prompt, 4, params, NO_EOS, generator=g)
         out, stats = speculative_decode(verifier.decoder, drafter, req, k=2), req.stats
         for i, t in enumerate(out):
             counts[i, t] += 1
-        drafted, accepted = drafted + stats.drafted, accepted + stats.accepted
+        drafted, accepted, looked_up = drafted + stats.drafted, accepted + stats.accepted, looked_up + stats.lookup_drafted
     assert 0 < accepted < drafted  # both the accept and the residual paths were exercised
+    assert (0 < looked_up < drafted) if kind == "model-lookup" else looked_up == 0
     for i, p in enumerate(marginals):
         assert 0.5 * (counts[i] / n - p).abs().sum() < 0.05, i
 
