@@ -111,10 +111,10 @@ class DecodeStats:
     # kept, rows masked, and the host seconds the masks took
     grammar_drafted: int = 0
     grammar_accepted: int = 0
-    lookup_drafted: int = 0  # drafts prompt lookup found in front of a drafter model (`LookupDrafter`)
-    lookup_accepted: int = 0
     grammar_masks: int = 0
     grammar_s: float = 0.0
+    lookup_drafted: int = 0  # drafts prompt lookup found in front of a drafter model (`LookupDrafter`)
+    lookup_accepted: int = 0
     # decode-only seconds (after the first token) inside model passes (`pass_seconds`: the request's
     # `Passes.seconds`); the rest of the decode-only time is host time: sampling, acceptance, drafts'
     # conversion, streaming
@@ -228,9 +228,9 @@ class DecodeStats:
             rescues=self.rescues + other.rescues, rescues_kept=self.rescues_kept + other.rescues_kept,
             grammar_drafted=self.grammar_drafted + other.grammar_drafted,
             grammar_accepted=self.grammar_accepted + other.grammar_accepted,
+            grammar_masks=self.grammar_masks + other.grammar_masks, grammar_s=self.grammar_s + other.grammar_s,
             lookup_drafted=self.lookup_drafted + other.lookup_drafted,
             lookup_accepted=self.lookup_accepted + other.lookup_accepted,
-            grammar_masks=self.grammar_masks + other.grammar_masks, grammar_s=self.grammar_s + other.grammar_s,
             decode_pass_s=self.decode_pass_s + other.decode_pass_s,
             drafting_host_s=self.drafting_host_s + other.drafting_host_s,
             drafting_drafted=self.drafting_drafted + other.drafting_drafted,

@@ -59,9 +59,9 @@ def speculative_decode(
         stats.observe_round(len(draft), n)
         stats.observe_full_check(len(draft), n)
         stats.observe_grammar(draft.forced, min(n, draft.forced))
-        if draft.looked_up:
+        if draft.looked_up:  # prompt lookup's, not the drafter's: the policy learns nothing of them
             stats.observe_lookup(len(draft), n)
-        if policy is not None and not draft.looked_up:  # the drafter's own drafts (a grammar's forced ones are not its)
+        elif policy is not None:  # the drafter's own drafts (a grammar's forced ones are not its)
             policy.observe(len(draft) - draft.forced, max(0, n - draft.forced))
             if peek is not None and n == len(draft):  # the token after the verified drafts: was it proposed?
                 policy.observe(1, int(x == peek))

@@ -268,19 +268,9 @@ def quantize(state: dict[str, torch.Tensor], config: ModelConfig | None, ggml_ty
              names: list[str] | None = None) -> dict[str, gk.NativeTensor]:
     """Native weights of `ggml_type` (Q8_0, Q4_0, ...) quantized from the float ones in `state`: those
     a native model holds (`native_names(config)`), or the given `names`."""
-    g = gk.lib()
-    quantize_chunk = g.fn("ggml_quantize_chunk", ctypes.c_size_t, ctypes.c_int, ctypes.c_void_p, ctypes.c_void_p,
-                          ctypes.c_int64, ctypes.c_int64, ctypes.c_int64, ctypes.c_void_p)
-    out = {}
-    for name in names if names is not None else native_names(config):
-        if name not in state and name == "lm_head.weight":
-            continue
-        w = state[name].to(torch.float32).contiguous()
-        rows, cols = w.shape
-        data = torch.empty(rows, gk.row_bytes(ggml_type, cols), dtype=torch.uint8)
-        quantize_chunk(ggml_type, w.data_ptr(), data.data_ptr(), 0, rows, cols, None)
-        out[name] = gk.NativeTensor(data, ggml_type, cols)
-    return out
+    chunk = _quantize_chunk()
+    return {name: _quantized(state[name], ggml_type, chunk) for name in (names if names is not None else native_names(config))
+            if name in state or name != "lm_head.weight"}
 
 
 def requantize(tensors: dict[str, gk.NativeTensor], name: str) -> dict[str, gk.NativeTensor]:
@@ -288,6 +278,19 @@ def requantize(tensors: dict[str, gk.NativeTensor], name: str) -> dict[str, gk.N
     by ggml, then quantized by ggml's own quantizer (those already of that type kept as they are)."""
     from gguf import GGMLQuantizationType
 
-    ggml_type = int(GGMLQuantizationType[name.upper()])
-    return {k: t if t.ggml_type == ggml_type else quantize({k: t.dequantize()}, None, ggml_type, [k])[k]
-            for k, t in tensors.items()}
+    ggml_type, chunk = int(GGMLQuantizationType[name.upper()]), _quantize_chunk()
+    return {k: t if t.ggml_type == ggml_type else _quantized(t.dequantize(), ggml_type, chunk) for k, t in tensors.items()}
+
+
+def _quantize_chunk():
+    return gk.lib().fn("ggml_quantize_chunk", ctypes.c_size_t, ctypes.c_int, ctypes.c_void_p, ctypes.c_void_p,
+                       ctypes.c_int64, ctypes.c_int64, ctypes.c_int64, ctypes.c_void_p)
+
+
+def _quantized(w: torch.Tensor, ggml_type: int, quantize_chunk) -> gk.NativeTensor:
+    """[rows, cols] float weights -> their `ggml_type` blocks (ggml's `ggml_quantize_chunk`)."""
+    w = w.to(torch.float32).contiguous()
+    rows, cols = w.shape
+    data = torch.empty(rows, gk.row_bytes(ggml_type, cols), dtype=torch.uint8)
+    quantize_chunk(ggml_type, w.data_ptr(), data.data_ptr(), 0, rows, cols, None)
+    return gk.NativeTensor(data, ggml_type, cols)
