@@ -143,9 +143,10 @@ static void tiles_ref(const rx_weight *w, int64_t t0, int64_t t1, int64_t T, con
 // ---------------------------------------------------------------- AVX-512 VNNI kernel
 #define RX_CHUNK 8  // activation rows per pass over a tile's weights
 #define RX_AHEAD 8  // software prefetch distance, in blocks
-#define RX_AHEAD_L2 32  // and into L2 this far on: the hardware streamers alone left it short (qwen2.5-coder-0.5b's
+#define RX_AHEAD_L2 16  // and into L2 this far on: the hardware streamers alone left it short (qwen2.5-coder-0.5b's
 // one-row pass 0.91-0.93x the time with 16-48 blocks on the AMX Xeon, the AVX2 kernel 0.95x; one level
-// alone, at 4-32 blocks, was no faster than 8 into L1)
+// alone, at 4-32 blocks, was no faster than 8 into L1). 16 against 32: a pass' products 0.95-0.96x the
+// time there (0.5B, 1.5B; the AVX2 kernel forced there 0.95x); 12 or 24 blocks, or 4 or 6 KB, no better
 // software prefetch of the weights for passes of up to this many rows (all by default: with 8 rows a
 // block's weights are still read from memory while the previous ones are multiplied; benchmarks lower
 // it to compare, see rx_set_prefetch_rows)
@@ -162,18 +163,17 @@ __attribute__((always_inline)) static inline void prefetch_ahead(const uint8_t *
 // A super-block's scale (which = 0) or min (1) of mode 2, as floats (zero in other modes): read and
 // converted once every sup_blocks blocks (sup_shift = log2(sup_blocks), from the caller: two integer
 // divisions a call cost a 4864x1024 Q4_K product a third more time on one thread, hot in cache)
-__attribute__((target("avx512f,avx512bw,avx512vnni")))
-static inline __m512 sup_vector(const rx_weight *w, int which, int64_t nsup, int sup_shift, int64_t tile, int64_t b) {
-    if ((which ? w->min_mode : w->scale_mode) != 2) return _mm512_setzero_ps();
+__attribute__((target("avx512f,avx512bw,avx512vnni"), always_inline))
+static inline __m512 sup_vector(const rx_weight *w, int which, int mode, int64_t nsup, int sup_shift, int64_t tile, int64_t b) {
+    if (mode != 2) return _mm512_setzero_ps();
     const uint16_t *sup = (which ? w->min_sup : w->scale_sup) + (tile * nsup + (b >> sup_shift)) * 16;
     return _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)sup));
 }
 
 // a block's scale or min: mode 1 its half, mode 2 its int8 times the super-block's `sup`
-__attribute__((target("avx512f,avx512bw,avx512vnni")))
-static inline __m512 block_vector(const rx_weight *w, int which, int64_t nblk, int64_t tile, int64_t b, __m512 sup) {
+__attribute__((target("avx512f,avx512bw,avx512vnni"), always_inline))
+static inline __m512 block_vector(const rx_weight *w, int which, int mode, int64_t nblk, int64_t tile, int64_t b, __m512 sup) {
     const int64_t i = (tile * nblk + b) * 16;
-    const int mode = which ? w->min_mode : w->scale_mode;
     const void *p = which ? w->min : w->scale;
     if (mode == 1) return _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)((const uint16_t *)p + i)));
     const __m512 sub = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)((const int8_t *)p + i))));
@@ -186,10 +186,13 @@ static inline __m512 block_vector(const rx_weight *w, int which, int64_t nblk, i
 // 24-29 / 30-33 / 35-38, alternated runs of benchmarks/native_probe.py's kind; results unchanged.)
 __attribute__((target("avx512f,avx512bw,avx512vnni"), always_inline))
 static inline void tile_vnni_nt(const rx_weight *w, int64_t tile, const int NT, const int BLK, const int BITS,
-                                const int8_t *xq, const float *dx, const float *sx, const int32_t *qsum, float *y,
-                                int64_t ystride) {
-    const int64_t nblk = w->cols / BLK, nsup = nblk / w->sup_blocks;
-    const int sup_shift = __builtin_ctz((unsigned)w->sup_blocks);
+                                const int SM, const int MM, const int SUP, const int8_t *xq, const float *dx,
+                                const float *sx, const int32_t *qsum, float *y, int64_t ystride) {
+    // SM, MM, SUP: the scale mode, min mode and sup_blocks as constants (0: read from w)
+    const int scale_mode = SM ? SM : w->scale_mode, min_mode = MM ? MM : w->min_mode;
+    const int sup_blocks = SUP ? SUP : w->sup_blocks;
+    const int64_t nblk = w->cols / BLK, nsup = nblk / sup_blocks;
+    const int sup_shift = __builtin_ctz((unsigned)sup_blocks);
     const int G = BLK / 4;  // groups of 4 inputs a block
     const int64_t qbytes = block_bytes(BLK, BITS);
     const int H = BITS - 4;  // (5-, 6-bit: high bits a value in the plane after the nibbles)
@@ -216,11 +219,11 @@ static inline void tile_vnni_nt(const rx_weight *w, int64_t tile, const int NT, 
                 }
             }
         }
-        if (!(b & (w->sup_blocks - 1)))  // a super-block begins
-            sup_sc = sup_vector(w, 0, nsup, sup_shift, tile, b), sup_mn = sup_vector(w, 1, nsup, sup_shift, tile, b);
-        const __m512 sc = block_vector(w, 0, nblk, tile, b, sup_sc);
-        const int mult = w->min_mode == 3;
-        const __m512 mn = mult ? _mm512_setzero_ps() : block_vector(w, 1, nblk, tile, b, sup_mn);  // (mult: unused)
+        if (!(b & (sup_blocks - 1)))  // a super-block begins
+            sup_sc = sup_vector(w, 0, scale_mode, nsup, sup_shift, tile, b), sup_mn = sup_vector(w, 1, min_mode, nsup, sup_shift, tile, b);
+        const __m512 sc = block_vector(w, 0, scale_mode, nblk, tile, b, sup_sc);
+        const int mult = min_mode == 3;
+        const __m512 mn = mult ? _mm512_setzero_ps() : block_vector(w, 1, min_mode, nblk, tile, b, sup_mn);  // (mult: unused)
         for (int t = 0; t < NT; t++) {
             const int32_t *xa = (const int32_t *)(xq + t * w->cols + b * BLK);
             __m512i s0 = _mm512_setzero_si512(), s1 = _mm512_setzero_si512();
@@ -241,11 +244,20 @@ static inline void tile_vnni_nt(const rx_weight *w, int64_t tile, const int NT, 
 __attribute__((target("avx512f,avx512bw,avx512vnni"), always_inline))
 static inline void rx_case(const rx_weight *w, int64_t tile, const int NT, const int8_t *xq, const float *dx,
                            const float *sx, const int32_t *qsum, float *y, int64_t ystride) {
-    if (w->bits == 4) tile_vnni_nt(w, tile, NT, 32, 4, xq, dx, sx, qsum, y, ystride);
-    else if (w->bits == 5) tile_vnni_nt(w, tile, NT, 32, 5, xq, dx, sx, qsum, y, ystride);
-    else if (w->bits == 6) tile_vnni_nt(w, tile, NT, 16, 6, xq, dx, sx, qsum, y, ystride);
-    else if (w->blk == 32) tile_vnni_nt(w, tile, NT, 32, 8, xq, dx, sx, qsum, y, ystride);
-    else tile_vnni_nt(w, tile, NT, 16, 8, xq, dx, sx, qsum, y, ystride);
+    const int sm = w->scale_mode, mm = w->min_mode, sup = w->sup_blocks;
+#define RX_T(BLK, BITS, SM, MM, SUP) tile_vnni_nt(w, tile, NT, BLK, BITS, SM, MM, SUP, xq, dx, sx, qsum, y, ystride)
+    // the zoo's types with their scale modes as constants (Q4_K, Q4_0, Q5_0, Q6_K, Q8_0), else read from w
+    if (w->bits == 4 && sm == 2 && mm == 2 && sup == 8) RX_T(32, 4, 2, 2, 8);
+    else if (w->bits == 4 && sm == 1 && mm == 3) RX_T(32, 4, 1, 3, 1);
+    else if (w->bits == 4) RX_T(32, 4, 0, 0, 0);
+    else if (w->bits == 5 && sm == 1 && mm == 3) RX_T(32, 5, 1, 3, 1);
+    else if (w->bits == 5) RX_T(32, 5, 0, 0, 0);
+    else if (w->bits == 6 && sm == 2 && mm == 3 && sup == 16) RX_T(16, 6, 2, 3, 16);
+    else if (w->bits == 6) RX_T(16, 6, 0, 0, 0);
+    else if (w->blk == 32 && sm == 1 && mm == 3) RX_T(32, 8, 1, 3, 1);
+    else if (w->blk == 32) RX_T(32, 8, 0, 0, 0);
+    else RX_T(16, 8, 0, 0, 0);
+#undef RX_T
 }
 
 __attribute__((target("avx512f,avx512bw,avx512vnni")))
