@@ -349,18 +349,19 @@ RX_AVX2 static void quantize_row_avx2(const float *x, int64_t cols, int blk, int
 }
 
 // sup_vector's half h (rows 8h .. 8h + 7) for AVX2
-RX_AVX2 static inline __m256 sup_vector8(const rx_weight *w, int which, int64_t nsup, int sup_shift, int64_t tile, int64_t b,
-                                         int h) {
-    if ((which ? w->min_mode : w->scale_mode) != 2) return _mm256_setzero_ps();
+RX_AVX2 __attribute__((always_inline))
+static inline __m256 sup_vector8(const rx_weight *w, int which, int mode, int64_t nsup, int sup_shift, int64_t tile,
+                                 int64_t b, int h) {
+    if (mode != 2) return _mm256_setzero_ps();
     const uint16_t *sup = (which ? w->min_sup : w->scale_sup) + (tile * nsup + (b >> sup_shift)) * 16 + 8 * h;
     return _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)sup));
 }
 
 // block_vector's half h
-RX_AVX2 static inline __m256 block_vector8(const rx_weight *w, int which, int64_t nblk, int64_t tile, int64_t b, int h,
-                                           __m256 sup) {
+RX_AVX2 __attribute__((always_inline))
+static inline __m256 block_vector8(const rx_weight *w, int which, int mode, int64_t nblk, int64_t tile, int64_t b, int h,
+                                   __m256 sup) {
     const int64_t i = (tile * nblk + b) * 16 + 8 * h;
-    const int mode = which ? w->min_mode : w->scale_mode;
     const void *p = which ? w->min : w->scale;
     if (mode == 1) return _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)((const uint16_t *)p + i)));
     const __m256 sub = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)((const int8_t *)p + i))));
@@ -383,11 +384,14 @@ RX_AVX2 static inline __m256i high_bits(__m256i hv, int g, int H) {
 // the reference's, in its order.
 RX_AVX2 __attribute__((always_inline))
 static inline void tiles_avx2_nt(const rx_weight *w, int64_t tile, const int NT, const int BLK, const int BITS, const int WIDE,
-                                 const int8_t *xq, const float *dx, const float *sx, const int32_t *qsum, float *y,
-                                 int64_t ystride) {
-    const int64_t nblk = w->cols / BLK, nsup = nblk / w->sup_blocks;
-    const int sup_shift = __builtin_ctz((unsigned)w->sup_blocks);
-    const int mult = w->min_mode == 3;
+                                 const int SM, const int MM, const int SUP, const int8_t *xq, const float *dx,
+                                 const float *sx, const int32_t *qsum, float *y, int64_t ystride) {
+    // SM, MM, SUP: as tile_vnni_nt's
+    const int scale_mode = SM ? SM : w->scale_mode, min_mode = MM ? MM : w->min_mode;
+    const int sup_blocks = SUP ? SUP : w->sup_blocks;
+    const int64_t nblk = w->cols / BLK, nsup = nblk / sup_blocks;
+    const int sup_shift = __builtin_ctz((unsigned)sup_blocks);
+    const int mult = min_mode == 3;
     const int G = BLK / 4;
     const int64_t qbytes = block_bytes(BLK, BITS);
     // maddubs results (16-bit pair sums) added in 16 bits before widening, as many as cannot overflow:
@@ -456,12 +460,13 @@ static inline void tiles_avx2_nt(const rx_weight *w, int64_t tile, const int NT,
                 }
             }
         }
-        if (!(b & (w->sup_blocks - 1)))
+        if (!(b & (sup_blocks - 1)))
             for (int h = 0; h < 2; h++)
-                sup_sc[h] = sup_vector8(w, 0, nsup, sup_shift, tile, b, h), sup_mn[h] = sup_vector8(w, 1, nsup, sup_shift, tile, b, h);
+                sup_sc[h] = sup_vector8(w, 0, scale_mode, nsup, sup_shift, tile, b, h),
+                sup_mn[h] = sup_vector8(w, 1, min_mode, nsup, sup_shift, tile, b, h);
         for (int h = 0; h < 2; h++) {  // rows 0-7, then 8-15: each 64-byte vector's halves
-            const __m256 sc = block_vector8(w, 0, nblk, tile, b, h, sup_sc[h]);
-            const __m256 mn = mult ? _mm256_setzero_ps() : block_vector8(w, 1, nblk, tile, b, h, sup_mn[h]);  // (mult: unused)
+            const __m256 sc = block_vector8(w, 0, scale_mode, nblk, tile, b, h, sup_sc[h]);
+            const __m256 mn = mult ? _mm256_setzero_ps() : block_vector8(w, 1, min_mode, nblk, tile, b, h, sup_mn[h]);  // (mult: unused)
             for (int t = 0; t < NT; t++) {
                 int32_t extra = mult ? (int32_t)w->min_mult * qsum[t * nblk + b] : 0;
                 if (WIDE) extra += 128 * qsum[t * nblk + b];
@@ -479,12 +484,21 @@ static inline void tiles_avx2_nt(const rx_weight *w, int64_t tile, const int NT,
 RX_AVX2 __attribute__((always_inline))
 static inline void rx_case8(const rx_weight *w, int64_t tile, const int NT, const int8_t *xq, const float *dx,
                             const float *sx, const int32_t *qsum, float *y, int64_t ystride, int wide) {
-    if (w->bits == 4) tiles_avx2_nt(w, tile, NT, 32, 4, 0, xq, dx, sx, qsum, y, ystride);
-    else if (w->bits == 5) tiles_avx2_nt(w, tile, NT, 32, 5, 0, xq, dx, sx, qsum, y, ystride);
-    else if (w->bits == 6) tiles_avx2_nt(w, tile, NT, 16, 6, 0, xq, dx, sx, qsum, y, ystride);
-    else if (w->blk == 16) tiles_avx2_nt(w, tile, NT, 16, 8, 0, xq, dx, sx, qsum, y, ystride);
-    else if (wide) tiles_avx2_nt(w, tile, NT, 32, 8, 1, xq, dx, sx, qsum, y, ystride);
-    else tiles_avx2_nt(w, tile, NT, 32, 8, 0, xq, dx, sx, qsum, y, ystride);
+    const int sm = w->scale_mode, mm = w->min_mode, sup = w->sup_blocks;
+#define RX_T8(BLK, BITS, WIDE, SM, MM, SUP) tiles_avx2_nt(w, tile, NT, BLK, BITS, WIDE, SM, MM, SUP, xq, dx, sx, qsum, y, ystride)
+    // as rx_case: the zoo's types with their scale modes as constants (wide: Q8_0)
+    if (w->bits == 4 && sm == 2 && mm == 2 && sup == 8) RX_T8(32, 4, 0, 2, 2, 8);
+    else if (w->bits == 4 && sm == 1 && mm == 3) RX_T8(32, 4, 0, 1, 3, 1);
+    else if (w->bits == 4) RX_T8(32, 4, 0, 0, 0, 0);
+    else if (w->bits == 5 && sm == 1 && mm == 3) RX_T8(32, 5, 0, 1, 3, 1);
+    else if (w->bits == 5) RX_T8(32, 5, 0, 0, 0, 0);
+    else if (w->bits == 6 && sm == 2 && mm == 3 && sup == 16) RX_T8(16, 6, 0, 2, 3, 16);
+    else if (w->bits == 6) RX_T8(16, 6, 0, 0, 0, 0);
+    else if (w->blk == 16) RX_T8(16, 8, 0, 0, 0, 0);
+    else if (wide && sm == 1) RX_T8(32, 8, 1, 1, 3, 1);
+    else if (wide) RX_T8(32, 8, 1, 0, 0, 0);
+    else RX_T8(32, 8, 0, 0, 0, 0);
+#undef RX_T8
 }
 
 RX_AVX2 static void tiles_avx2(const rx_weight *w, int64_t t0, int64_t t1, int64_t T, const int8_t *xq, const float *dx,
