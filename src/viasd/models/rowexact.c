@@ -227,9 +227,11 @@ static inline void tile_vnni_nt(const rx_weight *w, int64_t tile, const int NT, 
         for (int t = 0; t < NT; t++) {
             const int32_t *xa = (const int32_t *)(xq + t * w->cols + b * BLK);
             __m512i s0 = _mm512_setzero_si512(), s1 = _mm512_setzero_si512();
+            // vpdpbusd with the activation's 4 bytes broadcast from memory ({1to16}): GCC does not fold
+            // _mm512_set1_epi32 into it (a separate vpbroadcastd each; a pass' products 0.98x the time folded)
             for (int g = 0; g < G; g += 2) {
-                s0 = _mm512_dpbusd_epi32(s0, wv[g], _mm512_set1_epi32(xa[g]));
-                s1 = _mm512_dpbusd_epi32(s1, wv[g + 1], _mm512_set1_epi32(xa[g + 1]));
+                __asm__("vpdpbusd %2%{1to16%}, %1, %0" : "+v"(s0) : "v"(wv[g]), "m"(xa[g]));
+                __asm__("vpdpbusd %2%{1to16%}, %1, %0" : "+v"(s1) : "v"(wv[g + 1]), "m"(xa[g + 1]));
             }
             __m512i isum = _mm512_add_epi32(s0, s1);
             if (mult) isum = _mm512_add_epi32(isum, _mm512_set1_epi32((int32_t)w->min_mult * qsum[t * nblk + b]));
