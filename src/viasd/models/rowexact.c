@@ -158,6 +158,16 @@ static void tiles_ref(const rx_weight *w, int64_t t0, int64_t t1, int64_t T, con
         else CALL(16, 8, 0, 0, 0);                                                          \
     } while (0)
 
+// a block shape's scale mode, min mode and super-block size: the constants SM, MM, SUP where given
+// (RX_DISPATCH), else w's; with the block and super-block counts of a tile
+typedef struct { int scale_mode, min_mode, sup_blocks, sup_shift; int64_t nblk, nsup; } rx_shape;
+__attribute__((always_inline)) static inline rx_shape shape_of(const rx_weight *w, int BLK, int SM, int MM, int SUP) {
+    rx_shape s = {SM ? SM : w->scale_mode, MM ? MM : w->min_mode, SUP ? SUP : w->sup_blocks, 0, w->cols / BLK, 0};
+    s.sup_shift = __builtin_ctz((unsigned)s.sup_blocks);
+    s.nsup = s.nblk / s.sup_blocks;
+    return s;
+}
+
 // ---------------------------------------------------------------- AVX-512 VNNI kernel
 #define RX_CHUNK 8  // activation rows per pass over a tile's weights
 #define RX_AHEAD 8  // software prefetch distance, in blocks
@@ -206,11 +216,9 @@ __attribute__((target("avx512f,avx512bw,avx512vnni"), always_inline))
 static inline void tile_vnni_nt(const rx_weight *w, int64_t tile, const int NT, const int BLK, const int BITS,
                                 const int SM, const int MM, const int SUP, const int8_t *xq, const float *dx,
                                 const float *sx, const int32_t *qsum, float *y, int64_t ystride) {
-    // SM, MM, SUP: the scale mode, min mode and sup_blocks as constants (0: read from w)
-    const int scale_mode = SM ? SM : w->scale_mode, min_mode = MM ? MM : w->min_mode;
-    const int sup_blocks = SUP ? SUP : w->sup_blocks;
-    const int64_t nblk = w->cols / BLK, nsup = nblk / sup_blocks;
-    const int sup_shift = __builtin_ctz((unsigned)sup_blocks);
+    const rx_shape sh = shape_of(w, BLK, SM, MM, SUP);  // (SM, MM, SUP: constants, or 0: read from w)
+    const int scale_mode = sh.scale_mode, min_mode = sh.min_mode, sup_blocks = sh.sup_blocks, sup_shift = sh.sup_shift;
+    const int64_t nblk = sh.nblk, nsup = sh.nsup;
     const int G = BLK / 4;  // groups of 4 inputs a block
     const int64_t qbytes = block_bytes(BLK, BITS);
     const int H = BITS - 4;  // (5-, 6-bit: high bits a value in the plane after the nibbles)
@@ -395,11 +403,9 @@ RX_AVX2 __attribute__((always_inline))
 static inline void tiles_avx2_nt(const rx_weight *w, int64_t tile, const int NT, const int BLK, const int BITS, const int WIDE,
                                  const int SM, const int MM, const int SUP, const int8_t *xq, const float *dx,
                                  const float *sx, const int32_t *qsum, float *y, int64_t ystride) {
-    // SM, MM, SUP: as tile_vnni_nt's
-    const int scale_mode = SM ? SM : w->scale_mode, min_mode = MM ? MM : w->min_mode;
-    const int sup_blocks = SUP ? SUP : w->sup_blocks;
-    const int64_t nblk = w->cols / BLK, nsup = nblk / sup_blocks;
-    const int sup_shift = __builtin_ctz((unsigned)sup_blocks);
+    const rx_shape sh = shape_of(w, BLK, SM, MM, SUP);  // (as tile_vnni_nt's)
+    const int scale_mode = sh.scale_mode, min_mode = sh.min_mode, sup_blocks = sh.sup_blocks, sup_shift = sh.sup_shift;
+    const int64_t nblk = sh.nblk, nsup = sh.nsup;
     const int mult = min_mode == 3;
     const int G = BLK / 4;
     const int64_t qbytes = block_bytes(BLK, BITS);
