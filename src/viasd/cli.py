@@ -9,7 +9,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 from viasd.errors import UsageError, ViasdError
-from viasd.validation import DRAFTER_REQUANT, REQUANT_FORMATS, WEIGHT_FORMATS
+from viasd.validation import DRAFTER_FORMATS, DRAFTER_REQUANT, WEIGHT_FORMATS
 
 DEMO_PROMPT = "Explain in three sentences why the sky is blue."
 BENCH_EXTRA = ("optuna", "sacrebleu", "rouge_score", "matplotlib")  # what `pip install 'viasd[bench]'` adds (pyproject.toml)
@@ -320,7 +320,7 @@ def _bench(args: argparse.Namespace) -> int:
 def _drafter_format(name: str, default: str | None) -> tuple[str, str | None]:
     """A bench --drafter value MODEL or MODEL:FORMAT: (the model, its weights' format)."""
     model, _, fmt = name.rpartition(":")
-    if model and fmt in WEIGHT_FORMATS + REQUANT_FORMATS:
+    if model and fmt in DRAFTER_FORMATS:
         return model, fmt
     return name, default
 
@@ -384,8 +384,8 @@ def _add_model_flags(p: argparse.ArgumentParser) -> None:
 
 
 def _add_drafter_weights(p: argparse.ArgumentParser, default: str) -> None:
-    p.add_argument("--drafter-weights", choices=WEIGHT_FORMATS + REQUANT_FORMATS, metavar="FORMAT",
-                   help=f"the drafter's weights, one of {', '.join(WEIGHT_FORMATS + REQUANT_FORMATS)}: q4_0 re-quantizes "
+    p.add_argument("--drafter-weights", choices=DRAFTER_FORMATS, metavar="FORMAT",
+                   help=f"the drafter's weights, one of {', '.join(DRAFTER_FORMATS)}: q4_0 re-quantizes "
                         "its native weights as they load, so its passes read fewer bytes; a drafter's precision changes "
                         f"how many drafts are accepted, never the output (default: {default} {DRAFTER_REQUANT})")
 

@@ -28,6 +28,7 @@ WEIGHT_FORMATS = ("native", "float32", "bfloat16", "float16")
 # many drafts are accepted, never the output), and the drafters' default
 REQUANT_FORMATS = ("q4_0",)
 DRAFTER_REQUANT = "q4_0"
+DRAFTER_FORMATS = WEIGHT_FORMATS + REQUANT_FORMATS  # --drafter-weights
 # the most any user-named input file (route, thresholds, bench task file) may hold: /dev/zero, a
 # huge or endless file is refused with one line instead of being read whole into memory
 MAX_INPUT_BYTES = 64 << 20

@@ -302,9 +302,6 @@ class LookupDrafter:
         found = self.ngram.propose(context, k).tokens
         return Draft(found, None, looked_up=True) if found else NO_DRAFT
 
-    def propose(self, context: list[int], k: int) -> Draft:
-        return self.inner.propose(context, k)
-
 
 def ngram_lookup(context: np.ndarray, k: int, max_ngram: int, min_ngram: int) -> list[int]:
     """context: [n] token ids -> up to k tokens following the latest earlier match of its suffix.

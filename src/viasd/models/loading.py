@@ -296,13 +296,13 @@ def _checked_load(source, dtype, weights, requantize, pack) -> str:
 def load_drafter(source: str, weights: str | None = None, drafter_weights: str | None = None, device: str = "cpu",
                  progress: bool = True) -> LoadedModel:
     """A drafter model, loaded as `load_model` loads one in `weights` (the verifier's format), or in
-    `drafter_weights` when given (a `WEIGHT_FORMATS` or `REQUANT_FORMATS` name). By default its native
+    `drafter_weights` when given (a `DRAFTER_FORMATS` name). By default its native
     weights are re-quantized to `DRAFTER_REQUANT`: a drafter's precision changes only how many of its
     drafts are accepted, never the output, and its passes read fewer bytes."""
-    from viasd.validation import DRAFTER_REQUANT, REQUANT_FORMATS, WEIGHT_FORMATS
+    from viasd.validation import DRAFTER_FORMATS, DRAFTER_REQUANT, REQUANT_FORMATS
 
-    if drafter_weights is not None and drafter_weights not in WEIGHT_FORMATS + REQUANT_FORMATS:
-        raise UsageError(f"drafter weights must be one of {', '.join(WEIGHT_FORMATS + REQUANT_FORMATS)}, got {drafter_weights!r}")
+    if drafter_weights is not None and drafter_weights not in DRAFTER_FORMATS:
+        raise UsageError(f"drafter weights must be one of {', '.join(DRAFTER_FORMATS)}, got {drafter_weights!r}")
     fmt = drafter_weights or (DRAFTER_REQUANT if weights in (None, "native") else weights)
     if fmt in REQUANT_FORMATS:
         return load_model(source, weights=weights if drafter_weights is None else "native", device=device,
