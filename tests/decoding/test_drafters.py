@@ -6,8 +6,13 @@ import numpy as np
 import pytest
 
 from viasd.api import generate
+from types import SimpleNamespace
+
+from viasd.decoding.acceptance import SamplingParams
 from viasd.decoding.draft_length import DraftLength, propose
-from viasd.decoding.drafters import Draft, LookupDrafter, NgramDrafter, ngram_lookup
+from viasd.decoding.drafters import Draft, LookupDrafter, ModelDrafter, NgramDrafter, ngram_lookup
+from viasd.decoding.stats import DecodeStats
+from viasd.execution.passes import Passes
 
 
 @pytest.mark.parametrize(
@@ -120,3 +125,27 @@ def test_sd_behind_prompt_lookup_verifies_what_the_text_repeats_and_still_equals
     assert all(r.token_ids == ar for r in runs.values())
     found, without = (runs[on].stats.to_dict() for on in (True, False))
     assert found["lookup_drafted"] >= found["lookup_accepted"] > 0 and without["lookup_drafted"] == 0
+
+
+@pytest.mark.model
+def test_a_draft_threshold_over_a_reduced_head_stops_where_the_expanded_drafts_stop(smollm2):
+    """A greedy drafter with a reduced head and `draft_threshold` reads only the head's logits; it
+    drafts the tokens, and stops at the token, that drafting over the expanded logits (which keeps q)
+    does: the first whose top probability falls below the threshold."""
+    ids = smollm2.tokenizer.encode("def fibonacci(n):\n    ")
+    head = smollm2.decoder.reduced_head(tuple(range(8192)))
+
+    def draft(threshold, probs):
+        d = ModelDrafter(smollm2.decoder, SamplingParams(), None, threshold, head, probs)
+        d.begin(64, SimpleNamespace(stats=DecodeStats(), passes=Passes(), tokens=ids))
+        return d.draft_ids(ids, 8)
+
+    tokens, q = draft(None, True)  # 8 tokens, q [8, V]
+    top = q.max(-1).values.tolist()
+    cut = min(range(6), key=lambda i: top[i])  # the least confident of the first six
+    threshold = top[cut] * 1.0001
+    stop = next(i for i, p in enumerate(top) if p < threshold)  # (at or before `cut`)
+    expanded, _ = draft(threshold, True)
+    compact, none = draft(threshold, False)
+    assert expanded == compact == tokens[: stop + 1] and len(compact) < 8 and none is None
+    assert draft(0.0, False)[0] == tokens  # a top probability is never below 0

@@ -112,9 +112,9 @@ class _AutoregressiveDrafter:
         of 1-2 rows more costs about what one row does)."""
         cache, start = self._sync(context)
         start = min(start, len(context) - 1)  # always recompute the last token to get its logits
-        # greedy over a reduced head, nothing masked: the argmax among the head's own ids
-        compact = self.head is not None and not self.keep_probs and self.threshold is None and first is None \
-            and self.grammar is None
+        # greedy over a reduced head, nothing masked: the argmax among the head's own ids (and the top
+        # probability among them: the expanded row's, whose other tokens have none)
+        compact = self.head is not None and not self.keep_probs and first is None and self.grammar is None
         feed = torch.tensor(context[start:] + ([] if guess is None else [guess]))
         tokens: list[int] = []
         probs: list[torch.Tensor] = []
@@ -135,13 +135,17 @@ class _AutoregressiveDrafter:
                 logits = logits.masked_fill(~allowed, float("-inf"))
                 if not torch.isfinite(logits).any():  # (a reduced head holding no allowed token)
                     break
-            if self.keep_probs or self.threshold is not None:
+            top = None  # the drafter's top probability, where a threshold reads it
+            if compact:  # (ascending ids: the first maximum is the expanded row's first maximum)
+                token = int(self.head.ids[int(argmax(logits))])
+                if self.threshold is not None:
+                    top = float(self.params.confidence(logits).max())  # [N] the head's probabilities
+            elif self.keep_probs or self.threshold is not None:
                 q = self.params.confidence(logits)  # [V]
                 token = self.params.draw(q, self.generator)
+                top = float(q.max())
                 if self.keep_probs:
                     probs.append(q)
-            elif compact:  # (ascending ids: the first maximum is the expanded row's first maximum)
-                token = int(self.head.ids[int(argmax(logits))])
             else:  # greedy: the logits' argmax (softmax keeps their order)
                 token = int(argmax(logits))
             tokens.append(token)
@@ -149,7 +153,7 @@ class _AutoregressiveDrafter:
                 start -= 1  # another token: dropped
                 cache.rollback(start)
                 ahead = None
-            if self.threshold is not None and float(q.max()) < self.threshold or enough is not None and enough(tokens):
+            if self.threshold is not None and top < self.threshold or enough is not None and enough(tokens):
                 break
             feed = torch.tensor([token])
         self._drafted(context, tokens)
