@@ -108,7 +108,7 @@ def _make_drafter(kind: DraftKind, verifier: LoadedModel, drafter: str | LoadedM
         draft_model = _as_model(drafter, progress, drafter=True)
         if same_vocabulary(verifier, draft_model):
             chosen = ModelDrafter(draft_model.decoder, params, generator, opts.draft_threshold,
-                                  drafter_head(verifier, draft_model) if reduced_head else None, probs)
+                                  drafter_head(verifier, draft_model) if reduced_head else None, probs, opts.drafter_window)
         else:
             chosen = _cross_drafter(verifier, draft_model, config, params, generator)
         # sd (a model's drafts, checked one by one, q unread; the other model-drafting loops read q or
@@ -162,7 +162,7 @@ def _cross_drafter(verifier: LoadedModel, draft_model: LoadedModel, config: Gene
         vocab = slim_vocab(verifier) if config.viasd.reduced_head else None
         head = draft_model.decoder.reduced_head(bridge.shared_within(vocab) or bridge.shared)
     return CrossVocabDrafter(draft_model.decoder, bridge, conversion, params, generator, config.drafting.draft_threshold,
-                             head, draft_model.eos_token_ids, probs=draft_probs_read(config))
+                             head, draft_model.eos_token_ids, probs=draft_probs_read(config), window=config.drafting.drafter_window)
 
 
 def _loop_args(spec: Strategy, config: GenerateConfig, verifier: LoadedModel) -> tuple[LoopArgs, dict]:

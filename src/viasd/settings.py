@@ -88,6 +88,9 @@ class DraftOptions:
                          choices=DRAFT_KINDS, label="drafter kind")
     draft_threshold: float | None = setting(None, "adaptive drafting: stop when the drafter's top probability falls below this",
                                             reads=DRAFTING, lo=0.0, hi=1.0)
+    drafter_window: int = setting(256, "a drafter model reads only the prompt's last N tokens (0 = all of them): its prefill "
+                                  "is time to the first token, and its drafts are verified all the same",
+                                  reads=MODEL_DRAFTING, lo=0, hi=1 << 20)
     draft_layers: tuple[int, ...] | None = setting(None, "self drafting: verifier layers the drafting route keeps",
                                                    reads=SELF_DRAFTING, lo=0, hi=MAX_LAYER, metavar="L")
     draft_route: str | None = setting(None, "self drafting: a route file instead of --draft-layers (see `viasd routes show`)",

@@ -80,14 +80,14 @@ def test_incomplete_utf8_is_held_back():
 
 
 @pytest.mark.parametrize("conversion", ["text", "intersection"])
-@pytest.mark.parametrize("strategy", ["sd", "viasd"])
-def test_greedy_output_equals_ar_with_a_drafter_of_another_vocabulary(bpe_pair, conversion, strategy):
+@pytest.mark.parametrize("strategy, window", [("sd", 0), ("sd", 2), ("viasd", 0)])
+def test_greedy_output_equals_ar_with_a_drafter_of_another_vocabulary(bpe_pair, conversion, strategy, window):
     v, d = bpe_pair
     prompt = v.vocabulary.encode("the quick brown fox")
     expected = run_ar(v, prompt, 30, v.eos_token_ids)
     extra = {"draft": "model", "slim_layers": (0, 1, 3)} if strategy == "viasd" else {}
     r = generate(prompt, v, drafter=d, strategy=strategy, max_new_tokens=30, adapt_k=False,
-                 draft_conversion=conversion, progress=False, **extra)
+                 draft_conversion=conversion, progress=False, drafter_window=window, **extra)
     assert r.token_ids == expected
     assert r.config["draft_conversion"] == conversion
     assert r.stats.drafted > 0 and r.stats.calls["draft"] > 0

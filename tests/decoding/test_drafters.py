@@ -149,3 +149,27 @@ def test_a_draft_threshold_over_a_reduced_head_stops_where_the_expanded_drafts_s
     compact, none = draft(threshold, False)
     assert expanded == compact == tokens[: stop + 1] and len(compact) < 8 and none is None
     assert draft(0.0, False)[0] == tokens  # a top probability is never below 0
+
+
+@pytest.mark.model
+def test_a_drafter_window_reads_only_the_prompts_last_tokens(smollm2):
+    """With `window` N a drafter model prefills only the prompt's last N tokens but one (the last is
+    read with the first draft) and drafts, round after round, what it drafts with those N tokens as
+    the whole prompt; sd with a window still outputs ar's tokens."""
+    ids = smollm2.tokenizer.encode("Numbers: one, two, three, four, five, six, seven, eight, nine, ten, eleven, twelve,")
+
+    def drafter(window, tokens):
+        d = ModelDrafter(smollm2.decoder, SamplingParams(), None, None, None, False, window)
+        d.begin(256, SimpleNamespace(stats=DecodeStats(), passes=Passes(), tokens=tokens))
+        return d
+
+    windowed, alone = drafter(8, ids), drafter(0, ids[-8:])
+    assert (windowed.offset, windowed.cache.n_full, alone.cache.n_full) == (len(ids) - 8, 7, 7)
+    first = windowed.draft_ids(ids, 4)[0]
+    assert first == alone.draft_ids(ids[-8:], 4)[0] and len(first) == 4
+    grown = ids + first[:2] + [first[0]]  # a round later: two drafts kept, one token of the verifier's
+    assert windowed.draft_ids(grown, 4)[0] == alone.draft_ids(grown[len(ids) - 8 :], 4)[0]
+    assert drafter(100 + len(ids), ids).offset == 0
+    ar = generate(ids, smollm2, strategy="ar", max_new_tokens=32).token_ids
+    r = generate(ids, smollm2, drafter=smollm2, strategy="sd", max_new_tokens=32, drafter_window=8, lookup=False)
+    assert r.token_ids == ar and r.stats.drafted > 0

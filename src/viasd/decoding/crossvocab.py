@@ -102,14 +102,14 @@ class CrossVocabDrafter(ModelDrafter):
 
     def __init__(self, decoder: Decoder, bridge: VocabBridge, conversion: Conversion, params: SamplingParams,
                  generator: torch.Generator | None, threshold: float | None, head: ReducedHead | None = None,
-                 eos: frozenset[int] = frozenset(), ratio: float = 3.0, probs: bool = True):
+                 eos: frozenset[int] = frozenset(), ratio: float = 3.0, probs: bool = True, window: int = 0):
         if conversion is Conversion.AUTO:
             raise ValueError("choose the conversion (api.draft_conversion resolves auto)")
         if conversion is Conversion.TEXT and not params.greedy:
             raise ValueError("text conversion is greedy only: sampling needs the intersection (TLI)")
         if conversion is Conversion.INTERSECTION and head is None:
             raise ValueError("intersection drafting needs the drafter's head over the shared tokens")
-        super().__init__(decoder, params, generator, threshold, head, probs)
+        super().__init__(decoder, params, generator, threshold, head, probs, window)
         self.bridge, self.conversion, self.eos, self.ratio = bridge, conversion, eos, ratio
         self.context = DrafterContext(bridge)
         self._shared = torch.tensor(bridge.shared, dtype=torch.long)  # [n_shared]
@@ -124,6 +124,8 @@ class CrossVocabDrafter(ModelDrafter):
         self.capacity = int(len(prompt) + self.ratio * (max_len - len(verifier.tokens))) + 8
         self.cache = self.decoder.new_cache(self.capacity)
         self.cached_ids = []
+        self._window(len(prompt))
+        prompt = prompt[self.offset :]
         if len(prompt) > 1:  # the prompt but its last token, as ModelDrafter does (prefill work)
             self.passes.forward(self.decoder, torch.tensor(prompt[:-1]), 0, self.cache, logits=False)
             self.stats.observe_call(CallKind.DRAFT, bytes_read=pass_bytes(self.decoder, None, head=False))

@@ -175,17 +175,27 @@ class _AutoregressiveDrafter:
 class ModelDrafter(_AutoregressiveDrafter):
     """A separate, smaller model with the verifier's vocabulary, and its own KV cache; `head`: a
     reduced LM head of the drafter (it then drafts only tokens inside that vocabulary: what it
-    proposes is still a draft the verifier judges, so outputs stay lossless)."""
+    proposes is still a draft the verifier judges, so outputs stay lossless). `window`: the drafter
+    reads only the prompt's last `window` tokens (0: all); its cache then starts at the first of them
+    (`offset` tokens of every context unread)."""
 
     def __init__(self, decoder: Decoder, params: SamplingParams, generator: torch.Generator | None, threshold: float | None,
-                 head: ReducedHead | None = None, probs: bool = True):
+                 head: ReducedHead | None = None, probs: bool = True, window: int = 0):
         super().__init__(decoder, params, generator, threshold, probs)
-        self.head = head
+        self.head, self.window, self.offset = head, window, 0
+
+    def _window(self, prompt_len: int) -> None:
+        """Where the drafter's cache starts, for a prompt of `prompt_len` tokens (its own vocabulary's)."""
+        self.offset = max(0, prompt_len - self.window) if self.window else 0
+
+    def draft_ids(self, context: list[int], k: int, *args, **kw) -> tuple[list[int], torch.Tensor | None]:
+        return super().draft_ids(context[self.offset :], k, *args, **kw)  # (cache position 0: context[offset])
 
     def begin(self, max_len: int, verifier: Verifier) -> None:
         super().begin(max_len, verifier)
         self.cache = self.decoder.new_cache(max_len)
-        self.cached_ids: list[int] = []  # token ids at cache positions 0 .. n_full-1
+        self.cached_ids: list[int] = []  # token ids at cache positions 0 .. n_full-1 (context[offset:])
+        self._window(0 if self.decoder.is_encoder_decoder else len(verifier.tokens))
         if getattr(verifier, "source", None) is not None:  # an encoder-decoder drafter reads the verifier's source
             if not self.decoder.is_encoder_decoder:
                 raise ValueError("an encoder-decoder verifier needs an encoder-decoder drafter model")
@@ -195,7 +205,7 @@ class ModelDrafter(_AutoregressiveDrafter):
         # pass before the verifier's prefill: reading the prompt is prefill work, which belongs to the
         # time to the first token. Left to the first draft it landed in decoding (seconds for a
         # 1000-token RAG prompt on qwen 0.5B) and made drafting look dear to the draft-length policy.
-        prompt = verifier.tokens[:-1]
+        prompt = verifier.tokens[self.offset : -1]
         if prompt:
             self.passes.forward(self.decoder, torch.tensor(prompt), 0, self.cache, logits=False)  # K/V only, no head
             self.stats.observe_call(CallKind.DRAFT, verifier_share=self.verifier_share,
