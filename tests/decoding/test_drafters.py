@@ -13,6 +13,7 @@ from viasd.decoding.draft_length import DraftLength, propose
 from viasd.decoding.drafters import Draft, LookupDrafter, ModelDrafter, NgramDrafter, ngram_lookup
 from viasd.decoding.stats import DecodeStats
 from viasd.execution.passes import Passes
+from viasd.execution.prefix import PrefixCache
 
 
 @pytest.mark.parametrize(
@@ -158,9 +159,9 @@ def test_a_drafter_window_reads_only_the_prompts_last_tokens(smollm2):
     the whole prompt; sd with a window still outputs ar's tokens."""
     ids = smollm2.tokenizer.encode("Numbers: one, two, three, four, five, six, seven, eight, nine, ten, eleven, twelve,")
 
-    def drafter(window, tokens):
+    def drafter(window, tokens, passes=None):
         d = ModelDrafter(smollm2.decoder, SamplingParams(), None, None, None, False, window)
-        d.begin(256, SimpleNamespace(stats=DecodeStats(), passes=Passes(), tokens=tokens))
+        d.begin(256, SimpleNamespace(stats=DecodeStats(), passes=passes or Passes(), tokens=tokens))
         return d
 
     windowed, alone = drafter(8, ids), drafter(0, ids[-8:])
@@ -170,6 +171,14 @@ def test_a_drafter_window_reads_only_the_prompts_last_tokens(smollm2):
     grown = ids + first[:2] + [first[0]]  # a round later: two drafts kept, one token of the verifier's
     assert windowed.draft_ids(grown, 4)[0] == alone.draft_ids(grown[len(ids) - 8 :], 4)[0]
     assert drafter(100 + len(ids), ids).offset == 0
+    # where a prefix cache holds all of the prompt but the window or less, the drafter reads all of it
+    passes = Passes(prefix=[(smollm2.decoder, PrefixCache(1 << 28))])
+    assert drafter(8, ids, passes).offset == len(ids) - 8  # nothing cached yet: the window (its 7 tokens kept)
+    drafter(0, ids, passes)  # the whole prompt's K/V kept
+    longer = ids + first[:3] + ids[:3]
+    assert passes.cached(smollm2.decoder, longer[:-1]) == len(ids) - 1  # (longer: len(ids) + 6 tokens)
+    d = drafter(8, longer, passes)
+    assert d.offset == 0 and d.draft_ids(longer, 4)[0] == drafter(0, longer).draft_ids(longer, 4)[0]
     ar = generate(ids, smollm2, strategy="ar", max_new_tokens=32).token_ids
     r = generate(ids, smollm2, drafter=smollm2, strategy="sd", max_new_tokens=32, drafter_window=8, lookup=False)
     assert r.token_ids == ar and r.stats.drafted > 0

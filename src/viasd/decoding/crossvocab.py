@@ -124,7 +124,7 @@ class CrossVocabDrafter(ModelDrafter):
         self.capacity = int(len(prompt) + self.ratio * (max_len - len(verifier.tokens))) + 8
         self.cache = self.decoder.new_cache(self.capacity)
         self.cached_ids = []
-        self._window(len(prompt))
+        self._window(prompt)
         prompt = prompt[self.offset :]
         if len(prompt) > 1:  # the prompt but its last token, as ModelDrafter does (prefill work)
             self.passes.forward(self.decoder, torch.tensor(prompt[:-1]), 0, self.cache, logits=False)

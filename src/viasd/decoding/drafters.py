@@ -184,9 +184,13 @@ class ModelDrafter(_AutoregressiveDrafter):
         super().__init__(decoder, params, generator, threshold, probs)
         self.head, self.window, self.offset = head, window, 0
 
-    def _window(self, prompt_len: int) -> None:
-        """Where the drafter's cache starts, for a prompt of `prompt_len` tokens (its own vocabulary's)."""
-        self.offset = max(0, prompt_len - self.window) if self.window else 0
+    def _window(self, prompt: list[int]) -> None:
+        """Where the drafter's cache starts, for `prompt` (its own vocabulary's ids): the whole prompt
+        where its prefix cache holds all but `window` tokens of it or less (a server's system prompt,
+        a conversation's earlier turns: then that reads fewer and sees more)."""
+        self.offset = max(0, len(prompt) - self.window) if self.window else 0
+        if self.offset and len(prompt) - self.passes.cached(self.decoder, prompt[:-1]) <= self.window:
+            self.offset = 0
 
     def draft_ids(self, context: list[int], k: int, *args, **kw) -> tuple[list[int], torch.Tensor | None]:
         return super().draft_ids(context[self.offset :], k, *args, **kw)  # (cache position 0: context[offset])
@@ -195,7 +199,7 @@ class ModelDrafter(_AutoregressiveDrafter):
         super().begin(max_len, verifier)
         self.cache = self.decoder.new_cache(max_len)
         self.cached_ids: list[int] = []  # token ids at cache positions 0 .. n_full-1 (context[offset:])
-        self._window(0 if self.decoder.is_encoder_decoder else len(verifier.tokens))
+        self._window([] if self.decoder.is_encoder_decoder else verifier.tokens)
         if getattr(verifier, "source", None) is not None:  # an encoder-decoder drafter reads the verifier's source
             if not self.decoder.is_encoder_decoder:
                 raise ValueError("an encoder-decoder verifier needs an encoder-decoder drafter model")

@@ -47,6 +47,11 @@ class Passes:
         finally:
             self.seconds += time.perf_counter() - t0
 
+    def cached(self, decoder, tokens: list[int]) -> int:
+        """Positions of a prompt pass over `tokens` that `decoder`'s prefix cache would supply (0: none)."""
+        kept = self._prefix.get(id(decoder))
+        return kept.shared(tokens) if kept is not None else 0
+
     def _pass(self, decoder, *args, **kw):
         if self.session is not None:  # the compute thread runs it with the other members' calls
             return self.session.forward(decoder, *args, **kw)

@@ -58,6 +58,12 @@ class PrefixCache:
             self.reused_positions += best
             return (best, *found[1])
 
+    def shared(self, tokens: list[int], layer: int | None = None) -> int:
+        """How many of `tokens`' positions `lookup` would reuse now (0: none; nothing counted or moved)."""
+        with self._lock:
+            best = max((_common_prefix(key[1], tokens, len(tokens) - 1) for key in self._entries if key[0] == layer), default=0)
+        return best if best >= MIN_REUSE else 0
+
     def store(self, tokens: list[int], k: torch.Tensor, v: torch.Tensor, hidden: torch.Tensor | None = None,
               layer: int | None = None) -> None:
         """Keep the K/V of `tokens` (k, v [layers, kv_heads, >= len(tokens), head_dim]; with `layer`,
