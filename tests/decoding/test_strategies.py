@@ -285,6 +285,33 @@ def test_drafting_costs_are_known_before_any_draft(tiny, tiny_drafter):
     assert drafting_seconds(model, times, k=4) == pass_times(tiny_drafter.decoder, 6, last_only=True)[0]  # graphs of up to k + 2 rows built
 
 
+def test_a_drafter_models_passes_are_priced_over_the_head_it_drafts_with(tiny_drafter, monkeypatch):
+    """A drafter over a reduced LM head is priced by last-row passes over that head (qwen2.5-coder-0.5b's
+    over 32768 tokens took 0.80x the time of its whole head's), kept apart from the whole head's."""
+    from viasd.decoding.draft_length import drafting_seconds
+
+    dec = tiny_drafter.decoder
+    head = dec.reduced_head(tuple(range(0, dec.config.vocab_size, 2)))
+    heads = []
+    forward = type(dec).forward
+
+    def spying(self, tokens, start, cache, *args, **kwargs):
+        heads.append(kwargs.get("head"))
+        return forward(self, tokens, start, cache, *args, **kwargs)
+    monkeypatch.setattr(type(dec), "forward", spying)
+    dec.__dict__.pop("_pass_times", None)
+    try:
+        seconds = drafting_seconds(LookupDrafter(ModelDrafter(dec, GREEDY, None, None, head), 3), [1.0, 1.0])
+        assert seconds > 0 and len(heads) == 12 and all(h is head for h in heads)  # 3 row counts x (3 reps + 1)
+        assert pass_times(dec, 3, last_only=True, head=head)[0] == seconds and len(heads) == 12  # kept
+        pass_times(dec, 3, last_only=True)  # the whole head's: measured apart
+        assert len(heads) == 24 and heads[-1] is None
+    finally:
+        dec.__dict__.pop("_pass_times", None)
+    with pytest.raises(ValueError, match="last-row"):
+        pass_times(dec, 2, head=head)
+
+
 def test_pass_times_are_measured_interleaved(tiny, monkeypatch):
     """Every row count is measured in every round (1, 2, 3, 1, 2, 3, ...), not one after another, after
     a context taken as the scratch cache holds it (no pass computes it: 0.9 s of qwen 1.5B's 2.2 s

@@ -176,10 +176,10 @@ class DraftLength:
 
 def drafting_seconds(drafter: Drafter, verifier_times: list[float], k: int = 1, passes: Passes | None = None) -> float:
     """Seconds of one drafting pass, before any drafting is measured (a request that starts beside
-    others never measures it alone): a drafter model's one-row pass (measured once per model, as the
-    verifier's; its last-row passes of up to k + 2 rows, a round's first pass reading what was
-    committed since, built then too, so that no round pays for a graph), a drafting route's share of
-    the verifier's one-row pass, nothing for a free drafter."""
+    others never measures it alone): a drafter model's one-row pass over the LM head it drafts with
+    (measured once per model and head, as the verifier's; its last-row passes of up to k + 2 rows, a
+    round's first pass reading what was committed since, built then too, so that no round pays for a
+    graph), a drafting route's share of the verifier's one-row pass, nothing for a free drafter."""
     if getattr(drafter, "free", False):
         return 0.0
     if (share := getattr(drafter, "verifier_share", 0.0)) > 0:
@@ -187,7 +187,7 @@ def drafting_seconds(drafter: Drafter, verifier_times: list[float], k: int = 1, 
     decoder = getattr(drafter, "decoder", None)
     if not isinstance(decoder, Decoder) or decoder.is_encoder_decoder:
         return 0.0
-    return pass_times(decoder, k + 2, last_only=True, passes=passes)[0]
+    return pass_times(decoder, k + 2, last_only=True, passes=passes, head=getattr(drafter, "head", None))[0]
 
 
 def draft_policy(decoder: Decoder, drafter: Drafter, k: int, check_share: float = 0.0,

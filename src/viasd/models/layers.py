@@ -3,6 +3,8 @@ of routes and drafters (`ReducedHead`), a layer's weights, and the float path's 
 
 from __future__ import annotations
 
+import functools
+import hashlib
 from dataclasses import dataclass
 
 import torch
@@ -65,6 +67,11 @@ class ReducedHead:
 
     def __len__(self) -> int:
         return self.ids.numel()
+
+    @functools.cached_property
+    def digest(self) -> str:
+        """The ids' sha256 (hex, 16 digits): which subset, for what is kept of its passes' times."""
+        return hashlib.sha256(self.ids.numpy().astype("<i8").tobytes()).hexdigest()[:16]
 
     def expand(self, logits: torch.Tensor) -> torch.Tensor:
         """[T, N] -> [T, V]: the subset's logits in place, -inf elsewhere."""
