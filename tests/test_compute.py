@@ -95,11 +95,15 @@ def test_budget_follows_the_machine(clock):
     clock["busy"] += 1.0 + 0.5
     clock["own"] += 0.5
     assert b.update(t0 + 1.0) == 1 and b.others == pytest.approx(2.0)
-    assert b.update(t0 + 1.1) == 1  # no new window yet: not re-measured
-    # it stopped: two again
-    clock["busy"] += 0.5
-    clock["own"] += 0.5
-    assert b.update(t0 + 1.5) == 2
+    assert b.update(t0 + 1.05) == 1  # no new window yet: not re-measured
+    # it stopped: two again a tenth of a second on (on fewer threads than cores the windows are short)
+    clock["busy"] += 0.1
+    clock["own"] += 0.1
+    assert b.update(t0 + 1.11) == 2
+    # on every core, half-second windows again: a neighbour's tenth of a second is not yet measured
+    clock["busy"] += 0.1 + 0.1
+    clock["own"] += 0.1
+    assert b.update(t0 + 1.2) == 2
 
 
 def test_a_window_spanning_an_idle_spell_is_measured_afresh(clock):

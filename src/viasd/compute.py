@@ -139,7 +139,8 @@ def _own_s() -> float:
 
 class ThreadBudget:
     """How many threads the compute thread's graphs and torch use: the cores other processes left
-    free over the last `INTERVAL` seconds (rounded, at least 1), or `fixed`.
+    free over the last `INTERVAL` seconds (rounded, at least 1), or `fixed`; over the last
+    `FIRST_INTERVAL` while that is fewer than the cores (a neighbour that ended gives them back soon).
 
     After an idle spell (no pass for `STALE` s), the next pass follows what the rest of the machine
     did over the spell's last `RECENT`-`2 * RECENT` s, sampled by a daemon thread while no pass runs
@@ -149,7 +150,7 @@ class ThreadBudget:
     of one thread's speed."""
 
     INTERVAL = 0.5
-    FIRST_INTERVAL = 0.1  # the first window, and the first after an idle spell
+    FIRST_INTERVAL = 0.1  # the first window, the first after an idle spell, and those on fewer threads than cores
     STALE = 2.0
     RECENT = 0.25
 
@@ -192,8 +193,12 @@ class ThreadBudget:
                 self.others = max(0.0, (busy - busy1) - (own - own1)) / (now - t1)
                 self.threads = choose_threads(self.cores, self.others)
             return self.threads
-        # (the first window is short: it runs from the library's load, so the first pass already follows the machine)
-        if self.fixed is not None or now - t0 < (self.FIRST_INTERVAL if self._first else self.INTERVAL) or busy0 is None:
+        # (the first window is short: it runs from the library's load, so the first pass already follows the
+        # machine; so are those on fewer threads than cores, so that a neighbour that has ended gives its cores
+        # back within a tenth of a second: smollm2 decodes right after a llama-bench call ran at half speed
+        # through all of their 0.45 s, one half-second window, in benchmarks/decode_peer.py)
+        short = self._first or self.threads < self.cores
+        if self.fixed is not None or now - t0 < (self.FIRST_INTERVAL if short else self.INTERVAL) or busy0 is None:
             return self.threads
         self._first = False
         busy, own = _machine_busy_s(), _own_s()
