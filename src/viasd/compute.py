@@ -15,7 +15,8 @@ replicas get the CLI's speed. (Code that calls a `Decoder` directly from other t
 it is only slower.)
 
 **How many cores.** Two threads that meet at a barrier after every op lose a time slice whenever
-another process shares one of their cores. `ThreadBudget` follows what the machine gives: every `INTERVAL` seconds it reads how much
+another process shares one of their cores. `ThreadBudget` follows what the machine gives: every `INTERVAL` seconds (every
+`FIRST_INTERVAL` while it runs on fewer threads than cores) it reads how much
 CPU time the rest of the machine used (`/proc/stat` minus this process' own), and the graphs and
 torch then run on as many threads as there are cores left, at least one. After an idle spell (a server
 between requests) the first pass follows the machine's load over the spell's last quarter-second,
