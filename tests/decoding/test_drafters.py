@@ -128,6 +128,13 @@ def test_sd_behind_prompt_lookup_verifies_what_the_text_repeats_and_still_equals
     assert found["lookup_drafted"] >= found["lookup_accepted"] > 0 and without["lookup_drafted"] == 0
 
 
+def _begun(model, tokens, threshold=None, head=None, probs=False, window=0, passes=None) -> ModelDrafter:
+    """A greedy drafter model over `model`, begun on a request whose committed tokens are `tokens`."""
+    d = ModelDrafter(model.decoder, SamplingParams(), None, threshold, head, probs, window)
+    d.begin(256, SimpleNamespace(stats=DecodeStats(), passes=passes or Passes(), tokens=tokens))
+    return d
+
+
 @pytest.mark.model
 def test_a_draft_threshold_over_a_reduced_head_stops_where_the_expanded_drafts_stop(smollm2):
     """A greedy drafter with a reduced head and `draft_threshold` reads only the head's logits; it
@@ -137,9 +144,7 @@ def test_a_draft_threshold_over_a_reduced_head_stops_where_the_expanded_drafts_s
     head = smollm2.decoder.reduced_head(tuple(range(8192)))
 
     def draft(threshold, probs):
-        d = ModelDrafter(smollm2.decoder, SamplingParams(), None, threshold, head, probs)
-        d.begin(64, SimpleNamespace(stats=DecodeStats(), passes=Passes(), tokens=ids))
-        return d.draft_ids(ids, 8)
+        return _begun(smollm2, ids, threshold=threshold, head=head, probs=probs).draft_ids(ids, 8)
 
     tokens, q = draft(None, True)  # 8 tokens, q [8, V]
     top = q.max(-1).values.tolist()
@@ -160,9 +165,7 @@ def test_a_drafter_window_reads_only_the_prompts_last_tokens(smollm2):
     ids = smollm2.tokenizer.encode("Numbers: one, two, three, four, five, six, seven, eight, nine, ten, eleven, twelve,")
 
     def drafter(window, tokens, passes=None):
-        d = ModelDrafter(smollm2.decoder, SamplingParams(), None, None, None, False, window)
-        d.begin(256, SimpleNamespace(stats=DecodeStats(), passes=passes or Passes(), tokens=tokens))
-        return d
+        return _begun(smollm2, tokens, window=window, passes=passes)
 
     windowed, alone = drafter(8, ids), drafter(0, ids[-8:])
     assert (windowed.offset, windowed.cache.n_full, alone.cache.n_full) == (len(ids) - 8, 7, 7)

@@ -44,14 +44,10 @@ class PrefixCache:
         positions (the last row is always computed: its logits are the pass' result): (n, k, v,
         hidden) with k, v [layers, kv_heads, >= n, head_dim] and hidden [>= n, hidden] (None without
         a layer), or None when it is shorter than MIN_REUSE."""
-        best, found = 0, None
         with self._lock:
             self.lookups += 1
-            for key, kept in self._entries.items():
-                n = _common_prefix(key[1], tokens, len(tokens) - 1) if key[0] == layer else 0
-                if n > best:
-                    best, found = n, (key, kept)
-            if found is None or best < MIN_REUSE:
+            best, found = self._longest(tokens, layer)
+            if found is None:
                 return None
             self._entries.move_to_end(found[0])
             self.hits += 1
@@ -61,8 +57,17 @@ class PrefixCache:
     def shared(self, tokens: list[int], layer: int | None = None) -> int:
         """How many of `tokens`' positions `lookup` would reuse now (0: none; nothing counted or moved)."""
         with self._lock:
-            best = max((_common_prefix(key[1], tokens, len(tokens) - 1) for key in self._entries if key[0] == layer), default=0)
-        return best if best >= MIN_REUSE else 0
+            return self._longest(tokens, layer)[0]
+
+    def _longest(self, tokens: list[int], layer: int | None) -> tuple[int, tuple | None]:
+        """(n, (key, kept)) of the entry sharing the longest prefix with `tokens` (at most
+        len(tokens) - 1 positions), or (0, None) below MIN_REUSE; the caller holds the lock."""
+        best, found = 0, None
+        for key, kept in self._entries.items():
+            n = _common_prefix(key[1], tokens, len(tokens) - 1) if key[0] == layer else 0
+            if n > best:
+                best, found = n, (key, kept)
+        return (best, found) if best >= MIN_REUSE else (0, None)
 
     def store(self, tokens: list[int], k: torch.Tensor, v: torch.Tensor, hidden: torch.Tensor | None = None,
               layer: int | None = None) -> None:
