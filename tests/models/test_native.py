@@ -304,6 +304,87 @@ def test_products_with_the_norm_and_residual_fused_in_give_the_separate_ops_logi
         assert nodes["fused"] == nodes["plain"]
 
 
+def test_a_pass_finds_each_rows_first_maximum_as_its_head_writes_the_logits(tiny_native):
+    """Greedy decoding reads the argmax of a pass' logits from what the LM head's op found while writing
+    them (no scan of the row): for every pass shape, and for views of its rows, it is numpy's argmax;
+    any other tensor is scanned."""
+    import numpy as np
+
+    from viasd.decoding.acceptance import first_maxima
+    from viasd.models.rowexact import known_argmax
+
+    dec = tiny_native.decoder
+    fused_head = gk.ROW_EXACT in dec._graph.packed
+    ids = (torch.arange(40) * 11 + 2) % 64
+    cache = dec.new_cache(len(ids))
+    head = dec.reduced_head(list(range(1, 64, 2)))  # (32 rows: whole tiles of the row-exact kernel)
+    outs = [dec.forward(ids[:30], 0, cache), dec.forward(ids[30:31], 30, cache), dec.forward(ids[31:35], 31, cache),
+            dec.forward(ids[35:], 35, cache, last_only=True),
+            dec.forward(ids[:5], 0, dec.new_cache(8), head=head, expand=False)]
+    for out in outs:
+        expected = np.argmax(out.numpy(), -1).tolist()
+        assert known_argmax(out) == (expected if fused_head else None)
+        assert first_maxima(out) == expected
+        for r in range(out.shape[0]):
+            assert first_maxima(out[r]) == [expected[r]]
+            assert known_argmax(out[r]) == ([expected[r]] if fused_head else None)
+        assert first_maxima(out[1:]) == expected[1:]
+        assert known_argmax(out.clone()) is None and first_maxima(out.clone()) == expected
+    # the expanded reduced head is a new tensor (-inf outside the head's ids): scanned
+    expanded = dec.forward(ids[:5], 0, dec.new_cache(8), head=head)
+    assert known_argmax(expanded) is None and first_maxima(expanded) == np.argmax(expanded.numpy(), -1).tolist()
+
+
+@pytest.mark.parametrize("kernel", ["best", "avx2", "reference"])
+def test_the_heads_row_maxima_keep_the_first_of_equal_logits(tiny, kernel, monkeypatch):
+    """Ties go to the lowest token id, as numpy and torch break them, across tiles and threads: the head
+    (tied to the embedding) has three equal rows in different tiles and zeros elsewhere, so each row's
+    maximum is either the three equal logits or the zeros. The VNNI and AVX2 kernels find them; the
+    reference kernel leaves the logits to be scanned."""
+    import numpy as np
+
+    from viasd.decoding.acceptance import first_maxima
+    from viasd.models.loading import load_state_dict
+    from viasd.models.rowexact import known_argmax
+
+    rowexact = _row_exact_or_skip()
+    if kernel == "avx2" and not rowexact.lib().rx_has_avx2():
+        pytest.skip("no AVX2 on this CPU")
+    if kernel != "best":
+        monkeypatch.setattr(rowexact, "best_kernel", lambda: rowexact.AVX2 if kernel == "avx2" else rowexact.REFERENCE)
+    state = dict(load_state_dict(tiny.path))
+    name = "model.embed_tokens.weight"
+    emb = torch.zeros_like(state[name])
+    for i in (5, 21, 40):
+        emb[i] = state[name][7]
+    state[name] = emb
+    dec = Decoder.from_state_dict(tiny.config, state, native=quantize(state, tiny.config, Q8_0), pack=True)
+    assert gk.ROW_EXACT in dec._graph.packed and rowexact.lib() is not None
+    out = dec.forward(torch.tensor([5, 21, 40, 3, 5, 40]), 0, dec.new_cache(8))
+    for row in out:
+        assert (row == row.max()).sum() >= 2  # a tie at every row's maximum
+    expected = np.argmax(out.numpy(), -1).tolist()
+    assert set(expected) <= {0, 5} and first_maxima(out) == expected
+    assert known_argmax(out) == (None if kernel == "reference" else expected)
+
+
+def test_row_maxima_combine_the_threads_first_maxima():
+    """Each thread reports the first maximum of its ascending range of outputs; the row's is the first
+    thread's among equal values; a thread with no outputs (-1) is skipped, a NaN (-2) makes it unknown."""
+    from viasd.models.rowexact import FusedOp, RowMaxima
+
+    op = FusedOp()
+    m = RowMaxima(op, 3)
+    m.arm()
+    assert m.result() is None  # the op did not run (or tracked more rows than this)
+    op.best_threads = 3
+    m.index[:3] = [[4, 4, 4], [20, 20, -1], [40, 40, -1]]
+    m.value[:3] = [[1.0, 2.0, 0.5], [1.0, 3.0, 0.0], [2.0, 3.0, 0.0]]
+    assert m.result() == [40, 20, 4]
+    m.index[1, 0] = -2
+    assert m.result() is None
+
+
 def test_quant_embedding_rows_and_range():
     w = torch.randn(50, 32, generator=torch.Generator().manual_seed(2))
     native = _native(w, Q8_0)

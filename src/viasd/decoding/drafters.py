@@ -16,7 +16,7 @@ from typing import Protocol
 import numpy as np
 import torch
 
-from viasd.decoding.acceptance import SamplingParams, argmax
+from viasd.decoding.acceptance import SamplingParams, first_maxima
 from viasd.decoding.grammar import FORCED_MAX, Constraint
 from viasd.decoding.stats import DecodeStats
 from viasd.decoding.verifier import CallKind, Verifier, pass_bytes
@@ -137,7 +137,7 @@ class _AutoregressiveDrafter:
                     break
             top = None  # the drafter's top probability, where a threshold reads it
             if compact:  # (ascending ids: the first maximum is the expanded row's first maximum)
-                token = int(self.head.ids[int(argmax(logits))])
+                token = self.head.id_list[first_maxima(logits)[0]]
                 if self.threshold is not None:
                     top = float(self.params.confidence(logits).max())  # [N] the head's probabilities
             elif self.keep_probs or self.threshold is not None:
@@ -147,7 +147,7 @@ class _AutoregressiveDrafter:
                 if self.keep_probs:
                     probs.append(q)
             else:  # greedy: the logits' argmax (softmax keeps their order)
-                token = int(argmax(logits))
+                token = first_maxima(logits)[0]
             tokens.append(token)
             if guess is not None and len(tokens) == 1 and token != guess:  # the guess' K/V and logits are of
                 start -= 1  # another token: dropped

@@ -28,7 +28,7 @@ from typing import NamedTuple
 
 import torch
 
-from viasd.decoding.acceptance import SamplingParams, accept, argmax, settle
+from viasd.decoding.acceptance import SamplingParams, accept, first_maxima, settle
 from viasd.decoding.draft_length import DraftLength, draft_policy, propose
 from viasd.execution.timing import PassTimer
 from viasd.decoding.drafters import Draft, Drafter
@@ -283,7 +283,7 @@ def _recheck(v: Verifier, rows: torch.Tensor, unchecked: list[int], new: list[in
     streamed; the drafts among them, `drafted`'s flags of the new tokens, no longer count as
     accepted), the round's are cut. Returns the round's tokens and tiers to commit (unchanged when
     nothing is corrected; otherwise ending with the corrected token, tier 3) and whether it corrected one."""
-    choice = argmax(rows).tolist()
+    choice = first_maxima(rows)
     differs = [c != t for c, t in zip(choice, unchecked)]
     v.stats.observe_recheck(len(unchecked), sum(differs))
     j = differs.index(True) if correct and any(differs) else None

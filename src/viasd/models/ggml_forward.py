@@ -295,7 +295,11 @@ class NativeForward:
                 sel.contents.data = leaves["out_rows"].data_ptr()
                 x = g.get_rows(ctx, x, sel)
         head = head or dec.lm_head
-        (logits,) = self._normed(graph, head, x, dec.norm, [head.out_features], len(out_rows))
+        if len(head.parts) == 1 and head.bias is None and self._fuses(head):  # row maxima found on the way
+            norm = None if dec.norm is None else self._keep_f32(dec.norm)
+            logits, leaves["maxima"] = gk.fused_head(graph, head.parts[0], x, len(out_rows), norm, cfg.rms_eps)
+        else:
+            (logits,) = self._normed(graph, head, x, dec.norm, [head.out_features], len(out_rows))
         graph.finish(logits, expand=tuple(writes))
         return graph, leaves, logits
 
@@ -387,7 +391,11 @@ class NativeForward:
                 self._bind_item(graph, item, start, start + tokens.shape[0], cache)
             if out is not None:
                 graph.bind(logits_t, out.data_ptr())
+            if (maxima := leaves.get("maxima")) is not None:
+                maxima.arm()
             graph.run()
+            if maxima is not None and (found := maxima.result()) is not None:
+                rowexact.remember_maxima(out, found)
         outs, at = [], 0
         for n in counts:
             outs.append(out[at : at + n] if n else None)

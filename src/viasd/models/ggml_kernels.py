@@ -562,12 +562,29 @@ def fused_matmul(graph: _Graph, w: NativeTensor, x: _T, n_rows: int, norm: torch
     None), with ggml's float operations for both, on the row-exact kernel (`fusable(w)`): the two
     threads meet once instead of three or five times. `norm`: float32, contiguous, kept alive by
     the caller."""
+    return _fused(graph, w, x, n_rows, norm, eps, residual)[0]
+
+
+def fused_head(graph: _Graph, w: NativeTensor, x: _T, n_rows: int, norm: torch.Tensor | None,
+               eps: float) -> tuple[_T, rowexact.RowMaxima | None]:
+    """`fused_matmul` without a residual, for an LM head: also each row's first maximum, found as the
+    logits are written (`rowexact.RowMaxima`; None for more rows than it tracks)."""
+    out, op = _fused(graph, w, x, n_rows, norm, eps, None)
+    if n_rows > rowexact.BEST_ROWS:
+        return out, None
+    maxima = rowexact.RowMaxima(op, n_rows)
+    graph.keep.append(maxima)
+    return out, maxima
+
+
+def _fused(graph: _Graph, w: NativeTensor, x: _T, n_rows: int, norm: torch.Tensor | None, eps: float,
+           residual: _T | None) -> tuple[_T, rowexact.FusedOp]:
     op = rowexact.FusedOp(ctypes.addressof(w.packed.tensor.op), None if norm is None else norm.data_ptr(), eps,
                           int(residual is not None))
     graph.keep.append(op)
     args = (_T * 2)(x, residual) if residual is not None else (_T * 1)(x)
     return lib().custom_4d(graph.ctx, F32, w.rows, n_rows, 1, 1, args, len(args), rowexact.fused_op_address(), -1,
-                           ctypes.addressof(op))
+                           ctypes.addressof(op)), op
 
 
 def matmul(graph: _Graph, w: NativeTensor, x: _T, n_rows: int) -> _T:

@@ -69,6 +69,11 @@ class ReducedHead:
         return self.ids.numel()
 
     @functools.cached_property
+    def id_list(self) -> list[int]:
+        """`ids` as Python ints: a greedy drafter maps its argmax through them every drafted token."""
+        return self.ids.tolist()
+
+    @functools.cached_property
     def digest(self) -> str:
         """The ids' sha256 (hex, 16 digits): which subset, for what is kept of its passes' times."""
         return hashlib.sha256(self.ids.numpy().astype("<i8").tobytes()).hexdigest()[:16]

@@ -168,6 +168,46 @@ __attribute__((always_inline)) static inline rx_shape shape_of(const rx_weight *
     return s;
 }
 
+#define RX_AVX2 __attribute__((target("avx2,fma,f16c")))
+
+// A row's first maximum among the outputs a thread computes, kept per lane (lane r of tile n: output
+// 16 n + r) as the VNNI and AVX2 kernels store each tile's 16 values: greedy decoding then never scans
+// the logits (a cold 152k-float row took ~0.17 ms on the AMX Xeon; these add ~12 instructions a
+// tile). In a lane the first of equal values stays (tiles ascend); best_result takes the lowest index
+// among the lanes' equal maxima: the first maximum, as numpy's and torch's argmax.
+typedef struct {
+    __m256 v[2], i[2], nan;  // (indices as int32 bits)
+    int any;
+} rx_best;
+
+RX_AVX2 static inline void best_update(rx_best *b, const float *y16, int64_t first) {
+    for (int h = 0; h < 2; h++) {
+        const __m256 v = _mm256_loadu_ps(y16 + 8 * h);
+        const __m256 idx = _mm256_castsi256_ps(
+            _mm256_add_epi32(_mm256_set1_epi32((int32_t)(first + 8 * h)), _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7)));
+        b->nan = _mm256_or_ps(b->nan, _mm256_cmp_ps(v, v, _CMP_UNORD_Q));
+        const __m256 gt = b->any ? _mm256_cmp_ps(v, b->v[h], _CMP_GT_OQ) : _mm256_castsi256_ps(_mm256_set1_epi32(-1));
+        b->v[h] = _mm256_blendv_ps(b->v[h], v, gt);
+        b->i[h] = _mm256_blendv_ps(b->i[h], idx, gt);
+    }
+    b->any = 1;
+}
+
+// the row's first maximum: its value and index; index -1: no outputs, -2: one was NaN
+RX_AVX2 static void best_result(const rx_best *b, float *value, int32_t *index) {
+    float v[16];
+    int32_t i[16];
+    _mm256_storeu_ps(v, b->v[0]), _mm256_storeu_ps(v + 8, b->v[1]);
+    _mm256_storeu_ps((float *)i, b->i[0]), _mm256_storeu_ps((float *)(i + 8), b->i[1]);
+    *value = 0.0f, *index = -1;
+    if (!b->any) return;
+    if (_mm256_movemask_ps(b->nan)) { *index = -2; return; }
+    int k = 0;
+    for (int r = 1; r < 16; r++)
+        if (v[r] > v[k] || (v[r] == v[k] && i[r] < i[k])) k = r;
+    *value = v[k], *index = i[k];
+}
+
 // ---------------------------------------------------------------- AVX-512 VNNI kernel
 #define RX_CHUNK 8  // activation rows per pass over a tile's weights
 #define RX_AHEAD 8  // software prefetch distance, in blocks
@@ -279,7 +319,7 @@ static inline void rx_case(const rx_weight *w, int64_t tile, const int NT, const
 
 __attribute__((target("avx512f,avx512bw,avx512vnni")))
 static void tiles_vnni(const rx_weight *w, int64_t t0, int64_t t1, int64_t T, const int8_t *xq, const float *dx,
-                       const float *sx, const int32_t *qsum, float *y, int64_t ystride) {
+                       const float *sx, const int32_t *qsum, float *y, int64_t ystride, rx_best *best) {
     const int64_t nblk = w->cols / w->blk;
 #define RX_CASE(NT) rx_case(w, tile, NT, xq + c * w->cols, dx + c * nblk, sx + c * nblk, qsum + c * nblk, y + c * ystride, ystride)
     for (int64_t c = 0; c < T; c += RX_CHUNK) {
@@ -295,6 +335,8 @@ static void tiles_vnni(const rx_weight *w, int64_t t0, int64_t t1, int64_t T, co
                 case 7: RX_CASE(7); break;
                 default: RX_CASE(8); break;
             }
+            if (best)
+                for (int t = 0; t < nt; t++) best_update(best + c + t, y + (c + t) * ystride + tile * 16, tile * 16);
         }
     }
 #undef RX_CASE
@@ -327,7 +369,6 @@ static void quantize_row_vnni(const float *x, int64_t cols, int blk, int8_t *xq,
 // The same sums as the reference: u8 x s8 pairs through vpmaddubsw (no saturation: q <= 63, or, for
 // 8-bit types whose q reaches 255 (Q8_0), q - 128 with the sign moved onto the activation, as ggml
 // does, and 128 * sum(xq) added back), then vpmaddwd into int32; the float part per lane as above.
-#define RX_AVX2 __attribute__((target("avx2,fma,f16c")))
 #define RX_AVX2_ROWS 3  // activation rows per pass over a tile's weights (2 and 4 were slower at 3-8 rows)
 
 // quantize_row's results with vector ops (the scalar loop called libm's fmaxf and nearbyintf for every
@@ -508,7 +549,7 @@ static inline void rx_case8(const rx_weight *w, int64_t tile, const int NT, cons
 }
 
 RX_AVX2 static void tiles_avx2(const rx_weight *w, int64_t t0, int64_t t1, int64_t T, const int8_t *xq, const float *dx,
-                               const float *sx, const int32_t *qsum, float *y, int64_t ystride) {
+                               const float *sx, const int32_t *qsum, float *y, int64_t ystride, rx_best *best) {
     const int64_t nblk = w->cols / w->blk;
     // 8-bit values above 63 would overflow vpmaddubsw's 16-bit pair sums: Q8_0 (min = -128 scale)
     const int wide = w->bits == 8 && w->min_mode == 3 && w->min_mult == -128.0f;
@@ -528,6 +569,8 @@ RX_AVX2 static void tiles_avx2(const rx_weight *w, int64_t t0, int64_t t1, int64
                 default: RX_CASE8(RX_AVX2_ROWS); break;
             }
 #undef RX_CASE8
+            if (best)
+                for (int t = 0; t < nt; t++) best_update(best + c + t, y + (c + t) * ystride + tile * 16, tile * 16);
         }
     }
 }
@@ -564,8 +607,8 @@ static int reserve(int64_t T, int64_t cols, int blk) {
 
 // y = W x for T rows: x [T][x_stride floats], y [T][y_stride floats]; tiles split among nth callers.
 // `impl`: 0 the reference kernel, 1 AVX-512 VNNI, 2 AVX2. Returns 0, or -1 when out of memory.
-int rx_matmul(const rx_weight *w, const float *x, int64_t x_stride, int64_t T, float *y, int64_t y_stride,
-              int ith, int nth, int impl) {
+static int matmul(const rx_weight *w, const float *x, int64_t x_stride, int64_t T, float *y, int64_t y_stride,
+                  int ith, int nth, int impl, rx_best *best) {
     const int64_t nblk = w->cols / w->blk;
     if (!reserve(T, w->cols, w->blk)) return -1;
     int8_t *xq = tls.xq;
@@ -578,12 +621,17 @@ int rx_matmul(const rx_weight *w, const float *x, int64_t x_stride, int64_t T, f
     const int64_t ntiles = w->rows / 16;
     const int64_t t0 = ntiles * ith / nth, t1 = ntiles * (ith + 1) / nth;
     if (impl == 1)
-        tiles_vnni(w, t0, t1, T, xq, dx, sx, qsum, y, y_stride);
+        tiles_vnni(w, t0, t1, T, xq, dx, sx, qsum, y, y_stride, best);
     else if (impl == 2)
-        tiles_avx2(w, t0, t1, T, xq, dx, sx, qsum, y, y_stride);
+        tiles_avx2(w, t0, t1, T, xq, dx, sx, qsum, y, y_stride, best);
     else
-        tiles_ref(w, t0, t1, T, xq, dx, sx, qsum, y, y_stride);
+        tiles_ref(w, t0, t1, T, xq, dx, sx, qsum, y, y_stride);  // (finds no maxima: best left unset)
     return 0;
+}
+
+int rx_matmul(const rx_weight *w, const float *x, int64_t x_stride, int64_t T, float *y, int64_t y_stride,
+              int ith, int nth, int impl) {
+    return matmul(w, x, x_stride, T, y, y_stride, ith, nth, impl, NULL);
 }
 
 // ggml custom op (ggml_custom_4d): dst [rows, T] = W src[0], src[0] [cols, T] (rows contiguous).
@@ -626,7 +674,7 @@ static void poison_rows(const rx_weight *w, const rx_io *io, int ith, int nth) {
 void rx_ggml_op(void *dst, int ith, int nth, void *userdata) {
     const rx_op *op = (const rx_op *)userdata;
     const rx_io io = op_io(dst);
-    if (rx_matmul(&op->w, io.x, io.x_stride, io.T, io.y, io.y_stride, ith, nth, op->impl) != 0)
+    if (matmul(&op->w, io.x, io.x_stride, io.T, io.y, io.y_stride, ith, nth, op->impl, NULL) != 0)
         poison_rows(&op->w, &io, ith, nth);
 }
 
@@ -636,11 +684,19 @@ void rx_ggml_op(void *dst, int ith, int nth, void *userdata) {
 // one float product); on the way out, a residual added (ggml's add: one float sum). Each thread
 // normalizes every row itself (a few hundred floats) and adds the residual to its own outputs.
 // userdata: a struct rx_fused_op; src[1]: the residual [rows] per activation row when `add`.
+// With `best_index` (an LM head's op), each thread also finds each activation row's first maximum
+// among its outputs: best_value / best_index [RX_BEST_THREADS][best_rows] at [ith][t] (index -1: the
+// thread had no outputs; -2: one was NaN), and best_threads = nth (models/rowexact.py combines them).
+#define RX_BEST_THREADS 64
+#define RX_BEST_ROWS 64  // (a decoding pass' rows at most: ROW_ATTENTION_MAX)
 typedef struct {
     const rx_op *op;
     const float *norm;  // [cols], or NULL: no norm
     float eps;
     int32_t add;
+    float *best_value;
+    int32_t *best_index;
+    int32_t best_rows, best_threads;
 } rx_fused_op;
 
 static __thread float *norm_buf;
@@ -676,7 +732,17 @@ void rx_ggml_fused_op(void *dst, int ith, int nth, void *userdata) {
             x_stride = cols;
         }
     }
-    if (status == 0) status = rx_matmul(&op->w, x, x_stride, io.T, io.y, io.y_stride, ith, nth, op->impl);
+    rx_best best[RX_BEST_ROWS];
+    const int tracked = f->best_index && !f->add && io.T <= f->best_rows && io.T <= RX_BEST_ROWS && nth <= RX_BEST_THREADS;
+    if (tracked) memset(best, 0, sizeof(rx_best) * (size_t)io.T);  // (any = 0: no outputs yet)
+    if (status == 0) status = matmul(&op->w, x, x_stride, io.T, io.y, io.y_stride, ith, nth, op->impl, tracked ? best : NULL);
+    if (tracked) {
+        for (int64_t t = 0; t < io.T; t++) {
+            best_result(best + t, f->best_value + ith * f->best_rows + t, f->best_index + ith * f->best_rows + t);
+            if (status != 0) f->best_index[ith * f->best_rows + t] = -2;
+        }
+        if (ith == 0) ((rx_fused_op *)f)->best_threads = nth;
+    }
     if (status != 0) {
         poison_rows(&op->w, &io, ith, nth);
         return;
