@@ -27,6 +27,7 @@ import time
 from collections import OrderedDict
 from typing import TYPE_CHECKING
 
+import numpy as np
 import torch
 
 from viasd.models import ggml_kernels as gk
@@ -84,6 +85,7 @@ class NativeForward:
             cfg.attn_scale if cfg.attn_scale is not None else cfg.head_dim ** -0.5, cfg.attn_softcap)
         self.pos32 = torch.arange(cfg.max_positions, dtype=torch.int32)
         self.pos64 = torch.arange(cfg.max_positions, dtype=torch.int64)
+        self._ids32 = np.zeros(ROW_ATTENTION_MAX, dtype=np.int32)  # a pass' token ids (bound while it runs)
         self._graphs: OrderedDict[tuple, tuple] = OrderedDict()
         self._keep: list[torch.Tensor] = []  # float copies the graphs' leaves point into (norms, biases)
         self._mask_tables: dict[int, tuple[torch.Tensor, torch.Tensor | None]] = {}  # cache length -> masks
@@ -377,15 +379,19 @@ class NativeForward:
         else:
             self._graphs.move_to_end(key)
         graph, leaves, logits_t = built
-        ids = torch.cat([t for t, _, _, _ in calls]).to(torch.int32)
-        if ids.numel() and (int(ids.min()) < 0 or int(ids.max()) >= self.dec.embed.table.rows):
+        # (as Python ints: the first torch ops after a pass ran 5-20x slower than warm, on cold caches)
+        ids = [i for t, _, _, _ in calls for i in t.tolist()]
+        if ids and (min(ids) < 0 or max(ids) >= self.dec.embed.table.rows):
             raise IndexError(f"token id out of range [0, {self.dec.embed.table.rows})")
         pos = None if len(calls) == 1 else torch.cat([self.pos32[s : s + t.shape[0]] for t, s, _, _ in calls])
         counts = [count for _, _, _, (_, count) in calls]
         width = (head_linear or self.dec.lm_head).out_features
         out = torch.empty(sum(counts), width) if logits_t is not None else None
         with gk.RUN_LOCK:  # binding and running a shared graph must not interleave between threads
-            graph.bind(leaves["ids"], ids.data_ptr())
+            if len(ids) > len(self._ids32):
+                self._ids32 = np.zeros(max(len(ids), 2 * len(self._ids32)), dtype=np.int32)
+            self._ids32[: len(ids)] = ids
+            graph.bind(leaves["ids"], self._ids32.ctypes.data)
             graph.bind(leaves["pos"], self.pos32.data_ptr() + 4 * calls[0][1] if pos is None else pos.data_ptr())
             for item, (tokens, start, cache, _) in zip(leaves["items"], calls):
                 self._bind_item(graph, item, start, start + tokens.shape[0], cache)
