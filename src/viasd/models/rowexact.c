@@ -319,7 +319,7 @@ static inline void rx_case(const rx_weight *w, int64_t tile, const int NT, const
 
 __attribute__((target("avx512f,avx512bw,avx512vnni")))
 static void tiles_vnni(const rx_weight *w, int64_t t0, int64_t t1, int64_t T, const int8_t *xq, const float *dx,
-                       const float *sx, const int32_t *qsum, float *y, int64_t ystride, rx_best *best) {
+                       const float *sx, const int32_t *qsum, float *y, int64_t ystride) {
     const int64_t nblk = w->cols / w->blk;
 #define RX_CASE(NT) rx_case(w, tile, NT, xq + c * w->cols, dx + c * nblk, sx + c * nblk, qsum + c * nblk, y + c * ystride, ystride)
     for (int64_t c = 0; c < T; c += RX_CHUNK) {
@@ -335,8 +335,6 @@ static void tiles_vnni(const rx_weight *w, int64_t t0, int64_t t1, int64_t T, co
                 case 7: RX_CASE(7); break;
                 default: RX_CASE(8); break;
             }
-            if (best)
-                for (int t = 0; t < nt; t++) best_update(best + c + t, y + (c + t) * ystride + tile * 16, tile * 16);
         }
     }
 #undef RX_CASE
@@ -549,7 +547,7 @@ static inline void rx_case8(const rx_weight *w, int64_t tile, const int NT, cons
 }
 
 RX_AVX2 static void tiles_avx2(const rx_weight *w, int64_t t0, int64_t t1, int64_t T, const int8_t *xq, const float *dx,
-                               const float *sx, const int32_t *qsum, float *y, int64_t ystride, rx_best *best) {
+                               const float *sx, const int32_t *qsum, float *y, int64_t ystride) {
     const int64_t nblk = w->cols / w->blk;
     // 8-bit values above 63 would overflow vpmaddubsw's 16-bit pair sums: Q8_0 (min = -128 scale)
     const int wide = w->bits == 8 && w->min_mode == 3 && w->min_mult == -128.0f;
@@ -569,8 +567,6 @@ RX_AVX2 static void tiles_avx2(const rx_weight *w, int64_t t0, int64_t t1, int64
                 default: RX_CASE8(RX_AVX2_ROWS); break;
             }
 #undef RX_CASE8
-            if (best)
-                for (int t = 0; t < nt; t++) best_update(best + c + t, y + (c + t) * ystride + tile * 16, tile * 16);
         }
     }
 }
@@ -620,10 +616,18 @@ static int matmul(const rx_weight *w, const float *x, int64_t x_stride, int64_t 
             x + t * x_stride, w->cols, w->blk, xq + t * w->cols, dx + t * nblk, sx + t * nblk, qsum + t * nblk);
     const int64_t ntiles = w->rows / 16;
     const int64_t t0 = ntiles * ith / nth, t1 = ntiles * (ith + 1) / nth;
-    if (impl == 1)
-        tiles_vnni(w, t0, t1, T, xq, dx, sx, qsum, y, y_stride, best);
+    if (best && impl != 0) {  // an LM head: tile by tile, each tile's outputs read back while in L1
+        for (int64_t tile = t0; tile < t1; tile++) {
+            if (impl == 1)
+                tiles_vnni(w, tile, tile + 1, T, xq, dx, sx, qsum, y, y_stride);
+            else
+                tiles_avx2(w, tile, tile + 1, T, xq, dx, sx, qsum, y, y_stride);
+            for (int64_t t = 0; t < T; t++) best_update(best + t, y + t * y_stride + tile * 16, tile * 16);
+        }
+    } else if (impl == 1)
+        tiles_vnni(w, t0, t1, T, xq, dx, sx, qsum, y, y_stride);
     else if (impl == 2)
-        tiles_avx2(w, t0, t1, T, xq, dx, sx, qsum, y, y_stride, best);
+        tiles_avx2(w, t0, t1, T, xq, dx, sx, qsum, y, y_stride);
     else
         tiles_ref(w, t0, t1, T, xq, dx, sx, qsum, y, y_stride);  // (finds no maxima: best left unset)
     return 0;
