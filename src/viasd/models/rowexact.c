@@ -737,7 +737,9 @@ void rx_ggml_fused_op(void *dst, int ith, int nth, void *userdata) {
         }
     }
     rx_best best[RX_BEST_ROWS];
-    const int tracked = f->best_index && !f->add && io.T <= f->best_rows && io.T <= RX_BEST_ROWS && nth <= RX_BEST_THREADS;
+    // (not on the reference kernel: best_update and best_result are AVX2 code)
+    const int tracked = f->best_index && !f->add && op->impl != 0 && io.T <= f->best_rows && io.T <= RX_BEST_ROWS &&
+                        nth <= RX_BEST_THREADS;
     if (tracked) memset(best, 0, sizeof(rx_best) * (size_t)io.T);  // (any = 0: no outputs yet)
     if (status == 0) status = matmul(&op->w, x, x_stride, io.T, io.y, io.y_stride, ith, nth, op->impl, tracked ? best : NULL);
     if (tracked) {
