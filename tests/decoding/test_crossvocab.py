@@ -213,3 +213,33 @@ def test_a_right_guess_of_the_healed_token_saves_its_pass_and_a_wrong_one_change
         assert r_tokens == w_tokens == tokens and len(tokens) == 5
         assert r_passes == passes - 1 and w_passes == passes
         assert torch.equal(r_k, k) and torch.equal(w_k, k)  # the same K/V for the context and the drafts
+
+
+def test_same_vocabulary_compares_every_token_and_id():
+    """A drafter shares the verifier's ids only with the same token at every id; vocabularies of
+    different sizes differ without being read."""
+    from types import SimpleNamespace
+
+    from viasd.models.vocabulary import same_vocabulary
+
+    class Tok:
+        def __init__(self, vocab):
+            self.vocab, self.reads = vocab, 0
+
+        def get_vocab(self):
+            self.reads += 1
+            return dict(self.vocab)
+
+        def __len__(self):
+            return len(self.vocab)
+
+    def model(vocab):
+        return SimpleNamespace(tokenizer=Tok(vocab))
+
+    a = {"a": 0, "b": 1, "c": 2}
+    assert same_vocabulary(model(a), model(dict(a)))
+    assert not same_vocabulary(model(a), model({"a": 0, "b": 2, "c": 1}))  # the same tokens at other ids
+    assert not same_vocabulary(model(a), model({"a": 0, "b": 1, "d": 2}))
+    assert not same_vocabulary(model(a), model({"a": 0, "b": 1, "c": 3}))  # a gap
+    small, big = model({"a": 0}), model(a)
+    assert not same_vocabulary(big, small) and small.tokenizer.reads == big.tokenizer.reads == 0
