@@ -87,3 +87,22 @@ def test_argmax_is_torchs_first_maximum_for_every_layout():
         got = argmax(t)
         assert got.dtype == torch.int64 and got.shape == t.shape[:-1] and torch.equal(got, t.argmax(-1))
     assert int(argmax(x[0])) == 7
+
+
+def test_first_among_is_the_masked_rows_first_maximum():
+    """`first_among(x, ids)`: x's argmax with every entry outside `ids` set to -inf, for ids in any
+    order, ties (the lowest id wins, inside `ids` or across it), NaN, and x's own maximum in or out."""
+    from viasd.decoding.acceptance import first_among
+
+    g = torch.Generator().manual_seed(1)
+    for trial in range(200):
+        x = torch.randn(400, generator=g).round(decimals=1)  # (rounded: ties are common)
+        if trial % 7 == 0:
+            x[torch.randint(400, (2,), generator=g)] = float("nan")
+        ids = torch.randperm(400, generator=g)[: int(torch.randint(1, 60, (1,), generator=g))]
+        if trial % 3 == 0:
+            ids = torch.cat([ids, x.argmax(-1, keepdim=True)])  # x's own maximum among them
+        masked = torch.full_like(x, float("-inf")).index_copy_(0, ids, x[ids])
+        assert first_among(x, ids) == int(masked.argmax()), trial
+    x = torch.zeros(10)
+    assert first_among(x, torch.tensor([9, 4, 6])) == 4 and first_among(x, torch.tensor([9, 0])) == 0

@@ -166,11 +166,12 @@ def test_intersection_sampling_follows_the_verifier_distribution(small_vocab_pai
 @pytest.mark.model
 def test_zoo_tokenizers_bytes_are_exact(smollm2, gemma3):
     """SmolLM2 (byte-level BPE) and Gemma 3 (SentencePiece with byte fallback): the bytes of the ids
-    are the text, control tokens included."""
+    are the text, control tokens included, and the ids are the tokenizer's."""
     text = "<|im_start|>user\ndef f(n):\n    \"\"\"Doc.\"\"\"\n\treturn n  # ok\n\nprint('héllo 日本語 😀')<|im_end|>"
     for model in (smollm2, gemma3):
         vocab = model.vocabulary
         assert vocab.text_bytes(vocab.encode(text)) == text.encode(), model.name
+        assert vocab.encode(text) == model.tokenizer.encode(text, add_special_tokens=False), model.name  # (the backend's)
     assert VocabBridge(gemma3.vocabulary, smollm2.vocabulary).shared
 
 
@@ -243,3 +244,21 @@ def test_same_vocabulary_compares_every_token_and_id():
     assert not same_vocabulary(model(a), model({"a": 0, "b": 1, "c": 3}))  # a gap
     small, big = model({"a": 0}), model(a)
     assert not same_vocabulary(big, small) and small.tokenizer.reads == big.tokenizer.reads == 0
+
+
+def test_healing_greedy_draws_the_masked_rows_first_maximum(tiny, tiny_drafter):
+    """A greedy drafter that keeps no q picks the healed token from the allowed ids' logits alone
+    (`first_among`); it drafts what the masked row gives (a drafter keeping q masks the row)."""
+    from viasd.decoding.drafters import ModelDrafter
+    from viasd.decoding.verifier import Verifier
+
+    prompt = [1, 5, 6, 7, 5, 6, 7, 5]
+    g = torch.Generator().manual_seed(0)
+    for trial in range(12):
+        first = torch.randperm(tiny_drafter.config.vocab_size, generator=g)[: 1 + 4 * trial]
+        drafts = []
+        for probs in (False, True):
+            drafter = ModelDrafter(tiny_drafter.decoder, GREEDY, None, None, probs=probs)
+            drafter.begin(64, Verifier(tiny.decoder, DecodeRequest(prompt, 20, GREEDY, NO_EOS), 64))
+            drafts.append(drafter.draft_ids(prompt, 3, first=first)[0])
+        assert drafts[0] == drafts[1] and drafts[0][0] in first.tolist(), trial

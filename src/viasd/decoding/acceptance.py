@@ -42,6 +42,18 @@ def first_maxima(x: torch.Tensor) -> list[int]:
     return [int(found)] if x.dim() == 1 else found.tolist()
 
 
+def first_among(x: torch.Tensor, ids: torch.Tensor) -> int:
+    """x [V], ids [n] (any order) -> the first maximum of x over `ids` alone, as x's argmax with every
+    other entry -inf: x's own where `ids` holds it (a pass' logits: no scan), else the lowest id of
+    x[ids]'s maxima (NaN the largest, as torch.argmax has it)."""
+    best, ids_np = first_maxima(x)[0], ids.numpy()
+    if (ids_np == best).any():
+        return best
+    values = x.numpy()[ids_np]
+    top = values.max()
+    return int(ids_np[np.isnan(values) if np.isnan(top) else values == top].min())
+
+
 @dataclass(frozen=True)
 class SamplingParams:
     temperature: float = 0.0  # 0 = greedy

@@ -113,7 +113,6 @@ class CrossVocabDrafter(ModelDrafter):
         self.bridge, self.conversion, self.eos, self.ratio = bridge, conversion, eos, ratio
         self.context = DrafterContext(bridge)
         self._shared = torch.tensor(bridge.shared, dtype=torch.long)  # [n_shared]
-        self._healing: dict[bytes, torch.Tensor] = {}
 
     def begin(self, max_len: int, verifier: Verifier) -> None:
         self.stats, self.passes = verifier.stats, verifier.passes
@@ -168,13 +167,15 @@ class CrossVocabDrafter(ModelDrafter):
 
         def enough(tokens: list[int]) -> bool:  # k + 1 verifier tokens (the last may be incomplete), or an end
             nonlocal converted
-            if len(tokens) < k and tokens[-1] not in self.eos:
+            # (k + 1 tokens of new text, before the first encode: fewer made k + 1 verifier tokens in
+            # 6 of 267 rounds, and each try is an encode)
+            if tokens[-1] not in self.eos and len(tokens) - (healed and d.pieces[tokens[0]] == healed) <= k:
                 return False
             converted = self._convert(base, text_of(tokens), tokens[-1])
             return tokens[-1] in self.eos or len(converted) > k
 
         if healed:  # (its own token, most often drawn again: read in the first pass with the context)
-            tokens, _ = self.draft_ids(ids[:-1], 2 * k + 2, enough, self._extensions(healed), guess=ids[-1])
+            tokens, _ = self.draft_ids(ids[:-1], 2 * k + 2, enough, self.bridge.extensions(healed), guess=ids[-1])
         else:
             tokens, _ = self.draft_ids(ids, 2 * k + 2, enough)
         ended = bool(tokens) and tokens[-1] in self.eos
@@ -184,16 +185,6 @@ class CrossVocabDrafter(ModelDrafter):
         drafted, got = text_of(tokens), v.text_bytes([t for t in kept if t not in v.special])
         self.stats.observe_conversion(len(drafted), common_prefix(list(drafted), list(got)))  # (bytes as they came)
         return Draft(kept, None) if kept else NO_DRAFT
-
-    def _extensions(self, piece: bytes) -> torch.Tensor:
-        """[n] the drafter ids whose bytes start with `piece` (not special): a range of the pieces
-        sorted (`VocabBridge.by_bytes`)."""
-        if piece not in self._healing:
-            order, keys = self.bridge.by_bytes
-            lo = bisect.bisect_left(keys, piece)
-            hi = bisect.bisect_left(keys, piece + b"\xff" * 64, lo)  # (no piece is 64 bytes of 0xff)
-            self._healing[piece] = order[lo:hi]
-        return self._healing[piece]
 
     def _convert(self, base: bytes, drafted: bytes, last: int) -> list[int]:
         """Verifier ids of the `drafted` bytes following the committed `base` bytes: a tokenization that

@@ -16,7 +16,7 @@ from typing import Protocol
 import numpy as np
 import torch
 
-from viasd.decoding.acceptance import SamplingParams, first_maxima
+from viasd.decoding.acceptance import SamplingParams, first_among, first_maxima
 from viasd.decoding.grammar import FORCED_MAX, Constraint
 from viasd.decoding.stats import DecodeStats
 from viasd.decoding.verifier import CallKind, Verifier, pass_bytes
@@ -115,6 +115,7 @@ class _AutoregressiveDrafter:
         # greedy over a reduced head, nothing masked: the argmax among the head's own ids (and the top
         # probability among them: the expanded row's, whose other tokens have none)
         compact = self.head is not None and not self.keep_probs and first is None and self.grammar is None
+        plain = not self.keep_probs and self.threshold is None and self.grammar is None  # greedy, nothing else read
         feed = torch.tensor(context[start:] + ([] if guess is None else [guess]))
         tokens: list[int] = []
         probs: list[torch.Tensor] = []
@@ -127,7 +128,8 @@ class _AutoregressiveDrafter:
                 if guess is not None and not tokens:
                     logits, ahead = logits  # [V] at the context's last token, [V] at the guess
                 start += feed.shape[0]
-            if first is not None and not tokens:
+            healing = first is not None and not tokens
+            if healing and not plain:
                 logits = torch.full_like(logits, float("-inf")).index_copy_(0, first, logits[first])
             if self.grammar is not None:  # draft only what the grammar allows: a cut draft is a wasted pass
                 allowed = self.grammar(tokens)[: logits.shape[-1]]
@@ -136,7 +138,9 @@ class _AutoregressiveDrafter:
                 if not torch.isfinite(logits).any():  # (a reduced head holding no allowed token)
                     break
             top = None  # the drafter's top probability, where a threshold reads it
-            if compact:  # (ascending ids: the first maximum is the expanded row's first maximum)
+            if healing and plain:  # the masked row's first maximum, without the masked row
+                token = first_among(logits, first)
+            elif compact:  # (ascending ids: the first maximum is the expanded row's first maximum)
                 token = self.head.id_list[first_maxima(logits)[0]]
                 if self.threshold is not None:
                     top = float(self.params.confidence(logits).max())  # [N] the head's probabilities

@@ -10,6 +10,7 @@ stand for nothing (b"").
 
 from __future__ import annotations
 
+import bisect
 import functools
 import hashlib
 import json
@@ -79,7 +80,8 @@ def vocabulary_of(tokenizer, n_ids: int, name: str = "model") -> Vocabulary:
             pieces[i] = added["content"].encode()
             if added.get("special"):
                 special.add(i)
-    return Vocabulary(tuple(pieces), frozenset(special), lambda text: tokenizer.encode(text, add_special_tokens=False), kind)
+    # (the tokenizers backend itself: transformers' wrapper doubled a call's time, run each drafting round)
+    return Vocabulary(tuple(pieces), frozenset(special), lambda text: backend.encode(text, add_special_tokens=False).ids, kind)
 
 
 class VocabBridge:
@@ -100,6 +102,13 @@ class VocabBridge:
         d = self.drafter
         ranked = sorted((b, j) for j, b in enumerate(d.pieces) if b and j not in d.special)
         return torch.tensor([j for _, j in ranked], dtype=torch.long), [b for b, _ in ranked]
+
+    def extensions(self, piece: bytes) -> torch.Tensor:
+        """[n] the drafter ids whose bytes start with `piece` (not special), in the order of their
+        bytes: a range of `by_bytes`."""
+        order, keys = self.by_bytes
+        lo = bisect.bisect_left(keys, piece)
+        return order[lo : bisect.bisect_left(keys, piece + b"\xff" * 64, lo)]  # (no piece is 64 bytes of 0xff)
 
     def shared_within(self, verifier_ids: tuple[int, ...] | None) -> tuple[int, ...]:
         """The shared drafter ids whose verifier tokens are in `verifier_ids` (None: all shared)."""
