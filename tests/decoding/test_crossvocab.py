@@ -95,6 +95,24 @@ def test_greedy_output_equals_ar_with_a_drafter_of_another_vocabulary(bpe_pair, 
         assert r.stats.converted_bytes > 0 and r.stats.converted_kept <= r.stats.converted_bytes
 
 
+def test_a_context_ending_in_a_special_token_drafts_without_healing(bpe_pair):
+    """A control token heals into nothing: the drafter drafts after it, k tokens of new text at least."""
+    from viasd.decoding.verifier import Verifier
+
+    v, d = bpe_pair
+    prompt = v.vocabulary.encode("the quick brown fox<eos>")
+    assert prompt[-1] in v.vocabulary.special
+    drafter = CrossVocabDrafter(d.decoder, VocabBridge(v.vocabulary, d.vocabulary), Conversion.TEXT, GREEDY, None, None,
+                                eos=d.eos_token_ids)
+    drafter.begin(64, Verifier(v.decoder, DecodeRequest(prompt, 20, GREEDY, NO_EOS), 64))
+    drafted = []
+    draft_ids = drafter.draft_ids
+    drafter.draft_ids = lambda *a, **kw: (drafted.append(draft_ids(*a, **kw)[0]) or drafted[-1], None)
+    draft = drafter.propose(prompt, 3)
+    assert len(drafted) == 1 and (len(drafted[0]) > 3 or drafted[0][-1] in d.eos_token_ids)
+    assert draft.tokens and len(draft.tokens) <= 3
+
+
 def test_a_drafter_copying_the_verifier_through_text_is_accepted(tmp_path, bpe_pair):
     """The verifier's own weights behind another tokenizer: its drafts, converted through text, are
     the verifier's tokens wherever the tokenizations agree, so most are accepted."""

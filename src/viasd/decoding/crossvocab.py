@@ -169,7 +169,7 @@ class CrossVocabDrafter(ModelDrafter):
             nonlocal converted
             # (k + 1 tokens of new text, before the first encode: fewer made k + 1 verifier tokens in
             # 6 of 267 rounds, and each try is an encode)
-            if tokens[-1] not in self.eos and len(tokens) - (healed and d.pieces[tokens[0]] == healed) <= k:
+            if tokens[-1] not in self.eos and len(tokens) - (1 if healed and d.pieces[tokens[0]] == healed else 0) <= k:
                 return False
             converted = self._convert(base, text_of(tokens), tokens[-1])
             return tokens[-1] in self.eos or len(converted) > k
