@@ -106,3 +106,5 @@ def test_first_among_is_the_masked_rows_first_maximum():
         assert first_among(x, ids) == int(masked.argmax()), trial
     x = torch.zeros(10)
     assert first_among(x, torch.tensor([9, 4, 6])) == 4 and first_among(x, torch.tensor([9, 0])) == 0
+    x = torch.tensor([3.0, 1.0, 2.0, 2.0], dtype=torch.bfloat16)  # (a model of half-precision logits)
+    assert first_among(x, torch.tensor([3, 2])) == 2 and first_among(x, torch.tensor([1, 0])) == 0

@@ -49,7 +49,7 @@ def first_among(x: torch.Tensor, ids: torch.Tensor) -> int:
     best, ids_np = first_maxima(x)[0], ids.numpy()
     if (ids_np == best).any():
         return best
-    values = x.numpy()[ids_np]
+    values = x[ids].float().numpy()  # [n]
     top = values.max()
     return int(ids_np[np.isnan(values) if np.isnan(top) else values == top].min())
 
