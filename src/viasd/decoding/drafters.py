@@ -116,7 +116,7 @@ class _AutoregressiveDrafter:
         # probability among them: the expanded row's, whose other tokens have none)
         compact = self.head is not None and not self.keep_probs and first is None and self.grammar is None
         plain = not self.keep_probs and self.threshold is None and self.grammar is None  # greedy, nothing else read
-        feed = torch.tensor(context[start:] + ([] if guess is None else [guess]))
+        feed = context[start:] + ([] if guess is None else [guess])  # (ids, not a tensor: see `Decoder.forward`)
         tokens: list[int] = []
         probs: list[torch.Tensor] = []
         ahead: torch.Tensor | None = None  # [V] the next token's logits, computed already (a right guess)
@@ -127,7 +127,7 @@ class _AutoregressiveDrafter:
                 logits = self._pass(feed, start, cache, rows=2 if guess is not None and not tokens else 1, expand=not compact)
                 if guess is not None and not tokens:
                     logits, ahead = logits  # [V] at the context's last token, [V] at the guess
-                start += feed.shape[0]
+                start += len(feed)
             healing = first is not None and not tokens
             if healing and not plain:
                 logits = torch.full_like(logits, float("-inf")).index_copy_(0, first, logits[first])
@@ -159,16 +159,16 @@ class _AutoregressiveDrafter:
                 ahead = None
             if self.threshold is not None and top < self.threshold or enough is not None and enough(tokens):
                 break
-            feed = torch.tensor([token])
+            feed = [token]
         self._drafted(context, tokens)
         return tokens, torch.stack(probs) if probs else None
 
-    def _pass(self, feed: torch.Tensor, start: int, cache: KVCache, rows: int = 1, expand: bool = True) -> torch.Tensor:
+    def _pass(self, feed: list[int], start: int, cache: KVCache, rows: int = 1, expand: bool = True) -> torch.Tensor:
         """The logits of the last `rows` rows of a drafting pass over `feed` ([V], or [rows, V]; with
         `expand` False and a reduced head, over its ids: [N], [rows, N])."""
         logits = self.passes.forward(self.decoder, feed, start, cache, route=self.route, last_only=rows == 1, head=self.head,
                                      **({} if expand else {"expand": False}))  # (asked only of decoders with reduced heads)
-        self.stats.observe_call(CallKind.DRAFT, verifier_share=self.verifier_share, rows=feed.shape[0], model=self.owner,
+        self.stats.observe_call(CallKind.DRAFT, verifier_share=self.verifier_share, rows=len(feed), model=self.owner,
                                 bytes_read=pass_bytes(self.decoder, self.route, head=self.head))
         return logits[0] if rows == 1 else logits[-rows:]
 

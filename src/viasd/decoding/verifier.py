@@ -138,7 +138,7 @@ class Verifier:
             self.stats.observe_call(CallKind.FULL, verifier_share=1.0)
         if not self.tokens:
             return None
-        logits = self.passes.forward(self.decoder, torch.tensor(self.tokens), 0, self.cache, last_only=True)
+        logits = self.passes.forward(self.decoder, list(self.tokens), 0, self.cache, last_only=True)
         self.stats.observe_call(CallKind.FULL, verifier_share=1.0, bytes_read=pass_bytes(self.decoder, None))
         return self._masked(logits[:1], [])[0]
 
@@ -159,7 +159,7 @@ class Verifier:
         if cache.n_exact < end:
             lower = LayerMask.lower(self.decoder.config.n_layers, m)
             seq = self.tokens + ahead
-            self.passes.forward(self.decoder, torch.tensor(seq[cache.n_exact :]), cache.n_exact, cache, route=lower, logits=False)
+            self.passes.forward(self.decoder, seq[cache.n_exact :], cache.n_exact, cache, route=lower, logits=False)
             self.stats.observe_call(CallKind.LOWER, verifier_share=lower.fraction, bytes_read=pass_bytes(self.decoder, lower, head=False),
                                     rows=end - cache.n_exact)
         return self._pass(None, start, ahead, n_rows, CallKind.FULL, resume=True)
@@ -179,7 +179,7 @@ class Verifier:
     def _pass(self, route: LayerMask | None, start: int, ahead: list[int], n_rows: int, kind: CallKind,
               resume: bool = False, head: ReducedHead | None = None) -> torch.Tensor:
         seq = self.tokens + ahead
-        logits = self.passes.forward(self.decoder, torch.tensor(seq[start:]), start, self.cache, route=route, resume=resume, head=head)  # [len - start, V]
+        logits = self.passes.forward(self.decoder, seq[start:], start, self.cache, route=route, resume=resume, head=head)  # [len - start, V]
         first = self.cache.resume_layer if resume else 0
         share = (1.0 if route is None else route.fraction) - (first / self.decoder.config.n_layers)
         self.stats.observe_call(kind, verifier_share=share, bytes_read=pass_bytes(self.decoder, route, first, head), rows=len(seq) - start)

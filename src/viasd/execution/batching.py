@@ -195,7 +195,7 @@ class BatchSession:
                 continue
             decoder = group[0].decoder
             outs = decoder.forward_many([(c.args, c.kwargs) for c in group], rows=key[-1])
-            rows = sum(c.args[0].shape[0] for c in group)
+            rows = sum(len(c.args[0]) for c in group)
             self.last_batch = (len(group), rows)
             if self.on_pass is not None:
                 self.on_pass(len(group), rows)
@@ -256,11 +256,11 @@ def _group_key(call: _Call) -> tuple:
         return (None, id(call))
     route, head, resume = kw.get("route"), kw.get("head"), kw.get("resume", False)
     tokens, start, cache = args
-    if getattr(dec, "_graph", None) is None or tokens.shape[0] > ROW_ATTENTION_MAX:
+    if getattr(dec, "_graph", None) is None or len(tokens) > ROW_ATTENTION_MAX:
         return (None, id(call))
     first = cache.resume_layer if resume else 0
     save = cache.resume_layer if not resume and cache.saves_hidden(None if route is None or route.is_full else route) else None
-    return (id(dec), route, id(head), first, save, padded_rows(tokens.shape[0], start, cache.k.shape[2]))
+    return (id(dec), route, id(head), first, save, padded_rows(len(tokens), start, cache.k.shape[2]))
 
 
 def padded_rows(n: int, start: int, max_len: int) -> int:

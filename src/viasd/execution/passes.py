@@ -35,7 +35,7 @@ class Passes:
         self._prefix = {id(d): c for d, c in prefix}
         self.seconds = 0.0
 
-    def forward(self, decoder, tokens: torch.Tensor, start: int, cache: KVCache, **kw) -> torch.Tensor | None:
+    def forward(self, decoder, tokens: torch.Tensor | list[int], start: int, cache: KVCache, **kw) -> torch.Tensor | None:
         """`decoder.forward(tokens, start, cache, **kw)`, run as this request runs its passes."""
         t0 = time.perf_counter()
         try:
@@ -57,11 +57,11 @@ class Passes:
             return self.session.forward(decoder, *args, **kw)
         return decoder.forward(*args, **kw)
 
-    def _prefill(self, kept: PrefixCache, decoder, tokens: torch.Tensor, cache: KVCache, **kw) -> torch.Tensor | None:
+    def _prefill(self, kept: PrefixCache, decoder, tokens: torch.Tensor | list[int], cache: KVCache, **kw) -> torch.Tensor | None:
         """A prompt's pass from position 0 through the prefix cache: the longest cached prefix's K/V
         copied in, the rest computed, the whole prompt's K/V kept for the next one. Rows are computed
         independently, so the result is what the whole pass gives."""
-        ids = tokens.tolist()
+        ids = list(tokens) if isinstance(tokens, list) else tokens.tolist()
         n = 0
         if (hit := kept.lookup(ids, cache.resume_layer)) is not None:
             n, k, v, hidden = hit

@@ -162,7 +162,7 @@ class Decoder:
     @torch.inference_mode()
     def forward(
         self,
-        tokens: torch.Tensor,
+        tokens: torch.Tensor | list[int],
         start: int,
         cache: KVCache,
         route: LayerMask | None = None,
@@ -174,7 +174,8 @@ class Decoder:
     ) -> torch.Tensor | None:
         """Logits for `tokens` at positions start .. start+T-1, reading and writing `cache`.
 
-        tokens: [T] int64. Returns [T, vocab] float32 logits ([1, vocab] with `last_only`; None
+        tokens: [T] int64, or T ids (native weights read them as ints: a tensor made right after a pass
+        cost 50-80 us, on cold caches). Returns [T, vocab] float32 logits ([1, vocab] with `last_only`; None
         without `logits`: no head, the pass only fills the cache). A routed pass runs only the
         sub-layers `route` keeps and writes K/V only for its kept attention layers; see
         `models/kvcache.py` for the n_full invariant. `resume` (a full pass): start at the cache's resume layer
@@ -183,7 +184,7 @@ class Decoder:
         elsewhere; see `ReducedHead`), or with `expand` False [T, N] over the head's ids alone (a
         greedy drafter's argmax among them: filling a 152k-token row took it 0.25 ms a token).
         """
-        n_tokens = tokens.shape[0]
+        n_tokens = len(tokens)
         route, end = begin_pass(self.config, cache, route, start, n_tokens, resume)
         first = cache.resume_layer if resume else 0
         save = cache.resume_layer if cache.saves_hidden(route) and not resume else None
@@ -219,7 +220,7 @@ class Decoder:
         runnable, route, head, first, save = [], None, None, 0, None
         for i, (args, kw) in enumerate(calls):
             tokens, start, cache = args
-            n = tokens.shape[0]
+            n = len(tokens)
             resume = kw.get("resume", False)
             try:
                 route, end = begin_pass(self.config, cache, kw.get("route"), start, n, resume)
@@ -231,7 +232,7 @@ class Decoder:
             head = kw.get("head")
             pad = (rows or n) - n
             if pad:
-                tokens = torch.cat([tokens, tokens[-1:].expand(pad)])
+                tokens = torch.cat([tokens, tokens[-1:].expand(pad)]) if isinstance(tokens, torch.Tensor) else [*tokens, *tokens[-1:] * pad]
             want = (0, 0) if not kw.get("logits", True) else (n - 1, 1) if kw.get("last_only") else (0, n)  # its own rows only
             runnable.append((i, tokens, start, cache, want, end))
         if not runnable:
@@ -244,15 +245,16 @@ class Decoder:
             results[i] = out if out is None or head is None or not calls[i][1].get("expand", True) else head.expand(out)
         return results
 
-    def _rows(self, tokens: torch.Tensor, start: int, cache: KVCache, route: LayerMask | None, last_only: bool,
+    def _rows(self, tokens: torch.Tensor | list[int], start: int, cache: KVCache, route: LayerMask | None, last_only: bool,
               first: int, save: int | None, logits: bool, head: ReducedHead | None) -> torch.Tensor | None:
         """One chunk of `forward` (at most ROW_ATTENTION_MAX rows; the cache's bookkeeping is the caller's):
         raw logits [T, V] ([1, V] with `last_only`, [T, N] over a reduced head), or None."""
-        n_tokens = tokens.shape[0]
+        n_tokens = len(tokens)
         end = start + n_tokens
         cfg = self.config
         if self._graph is not None:
             return self._graph(tokens, start, cache, route, last_only, first, save, logits, head)
+        tokens = torch.as_tensor(tokens, dtype=torch.long)
 
         if first:  # a resumed pass
             x = cache.hidden[start:end].clone()  # [T, hidden] entering layer `first`

@@ -352,19 +352,19 @@ class NativeForward:
         mask, local = masks
         return mask[start:end], None if local is None else local[start:end]
 
-    def __call__(self, tokens: torch.Tensor, start: int, cache: KVCache, route: LayerMask | None, last_only: bool,
+    def __call__(self, tokens: torch.Tensor | list[int], start: int, cache: KVCache, route: LayerMask | None, last_only: bool,
                  first: int = 0, save: int | None = None, with_logits: bool = True, head=None) -> torch.Tensor | None:
         """(`head`: a `layers.ReducedHead`; the logits are then its N columns, [T, N].)"""
-        n = tokens.shape[0]
+        n = len(tokens)
         rows = (0, 0) if not with_logits else (n - 1, 1) if last_only else (0, n)
         return self.run([(tokens, start, cache, rows)], route, first, save, head)[0]
 
-    def run(self, calls: list[tuple[torch.Tensor, int, KVCache, tuple[int, int]]], route: LayerMask | None, first: int = 0,
+    def run(self, calls: list[tuple[torch.Tensor | list[int], int, KVCache, tuple[int, int]]], route: LayerMask | None, first: int = 0,
             save: int | None = None, head=None) -> list[torch.Tensor | None]:
         """One pass over several requests' rows: `calls`, per request (tokens [n], start, its cache,
         (first, count): the rows whose logits it wants, of its own). Returns each request's logits
         ([count, V], or None for none)."""
-        parts = tuple((t.shape[0], c.k.shape[2], want) for t, _, c, want in calls)
+        parts = tuple((len(t), c.k.shape[2], want) for t, _, c, want in calls)
         head_linear = None if head is None else head.linear
         key = (parts, route, first, save, id(head_linear))
         built = self._graphs.get(key)
@@ -380,10 +380,10 @@ class NativeForward:
             self._graphs.move_to_end(key)
         graph, leaves, logits_t = built
         # (as Python ints: the first torch ops after a pass ran 5-20x slower than warm, on cold caches)
-        ids = [i for t, _, _, _ in calls for i in t.tolist()]
+        ids = [i for t, _, _, _ in calls for i in (t.tolist() if isinstance(t, torch.Tensor) else t)]
         if ids and (min(ids) < 0 or max(ids) >= self.dec.embed.table.rows):
             raise IndexError(f"token id out of range [0, {self.dec.embed.table.rows})")
-        pos = None if len(calls) == 1 else torch.cat([self.pos32[s : s + t.shape[0]] for t, s, _, _ in calls])
+        pos = None if len(calls) == 1 else torch.cat([self.pos32[s : s + len(t)] for t, s, _, _ in calls])
         counts = [count for _, _, _, (_, count) in calls]
         width = (head_linear or self.dec.lm_head).out_features
         out = torch.empty(sum(counts), width) if logits_t is not None else None
@@ -394,7 +394,7 @@ class NativeForward:
             graph.bind(leaves["ids"], self._ids32.ctypes.data)
             graph.bind(leaves["pos"], self.pos32.data_ptr() + 4 * calls[0][1] if pos is None else pos.data_ptr())
             for item, (tokens, start, cache, _) in zip(leaves["items"], calls):
-                self._bind_item(graph, item, start, start + tokens.shape[0], cache)
+                self._bind_item(graph, item, start, start + len(tokens), cache)
             if out is not None:
                 graph.bind(logits_t, out.data_ptr())
             if (maxima := leaves.get("maxima")) is not None:

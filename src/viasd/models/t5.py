@@ -143,6 +143,7 @@ class EncoderDecoder:
             raise ValueError("an encoder-decoder decoder has no reduced LM heads")
         if cache.cross_k is None:
             raise ValueError("encoder-decoder model: encode the source into this cache first")
+        tokens = torch.as_tensor(tokens, dtype=torch.long)
         n_tokens = tokens.shape[0]
         route, end = begin_pass(self.config, cache, route, start, n_tokens, resume)
         cfg = self.config
