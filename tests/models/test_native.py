@@ -311,7 +311,7 @@ def test_a_pass_finds_each_rows_first_maximum_as_its_head_writes_the_logits(tiny
     import numpy as np
 
     from viasd.decoding.acceptance import first_maxima
-    from viasd.models.rowexact import known_argmax
+    from viasd.models.rowexact import known_argmax, remember_maxima
 
     dec = tiny_native.decoder
     fused_head = gk.ROW_EXACT in dec._graph.packed
@@ -330,9 +330,14 @@ def test_a_pass_finds_each_rows_first_maximum_as_its_head_writes_the_logits(tiny
             assert known_argmax(out[r]) == ([expected[r]] if fused_head else None)
         assert first_maxima(out[1:]) == expected[1:]
         assert known_argmax(out.clone()) is None and first_maxima(out.clone()) == expected
-    # the expanded reduced head is a new tensor (-inf outside the head's ids): scanned
+    # the expanded reduced head (-inf outside the head's ids) carries its rows' maxima over, mapped to ids
     expanded = dec.forward(ids[:5], 0, dec.new_cache(8), head=head)
-    assert known_argmax(expanded) is None and first_maxima(expanded) == np.argmax(expanded.numpy(), -1).tolist()
+    expected = np.argmax(expanded.numpy(), -1).tolist()
+    assert known_argmax(expanded) == (expected if fused_head else None) and first_maxima(expanded) == expected
+    assert set(expected) <= set(range(1, 64, 2))
+    rows = torch.full((2, len(head)), float("-inf"))  # rows of -inf alone: expanded, their first maximum is id 0
+    remember_maxima(rows, [0, 0])
+    assert known_argmax(head.expand(rows)) is None and first_maxima(head.expand(rows)) == [0, 0]
 
 
 @pytest.mark.parametrize("kernel", ["best", "avx2", "reference"])
