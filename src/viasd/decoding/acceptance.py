@@ -44,11 +44,11 @@ def first_maxima(x: torch.Tensor) -> list[int]:
 
 def first_among(x: torch.Tensor, ids: torch.Tensor) -> int:
     """x [V], ids [n] (any order) -> the first maximum of x over `ids` alone, as x's argmax with every
-    other entry -inf: x's own where `ids` holds it (a pass' logits: no scan), else the lowest id of
-    x[ids]'s maxima (NaN the largest, as torch.argmax has it)."""
-    best, ids_np = first_maxima(x)[0], ids.numpy()
-    if (ids_np == best).any():
-        return best
+    other entry -inf: x's own where its pass found it and `ids` holds it, else the lowest id of
+    x[ids]'s maxima (NaN the largest, as torch.argmax has it; the rest of x is never scanned)."""
+    known, ids_np = known_argmax(x), ids.numpy()
+    if known is not None and (ids_np == known[0]).any():
+        return known[0]
     values = x[ids].float().numpy()  # [n]
     top = values.max()
     return int(ids_np[np.isnan(values) if np.isnan(top) else values == top].min())
