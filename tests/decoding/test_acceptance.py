@@ -108,3 +108,5 @@ def test_first_among_is_the_masked_rows_first_maximum():
     assert first_among(x, torch.tensor([9, 4, 6])) == 4 and first_among(x, torch.tensor([9, 0])) == 0
     x = torch.tensor([3.0, 1.0, 2.0, 2.0], dtype=torch.bfloat16)  # (a model of half-precision logits)
     assert first_among(x, torch.tensor([3, 2])) == 2 and first_among(x, torch.tensor([1, 0])) == 0
+    rows = torch.tensor([[0.0, 5.0, 1.0, 1.0], [4.0, 0.0, 2.0, 2.0]])  # (a pass' second row: a strided view)
+    assert first_among(rows[1], torch.tensor([3, 2, 1])) == 2 and first_among(rows.t()[2], torch.tensor([0, 1])) == 1
