@@ -385,13 +385,16 @@ def test_pass_times_are_kept_for_the_next_processes_of_a_boot(tiny_q8, tmp_path,
 
 
 @pytest.mark.parametrize("steep", [False, True])
-def test_adaptive_draft_lengths_keep_every_drafter_lossless(tiny, tiny_drafter, steep):
+def test_adaptive_draft_lengths_keep_every_drafter_lossless(tiny, tiny_drafter, steep, monkeypatch):
     """Draft lengths chosen round by round (from the tiny model's measured pass costs, or from
     injected ones where each row costs 1.5 passes) never change the greedy output."""
     k, prompt = 4, [1, 5, 6, 7, 5, 6, 7, 5, 6, 7]
     expected = run_ar(tiny, prompt, 40)
     if steep:
         tiny.decoder.__dict__["_pass_times"] = {(k + 1, False): [0.01 * (1 + 1.5 * j) for j in range(k + 1)]}
+        # the injected costs kept: followed, a slow spell in the measured one-row passes (a busy
+        # machine: the suite on both cores) made a never-accepted drafter's single drafts pay
+        monkeypatch.setattr(DraftLength, "observe_pass", lambda self, rows, seconds: None)
     try:
         for name, drafter in tiny_drafters(tiny, tiny_drafter).items():
             req = DecodeRequest(prompt, 40, GREEDY, NO_EOS)
