@@ -7,7 +7,7 @@ weight in turn, its tiles split between the threads and a barrier after each, as
 
 - Sweeps: a C loop over 2 GiB (roofline's read, with 512-bit loads), its buffer on 2 MB pages
   (`madvise(MADV_HUGEPAGE)`) and on 4 KB pages (`MADV_NOHUGEPAGE`), each plain and with the kernel's
-  software prefetch (every line 8 blocks ahead into L1 and 16 into L2); best of 5.
+  software prefetch (every line 8 Q5_0 blocks ahead into L1 and 16 into L2: 2560 and 5120 bytes); best of 5.
 - Walks of the weights in the kernel's order, adding one part at a time: the weights alone
   (`weights`), with its software prefetch (`prefetch`), with the block scales (`scales`), with the
   nibbles unpacked (`unpack`); then the kernel itself (`kernel`, `rx_matmul`'s one-row path), the
@@ -47,7 +47,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import Records, environment  # noqa: E402
 from load import cpu_flags  # noqa: E402
 
-TYPES = "q4_k,q5_0,q6_k,q8_0,q4_0"  # the zoo's types, all the VNNI kernel takes
+TYPES = "q4_k,q5_0,q6_k,q8_0,q4_0,q4_1"  # every type the kernel takes (`rowexact.TYPES`)
 MODELS = "smollm2-135m,gemma3-270m,qwen2.5-coder-0.5b,qwen2.5-coder-1.5b"
 VARIANTS = ("weights", "prefetch", "scales", "unpack", "kernel", "kernel_huge", "two_tiles")
 
@@ -272,9 +272,10 @@ def main(argv=None) -> int:
     if rowexact.best_kernel() != 1:
         p.error("the row-exact kernel does not run its AVX-512 VNNI path on this CPU: nothing to take apart")
     names = [t.strip().lower() for t in args.types.split(",") if t.strip()]
-    if unknown := [t for t in names if t not in TYPES.split(",")]:
-        p.error(f"--types: {', '.join(unknown)} not among {TYPES}")
-    types = {t: int(GGMLQuantizationType[t.upper()]) for t in names}
+    known = {t.name.lower(): int(t) for t in GGMLQuantizationType if int(t) in rowexact.TYPES}
+    if unknown := [t for t in names if t not in known]:
+        p.error(f"--types: {', '.join(unknown)} not among the kernel's types ({', '.join(known)})")
+    types = {t: known[t] for t in names}
     from viasd.models.zoo import ZOO
 
     models = [m.strip() for m in args.models.split(",") if m.strip()]
