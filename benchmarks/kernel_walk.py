@@ -120,8 +120,7 @@ static inline void tile2_vnni(const rx_weight *w, int64_t tile, const int BLK, c
                               const int SUP, const int8_t *xq, const float *dx, const float *sx, const int32_t *qsum, float *y) {
     const rx_shape sh = shape_of(w, BLK, SM, MM, SUP);
     const int64_t nblk = sh.nblk, nsup = sh.nsup, qbytes = block_bytes(BLK, BITS);
-    const int G = BLK / 4, H = BITS - 4, mult = sh.min_mode == 3;
-    const __m512i low = _mm512_set1_epi8(15), high = _mm512_set1_epi8((char)(((1 << H) - 1) << 4));
+    const int G = BLK / 4, mult = sh.min_mode == 3;
     __m512 acc[2], sup_sc[2], sup_mn[2];
     for (int u = 0; u < 2; u++) acc[u] = sup_sc[u] = sup_mn[u] = _mm512_setzero_ps();
     for (int64_t b = 0; b < nblk; b++)
@@ -130,22 +129,7 @@ static inline void tile2_vnni(const rx_weight *w, int64_t tile, const int BLK, c
             const uint8_t *p = w->q + (tl * nblk + b) * qbytes;
             prefetch_ahead(p, qbytes);
             __m512i wv[8];
-            if (BITS == 8) {
-                for (int g = 0; g < G; g++) wv[g] = _mm512_loadu_si512((const void *)(p + 64 * g));
-            } else {
-                for (int v = 0; v < G / 2; v++) {
-                    const __m512i raw = _mm512_loadu_si512((const void *)(p + 64 * v));
-                    wv[v] = _mm512_and_si512(raw, low);
-                    wv[v + G / 2] = _mm512_and_si512(_mm512_srli_epi16(raw, 4), low);
-                }
-                if (BITS == 5 || BITS == 6) {
-                    const __m512i hv = _mm512_loadu_si512((const void *)(p + BLK * 8));
-                    for (int g = 0; g < G; g++) {
-                        const int up = 4 - H * g;
-                        wv[g] = _mm512_ternarylogic_epi32(wv[g], up >= 0 ? _mm512_slli_epi16(hv, up) : _mm512_srli_epi16(hv, -up), high, 0xF8);
-                    }
-                }
-            }
+            block_weights(p, BLK, BITS, wv);
             if (!(b & (sh.sup_blocks - 1)))
                 sup_sc[u] = sup_vector(w, 0, sh.scale_mode, nsup, sh.sup_shift, tl, b), sup_mn[u] = sup_vector(w, 1, sh.min_mode, nsup, sh.sup_shift, tl, b);
             const __m512 sc = block_vector(w, 0, sh.scale_mode, nblk, tl, b, sup_sc[u]);

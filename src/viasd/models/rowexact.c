@@ -248,6 +248,30 @@ static inline __m512 block_vector(const rx_weight *w, int which, int mode, int64
     return _mm512_mul_ps(sup, sub);
 }
 
+// a tile's block of weights at p as 8-bit values, G = BLK / 4 vectors (group g: 4 inputs of each of the
+// 16 rows): 8-bit values as they are, nibbles and a high-bit plane unpacked
+__attribute__((target("avx512f,avx512bw,avx512vnni"), always_inline))
+static inline void block_weights(const uint8_t *p, const int BLK, const int BITS, __m512i *wv) {
+    const int G = BLK / 4, H = BITS - 4;  // (5-, 6-bit: high bits a value in the plane after the nibbles)
+    const __m512i low = _mm512_set1_epi8(15), high = _mm512_set1_epi8((char)(((1 << H) - 1) << 4));
+    if (BITS == 8) {
+        for (int g = 0; g < G; g++) wv[g] = _mm512_loadu_si512((const void *)(p + 64 * g));
+        return;
+    }
+    for (int v = 0; v < G / 2; v++) {
+        const __m512i raw = _mm512_loadu_si512((const void *)(p + 64 * v));
+        wv[v] = _mm512_and_si512(raw, low);
+        wv[v + G / 2] = _mm512_and_si512(_mm512_srli_epi16(raw, 4), low);
+    }
+    if (BITS == 5 || BITS == 6) {  // bits H*g.. of the plane's bytes become bits 4.. of group g's values
+        const __m512i hv = _mm512_loadu_si512((const void *)(p + BLK * 8));
+        for (int g = 0; g < G; g++) {  // (0xF8: wv | (shifted & high), as high_bits does for AVX2)
+            const int up = 4 - H * g;
+            wv[g] = _mm512_ternarylogic_epi32(wv[g], up >= 0 ? _mm512_slli_epi16(hv, up) : _mm512_srli_epi16(hv, -up), high, 0xF8);
+        }
+    }
+}
+
 // One tile x NT activation rows (compile-time NT: the accumulators stay in registers). (Two tiles at
 // once for up to three rows, independent accumulation chains, was slower on the 2-core AMD EPYC with
 // AVX-512 of session 15: qwen2.5-coder-1.5b passes of 1 / 2 / 3 rows 23-24 / 25-26 / 26-27 ms against
@@ -261,30 +285,13 @@ static inline void tile_vnni_nt(const rx_weight *w, int64_t tile, const int NT, 
     const int64_t nblk = sh.nblk, nsup = sh.nsup;
     const int G = BLK / 4;  // groups of 4 inputs a block
     const int64_t qbytes = block_bytes(BLK, BITS);
-    const int H = BITS - 4;  // (5-, 6-bit: high bits a value in the plane after the nibbles)
-    const __m512i low = _mm512_set1_epi8(15), high = _mm512_set1_epi8((char)(((1 << H) - 1) << 4));
     __m512 acc[RX_CHUNK], sup_sc = _mm512_setzero_ps(), sup_mn = _mm512_setzero_ps();
     for (int t = 0; t < NT; t++) acc[t] = _mm512_setzero_ps();
     for (int64_t b = 0; b < nblk; b++) {
         const uint8_t *p = w->q + (tile * nblk + b) * qbytes;
         if (NT <= prefetch_rows) prefetch_ahead(p, qbytes);
         __m512i wv[8];
-        if (BITS == 8) {
-            for (int g = 0; g < G; g++) wv[g] = _mm512_loadu_si512((const void *)(p + 64 * g));
-        } else {
-            for (int v = 0; v < G / 2; v++) {
-                const __m512i raw = _mm512_loadu_si512((const void *)(p + 64 * v));
-                wv[v] = _mm512_and_si512(raw, low);
-                wv[v + G / 2] = _mm512_and_si512(_mm512_srli_epi16(raw, 4), low);
-            }
-            if (BITS == 5 || BITS == 6) {  // bits H*g.. of the plane's bytes become bits 4.. of group g's values
-                const __m512i hv = _mm512_loadu_si512((const void *)(p + BLK * 8));
-                for (int g = 0; g < G; g++) {  // (0xF8: wv | (shifted & high), as high_bits does for AVX2)
-                    const int up = 4 - H * g;
-                    wv[g] = _mm512_ternarylogic_epi32(wv[g], up >= 0 ? _mm512_slli_epi16(hv, up) : _mm512_srli_epi16(hv, -up), high, 0xF8);
-                }
-            }
-        }
+        block_weights(p, BLK, BITS, wv);
         if (!(b & (sup_blocks - 1)))  // a super-block begins
             sup_sc = sup_vector(w, 0, scale_mode, nsup, sup_shift, tile, b), sup_mn = sup_vector(w, 1, min_mode, nsup, sup_shift, tile, b);
         const __m512 sc = block_vector(w, 0, scale_mode, nblk, tile, b, sup_sc);
