@@ -87,7 +87,8 @@ double walk_sweep(const uint8_t *p, size_t n, int threads, size_t a0, size_t a1,
     return best;
 }
 
-/* tiles [t0, t1) of w in the kernel's order: 0 weights, 1 + prefetch, 2 + scales, 3 + unpack */
+/* tiles [t0, t1) of w in the kernel's order: 0 weights, 1 + prefetch, 2 + scales, 3 + unpack (every byte
+   split into nibbles: more than the kernel does for 8-bit values, less for a high-bit plane) */
 __attribute__((target("avx512f,avx512bw,avx512vnni")))
 static uint64_t walk_tiles(const rx_weight *w, int64_t t0, int64_t t1, int variant) {
     const int64_t nblk = w->cols / w->blk, qbytes = block_bytes(w->blk, w->bits);
