@@ -15,6 +15,7 @@ from typing import TYPE_CHECKING, TypeVar
 
 from viasd.execution.batching import BatchSession
 from viasd.execution.prefix import PrefixCache
+from viasd.models.decoder import token_ids
 
 if TYPE_CHECKING:
     import torch
@@ -61,7 +62,7 @@ class Passes:
         """A prompt's pass from position 0 through the prefix cache: the longest cached prefix's K/V
         copied in, the rest computed, the whole prompt's K/V kept for the next one. Rows are computed
         independently, so the result is what the whole pass gives."""
-        ids = list(tokens) if isinstance(tokens, list) else tokens.tolist()
+        ids = token_ids(tokens)
         n = 0
         if (hit := kept.lookup(ids, cache.resume_layer)) is not None:
             n, k, v, hidden = hit

@@ -36,6 +36,12 @@ from viasd.models.layers import (Embedding, Linear, PackedLinear, ReducedHead, _
                                  _rotate_half, _softcap)
 
 
+def token_ids(tokens: torch.Tensor | list[int]) -> list[int]:
+    """A pass' token ids as Python ints (the decoding loops give lists: a tensor made right after a
+    pass cost 50-80 us, on cold caches; calibration, search and tests give [T] int64 tensors)."""
+    return tokens if isinstance(tokens, list) else tokens.tolist()
+
+
 @dataclass
 class Decoder:
     """Weights of one model and its forward pass. Holds no per-request state (that is the KVCache)."""
@@ -174,8 +180,7 @@ class Decoder:
     ) -> torch.Tensor | None:
         """Logits for `tokens` at positions start .. start+T-1, reading and writing `cache`.
 
-        tokens: [T] int64, or T ids (native weights read them as ints: a tensor made right after a pass
-        cost 50-80 us, on cold caches). Returns [T, vocab] float32 logits ([1, vocab] with `last_only`; None
+        tokens: [T] int64, or T ids (`token_ids`). Returns [T, vocab] float32 logits ([1, vocab] with `last_only`; None
         without `logits`: no head, the pass only fills the cache). A routed pass runs only the
         sub-layers `route` keeps and writes K/V only for its kept attention layers; see
         `models/kvcache.py` for the n_full invariant. `resume` (a full pass): start at the cache's resume layer
@@ -184,6 +189,7 @@ class Decoder:
         elsewhere; see `ReducedHead`), or with `expand` False [T, N] over the head's ids alone (a
         greedy drafter's argmax among them: filling a 152k-token row took it 0.25 ms a token).
         """
+        tokens = token_ids(tokens)
         n_tokens = len(tokens)
         route, end = begin_pass(self.config, cache, route, start, n_tokens, resume)
         first = cache.resume_layer if resume else 0
@@ -220,6 +226,7 @@ class Decoder:
         runnable, route, head, first, save = [], None, None, 0, None
         for i, (args, kw) in enumerate(calls):
             tokens, start, cache = args
+            tokens = token_ids(tokens)
             n = len(tokens)
             resume = kw.get("resume", False)
             try:
@@ -232,7 +239,7 @@ class Decoder:
             head = kw.get("head")
             pad = (rows or n) - n
             if pad:
-                tokens = torch.cat([tokens, tokens[-1:].expand(pad)]) if isinstance(tokens, torch.Tensor) else [*tokens, *tokens[-1:] * pad]
+                tokens = tokens + tokens[-1:] * pad
             want = (0, 0) if not kw.get("logits", True) else (n - 1, 1) if kw.get("last_only") else (0, n)  # its own rows only
             runnable.append((i, tokens, start, cache, want, end))
         if not runnable:
@@ -245,7 +252,7 @@ class Decoder:
             results[i] = out if out is None or head is None or not calls[i][1].get("expand", True) else head.expand(out)
         return results
 
-    def _rows(self, tokens: torch.Tensor | list[int], start: int, cache: KVCache, route: LayerMask | None, last_only: bool,
+    def _rows(self, tokens: list[int], start: int, cache: KVCache, route: LayerMask | None, last_only: bool,
               first: int, save: int | None, logits: bool, head: ReducedHead | None) -> torch.Tensor | None:
         """One chunk of `forward` (at most ROW_ATTENTION_MAX rows; the cache's bookkeeping is the caller's):
         raw logits [T, V] ([1, V] with `last_only`, [T, N] over a reduced head), or None."""

@@ -352,16 +352,16 @@ class NativeForward:
         mask, local = masks
         return mask[start:end], None if local is None else local[start:end]
 
-    def __call__(self, tokens: torch.Tensor | list[int], start: int, cache: KVCache, route: LayerMask | None, last_only: bool,
+    def __call__(self, tokens: list[int], start: int, cache: KVCache, route: LayerMask | None, last_only: bool,
                  first: int = 0, save: int | None = None, with_logits: bool = True, head=None) -> torch.Tensor | None:
         """(`head`: a `layers.ReducedHead`; the logits are then its N columns, [T, N].)"""
         n = len(tokens)
         rows = (0, 0) if not with_logits else (n - 1, 1) if last_only else (0, n)
         return self.run([(tokens, start, cache, rows)], route, first, save, head)[0]
 
-    def run(self, calls: list[tuple[torch.Tensor | list[int], int, KVCache, tuple[int, int]]], route: LayerMask | None, first: int = 0,
+    def run(self, calls: list[tuple[list[int], int, KVCache, tuple[int, int]]], route: LayerMask | None, first: int = 0,
             save: int | None = None, head=None) -> list[torch.Tensor | None]:
-        """One pass over several requests' rows: `calls`, per request (tokens [n], start, its cache,
+        """One pass over several requests' rows: `calls`, per request (its n token ids, start, its cache,
         (first, count): the rows whose logits it wants, of its own). Returns each request's logits
         ([count, V], or None for none)."""
         parts = tuple((len(t), c.k.shape[2], want) for t, _, c, want in calls)
@@ -379,8 +379,7 @@ class NativeForward:
         else:
             self._graphs.move_to_end(key)
         graph, leaves, logits_t = built
-        # (as Python ints: the first torch ops after a pass ran 5-20x slower than warm, on cold caches)
-        ids = [i for t, _, _, _ in calls for i in (t.tolist() if isinstance(t, torch.Tensor) else t)]
+        ids = [i for t, _, _, _ in calls for i in t]  # (Python ints: `decoder.token_ids`)
         if ids and (min(ids) < 0 or max(ids) >= self.dec.embed.table.rows):
             raise IndexError(f"token id out of range [0, {self.dec.embed.table.rows})")
         pos = None if len(calls) == 1 else torch.cat([self.pos32[s : s + len(t)] for t, s, _, _ in calls])
