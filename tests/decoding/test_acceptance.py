@@ -99,14 +99,18 @@ def test_first_among_is_the_masked_rows_first_maximum():
         x = torch.randn(400, generator=g).round(decimals=1)  # (rounded: ties are common)
         if trial % 7 == 0:
             x[torch.randint(400, (2,), generator=g)] = float("nan")
-        ids = torch.randperm(400, generator=g)[: int(torch.randint(1, 60, (1,), generator=g))]
+        ids = torch.randperm(400, generator=g)[: int(torch.randint(1, 160, (1,), generator=g))]  # (both sides of SCAN)
         if trial % 3 == 0:
             ids = torch.cat([ids, x.argmax(-1, keepdim=True)])  # x's own maximum among them
         masked = torch.full_like(x, float("-inf")).index_copy_(0, ids, x[ids])
-        assert first_among(x, ids) == int(masked.argmax()), trial
+        assert first_among(x, ids.tolist()) == first_among(x, tuple(ids.tolist())) == int(masked.argmax()), trial
     x = torch.zeros(10)
-    assert first_among(x, torch.tensor([9, 4, 6])) == 4 and first_among(x, torch.tensor([9, 0])) == 0
+    assert first_among(x, [9, 4, 6]) == 4 and first_among(x, [9, 0]) == 0
     x = torch.tensor([3.0, 1.0, 2.0, 2.0], dtype=torch.bfloat16)  # (a model of half-precision logits)
-    assert first_among(x, torch.tensor([3, 2])) == 2 and first_among(x, torch.tensor([1, 0])) == 0
+    assert first_among(x, [3, 2]) == 2 and first_among(x, [1, 0]) == 0
     rows = torch.tensor([[0.0, 5.0, 1.0, 1.0], [4.0, 0.0, 2.0, 2.0]])  # (a pass' second row: a strided view)
-    assert first_among(rows[1], torch.tensor([3, 2, 1])) == 2 and first_among(rows.t()[2], torch.tensor([0, 1])) == 1
+    assert first_among(rows[1], [3, 2, 1]) == 2 and first_among(rows.t()[2], [0, 1]) == 1
+    with pytest.raises(IndexError, match="out of range"):
+        first_among(torch.zeros(10), [3, 10])
+    with pytest.raises(ValueError, match="at least one"):
+        first_among(torch.zeros(10), [])

@@ -13,6 +13,8 @@ Each verification round commits `n_accepted` draft tokens plus exactly one recov
 
 from __future__ import annotations
 
+import ctypes
+from collections.abc import Sequence
 from dataclasses import dataclass
 from enum import StrEnum
 
@@ -42,15 +44,36 @@ def first_maxima(x: torch.Tensor) -> list[int]:
     return [int(found)] if x.dim() == 1 else found.tolist()
 
 
-def first_among(x: torch.Tensor, ids: torch.Tensor) -> int:
-    """x [V], ids [n] (any order) -> the first maximum of x over `ids` alone, as x's argmax with every
-    other entry -inf: x's own where its pass found it and `ids` holds it, else the lowest id of
-    x[ids]'s maxima (NaN the largest, as torch.argmax has it; the rest of x is never scanned)."""
-    known, ids_np = known_argmax(x), ids.numpy()
-    if known is not None and known[0] in ids_np:
+SCAN = 64  # `first_among` reads up to this many ids one by one
+
+
+def first_among(x: torch.Tensor, ids: Sequence[int]) -> int:
+    """x [V], ids (any order, each in 0..V-1) -> the first maximum of x over `ids` alone, as x's
+    argmax with every other entry -inf: x's own where its pass found it and `ids` holds it, else the
+    lowest id of x[ids]'s maxima (NaN the largest, as torch.argmax has it; the rest of x is never
+    scanned). Up to `SCAN` ids of a float32 row are read as Python floats: right after a pass, with
+    the caches cold, that took 70 us where numpy's indexing took 230 (the AMX Xeon, a 1.5B pass)."""
+    if not len(ids):
+        raise ValueError("first_among needs at least one id")
+    known = known_argmax(x)
+    if known is not None and known[0] in ids:
         return known[0]
+    if len(ids) <= SCAN and x.dtype == torch.float32 and x.dim() == 1 and x.stride(0) == 1:
+        n = x.shape[0]
+        row = (ctypes.c_float * n).from_address(x.data_ptr())  # (x's own floats, read in place)
+        best, top, nan = -1, 0.0, -1
+        for i in ids:
+            if not 0 <= i < n:
+                raise IndexError(f"id {i} is out of range for logits of {n}")
+            v = row[i]
+            if v != v:
+                nan = i if nan < 0 or i < nan else nan
+            elif best < 0 or v > top or v == top and i < best:
+                best, top = i, v
+        return nan if nan >= 0 else best
+    ids_np = np.asarray(ids, dtype=np.int64)
     # [n] (one torch call, not three: each costs 50-80 us right after a pass, the caches cold)
-    values = x.numpy()[ids_np] if x.dtype == torch.float32 else x[ids].float().numpy()
+    values = x.numpy()[ids_np] if x.dtype == torch.float32 else x[torch.from_numpy(ids_np)].float().numpy()
     top = values.max()
     return int(ids_np[np.isnan(values) if np.isnan(top) else values == top].min())
 

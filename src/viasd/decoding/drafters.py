@@ -9,7 +9,7 @@ so a verification round needs no separate `update`.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -103,10 +103,10 @@ class _AutoregressiveDrafter:
         return Draft(tokens, probs if tokens else None)
 
     def draft_ids(self, context: list[int], k: int, enough: Callable[[list[int]], bool] | None = None,
-                  first: torch.Tensor | None = None, guess: int | None = None) -> tuple[list[int], torch.Tensor | None]:
+                  first: Sequence[int] | None = None, guess: int | None = None) -> tuple[list[int], torch.Tensor | None]:
         """Up to k tokens of the drafter's own vocabulary continuing `context` (its ids), and their
         q [k', V]; drafting stops early below `threshold`, or once `enough(tokens)` says so.
-        `first`: [n] the ids the first token is drawn from (token healing), None: any. `guess`: the
+        `first`: the ids the first token is drawn from (token healing), None: any. `guess`: the
         first token as it will most likely be drawn (healing: the token re-drafted): read in the
         first pass with the context, so that when it is drawn its own pass is saved (a drafting pass
         of 1-2 rows more costs about what one row does)."""
@@ -130,7 +130,8 @@ class _AutoregressiveDrafter:
                 start += len(feed)
             healing = first is not None and not tokens
             if healing and not plain:
-                logits = torch.full_like(logits, float("-inf")).index_copy_(0, first, logits[first])
+                allowed = torch.tensor(first, dtype=torch.long)  # [n]
+                logits = torch.full_like(logits, float("-inf")).index_copy_(0, allowed, logits[allowed])
             if self.grammar is not None:  # draft only what the grammar allows: a cut draft is a wasted pass
                 allowed = self.grammar(tokens)[: logits.shape[-1]]
                 allowed = torch.nn.functional.pad(allowed, (0, logits.shape[-1] - allowed.shape[0]))  # (a wider head's padding)

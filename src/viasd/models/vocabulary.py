@@ -96,19 +96,32 @@ class VocabBridge:
         self.shared = tuple(j for j, i in enumerate(to_v) if i >= 0)  # drafter ids, ascending
 
     @functools.cached_property
-    def by_bytes(self) -> tuple[torch.Tensor, list[bytes]]:
+    def by_bytes(self) -> tuple[list[int], list[bytes]]:
         """The drafter's non-special ids sorted by their bytes, and those bytes: the ids whose bytes
         start with a prefix are one range of them."""
         d = self.drafter
         ranked = sorted((b, j) for j, b in enumerate(d.pieces) if b and j not in d.special)
-        return torch.tensor([j for _, j in ranked], dtype=torch.long), [b for b, _ in ranked]
+        return [j for _, j in ranked], [b for b, _ in ranked]
 
-    def extensions(self, piece: bytes) -> torch.Tensor:
-        """[n] the drafter ids whose bytes start with `piece` (not special), in the order of their
-        bytes: a range of `by_bytes`."""
+    @functools.cached_property
+    def _by_piece(self) -> dict[bytes, int]:
+        d = self.drafter
+        index: dict[bytes, int] = {}
+        for j, b in enumerate(d.pieces):
+            if b and j not in d.special:
+                index.setdefault(b, j)
+        return index
+
+    def piece_id(self, piece: bytes) -> int | None:
+        """The drafter's (lowest, not special) id whose bytes are `piece`, or None."""
+        return self._by_piece.get(piece)
+
+    def extensions(self, piece: bytes) -> tuple[int, ...]:
+        """The drafter ids whose bytes start with `piece` (not special), in the order of their bytes: a
+        range of `by_bytes` (Python ints: a drafting round asks, right after a pass)."""
         order, keys = self.by_bytes
         lo = bisect.bisect_left(keys, piece)
-        return order[lo : bisect.bisect_left(keys, piece + b"\xff" * 64, lo)]  # (no piece is 64 bytes of 0xff)
+        return tuple(order[lo : bisect.bisect_left(keys, piece + b"\xff" * 64, lo)])  # (no piece is 64 bytes of 0xff)
 
     def shared_within(self, verifier_ids: tuple[int, ...] | None) -> tuple[int, ...]:
         """The shared drafter ids whose verifier tokens are in `verifier_ids` (None: all shared)."""
