@@ -130,8 +130,7 @@ class _AutoregressiveDrafter:
                 start += len(feed)
             healing = first is not None and not tokens
             if healing and not plain:
-                allowed = torch.tensor(first, dtype=torch.long)  # [n]
-                logits = torch.full_like(logits, float("-inf")).index_copy_(0, allowed, logits[allowed])
+                logits = torch.full_like(logits, float("-inf")).index_copy_(0, ids := torch.tensor(first), logits[ids])  # ids [n]
             if self.grammar is not None:  # draft only what the grammar allows: a cut draft is a wasted pass
                 allowed = self.grammar(tokens)[: logits.shape[-1]]
                 allowed = torch.nn.functional.pad(allowed, (0, logits.shape[-1] - allowed.shape[0]))  # (a wider head's padding)

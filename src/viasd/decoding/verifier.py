@@ -81,7 +81,7 @@ class Verifier:
         self.constraint = req.constraint
         # (None at the neutral values: the default path does no extra work)
         self.processors = ProcessorState(req.processors, req.prompt) if req.processors is not None and req.processors.active else None
-        self.stats.full_pass_bytes = pass_bytes(decoder, None)
+        self.full_bytes = self.stats.full_pass_bytes = pass_bytes(decoder, None)  # (a full pass' bytes: every round reads them)
         self.cache: KVCache = decoder.new_cache(max_len)
         if resume_layer is not None and not decoder.is_encoder_decoder:
             self.cache.enable_resume(resume_layer)
@@ -178,12 +178,16 @@ class Verifier:
 
     def _pass(self, route: LayerMask | None, start: int, ahead: list[int], n_rows: int, kind: CallKind,
               resume: bool = False, head: ReducedHead | None = None) -> torch.Tensor:
-        seq = self.tokens + ahead
-        logits = self.passes.forward(self.decoder, seq[start:], start, self.cache, route=route, resume=resume, head=head)  # [len - start, V]
+        n = len(self.tokens)
+        rows = n + len(ahead) - start
+        feed = self.tokens[start:] + ahead if start <= n else ahead[start - n :]  # (a slim pass may start inside `ahead`)
+        logits = self.passes.forward(self.decoder, feed, start, self.cache, route=route, resume=resume, head=head)  # [rows, V]
         first = self.cache.resume_layer if resume else 0
         share = (1.0 if route is None else route.fraction) - (first / self.decoder.config.n_layers)
-        self.stats.observe_call(kind, verifier_share=share, bytes_read=pass_bytes(self.decoder, route, first, head), rows=len(seq) - start)
-        return self._masked(logits[len(seq) - start - n_rows :], ahead)
+        full = route is None and not first and head is None  # (its bytes, known since the request began)
+        self.stats.observe_call(kind, verifier_share=share, bytes_read=self.full_bytes if full else pass_bytes(self.decoder, route, first, head),
+                                rows=rows)
+        return self._masked(logits if n_rows == rows else logits[rows - n_rows :], ahead)  # (a slice costs ~20 us right after a pass)
 
     def _masked(self, rows: torch.Tensor, ahead: list[int]) -> torch.Tensor:
         """rows [n, V]: the logits of the last n positions of tokens + ahead, through the request's
@@ -219,7 +223,9 @@ class Verifier:
         sources = (sources or [])[: len(new)]
         sources += [Source.FULL] * (len(new) - len(sources))
         self.sources += sources
-        self.stats.sources.update(sources)
+        counts = self.stats.sources
+        for source in sources:  # (not Counter.update: its Mapping check alone costs ~40 us right after a pass)
+            counts[source] += 1
         if self.logprobs is not None and new:
             if logits is None:  # (tiered VIA-SD settles tokens without the full model: refused in settings)
                 raise RuntimeError("logprobs asked for, but this loop committed tokens without the full model's logits")

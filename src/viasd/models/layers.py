@@ -66,9 +66,10 @@ class ReducedHead:
         self.ids, self.linear, self.vocab_size = ids, linear, vocab_size
         self.member = torch.zeros(vocab_size, dtype=torch.bool)  # [V] True inside the subset
         self.member[ids] = True
+        self.size = ids.numel()  # (a Python int: every drafting pass' cost asks for it)
 
     def __len__(self) -> int:
-        return self.ids.numel()
+        return self.size
 
     @functools.cached_property
     def id_list(self) -> list[int]:
