@@ -126,7 +126,7 @@ class _AutoregressiveDrafter:
             else:
                 logits = self._pass(feed, start, cache, rows=2 if guess is not None and not tokens else 1, expand=not compact)
                 if guess is not None and not tokens:
-                    logits, ahead = logits  # [V] at the context's last token, [V] at the guess
+                    logits, ahead = logits.unbind(0)  # [V] at the context's last token, [V] at the guess
                 start += len(feed)
             healing = first is not None and not tokens
             if healing and not plain:
