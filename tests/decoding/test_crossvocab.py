@@ -243,7 +243,7 @@ def test_a_right_guess_of_the_healed_token_saves_its_pass_and_a_wrong_one_change
     from viasd.decoding.verifier import Verifier
 
     prompt = [1, 5, 6, 7, 5, 6, 7, 5]
-    every = torch.arange(tiny_drafter.config.vocab_size)
+    every = list(range(tiny_drafter.config.vocab_size))
 
     def drafted(guess_of):
         drafter = ModelDrafter(tiny_drafter.decoder, GREEDY, None, None)
