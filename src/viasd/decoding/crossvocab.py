@@ -110,28 +110,27 @@ class DrafterContext:
         before it (" fresh" + "ly" is " freshly"; a drafter read worse after the split); if so they
         become d_ids."""
         d = self.bridge.drafter
-        start = end = self.d_ends[n - 1] if n else 0
-        if end > kept or n > len(self.d_ids):
+        end = self.d_ends[n - 1] if n else 0
+        if end > kept:
             return False
-        m = 0
+        ids: list[int] = []
+        ends: list[int] = []
         for t in tokens:
             piece = d.pieces[t]
             if t in d.special or self.text[end : end + len(piece)] != piece:
                 break
             end += len(piece)
-            m += 1
-        last = None
+            ids.append(t)
+            ends.append(end)
         if end < len(self.text):  # (the verifier's token after the draft: kept where it starts a drafter token)
             rest = bytes(self.text[end:])
-            before = d.pieces[tokens[m - 1]] if m else d.pieces[self.d_ids[n - 1]] if n else b""
+            before = d.pieces[ids[-1]] if ids else d.pieces[self.d_ids[n - 1]] if n else b""
             last = self.bridge.piece_id(rest)
             if last is None or self.bridge.piece_id(before + rest) is not None:
                 return False
-        del self.d_ids[n:], self.d_ends[n:]
-        for t in tokens[:m] + ([] if last is None else [last]):
-            start += len(d.pieces[t])
-            self.d_ids.append(t)
-            self.d_ends.append(start)
+            ids.append(last)
+            ends.append(len(self.text))
+        self.d_ids[n:], self.d_ends[n:] = ids, ends
         return True
 
 
@@ -156,8 +155,6 @@ class CrossVocabDrafter(ModelDrafter):
         self.context = DrafterContext(bridge)
         self._shared = torch.tensor(bridge.shared, dtype=torch.long)  # [n_shared]
         bridge.piece_id(b"")  # (the drafter's tokens by their bytes: indexed here, not in a drafting round)
-        if conversion is Conversion.TEXT:
-            bridge.by_bytes
 
     def begin(self, max_len: int, verifier: Verifier) -> None:
         self.stats, self.passes = verifier.stats, verifier.passes

@@ -105,12 +105,8 @@ class VocabBridge:
 
     @functools.cached_property
     def _by_piece(self) -> dict[bytes, int]:
-        d = self.drafter
-        index: dict[bytes, int] = {}
-        for j, b in enumerate(d.pieces):
-            if b and j not in d.special:
-                index.setdefault(b, j)
-        return index
+        order, keys = self.by_bytes  # (ids of equal bytes ascend: reversed, the lowest is written last)
+        return dict(zip(reversed(keys), reversed(order)))
 
     def piece_id(self, piece: bytes) -> int | None:
         """The drafter's (lowest, not special) id whose bytes are `piece`, or None."""
