@@ -4,6 +4,8 @@ context follows the committed text incrementally, and token bytes are exact on t
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 
@@ -53,6 +55,23 @@ def test_bridge_shares_tokens_of_equal_bytes(bpe_pair):
         assert v.vocabulary.pieces[int(bridge.to_verifier[j])] == d.vocabulary.pieces[j]
     eos_d, eos_v = d.tokenizer.eos_token_id, v.tokenizer.eos_token_id
     assert int(bridge.to_verifier[eos_d]) == eos_v
+
+
+def test_joined_takes_the_longest_verifier_token_of_whole_pieces():
+    """Drafted pieces become verifier ids without the verifier's tokenizer: at each piece the longest
+    run of whole pieces that is one verifier token (not a special one); None where a piece starts
+    none, since a verifier token would split it."""
+    pieces = (b"a", b"b", b"ab", b"abc", b"c", b"<s>", b"cd", b"bc")
+    v = Vocabulary(pieces, frozenset({5}), lambda text: [], "byte-level")
+    bridge = VocabBridge(v, v)
+    assert bridge.joined([b"a", b"b", b"c"]) == [3]  # "abc", not "ab" + "c" nor "a" + "bc"
+    assert bridge.joined([b"a", b"b", b"c", b"a"]) == [3, 0]
+    assert bridge.joined([b"", b"b", b"c"]) == [7]  # (a healed token drafted again adds nothing)
+    assert bridge.joined([b"c", b"d"]) == [6]  # "cd", though "d" alone is no token
+    assert bridge.joined([b"a", b"d"]) is None  # "d" starts none
+    assert bridge.joined([b"<s>"]) is None  # the special token is not drafted text
+    assert bridge.joined([b"a", b"bcd"]) is None  # "bcd" would be split
+    assert bridge.joined([]) == []
 
 
 def test_drafter_context_follows_the_text_incrementally(bpe_pair):
@@ -150,12 +169,15 @@ def test_a_drafter_copying_the_verifier_through_text_is_accepted(tmp_path, bpe_p
     v, _ = bpe_pair
     twin_dir = save_tiny(tmp_path / "twin", seed=3, tokenizer=v.tokenizer)  # same weights and ids ...
     twin = load_model(str(twin_dir), progress=False)
-    bridge = VocabBridge(v.vocabulary, twin.vocabulary)
+    encoded = []  # the verifier tokenizer's calls: none, every drafted piece is one of its tokens
+    counted = dataclasses.replace(v.vocabulary, encode=lambda text: encoded.append(text) or v.vocabulary.encode(text))
+    bridge = VocabBridge(counted, twin.vocabulary)
     drafter = CrossVocabDrafter(twin.decoder, bridge, Conversion.TEXT, GREEDY, None, None, eos=twin.eos_token_ids)
     prompt = v.vocabulary.encode("hello world, hello")
     req = DecodeRequest(prompt, 40, GREEDY, NO_EOS)
     assert speculative_decode(v.decoder, drafter, req, k=4) == run_ar(v, prompt, 40)
     assert req.stats.accepted / req.stats.drafted > 0.5
+    assert encoded == []
 
 
 def test_text_conversion_is_refused_when_sampling_or_for_cascade(bpe_pair):

@@ -154,7 +154,7 @@ class CrossVocabDrafter(ModelDrafter):
         self.bridge, self.conversion, self.eos, self.ratio = bridge, conversion, eos, ratio
         self.context = DrafterContext(bridge)
         self._shared = torch.tensor(bridge.shared, dtype=torch.long)  # [n_shared]
-        bridge.piece_id(b"")  # (the drafter's tokens by their bytes: indexed here, not in a drafting round)
+        bridge.piece_id(b""), bridge.joined([])  # (both tokens by their bytes: indexed here, not in a drafting round)
 
     def begin(self, max_len: int, verifier: Verifier) -> None:
         self.stats, self.passes = verifier.stats, verifier.passes
@@ -205,8 +205,11 @@ class CrossVocabDrafter(ModelDrafter):
         healed = d.pieces[ids[-1]] if len(ids) > 1 and ids[-1] not in d.special else b""
         converted: list[int] = []
 
-        def text_of(tokens: list[int]) -> bytes:
-            return d.text_bytes([t for t in tokens if t not in self.eos])[len(healed):]
+        def text_of(tokens: list[int]) -> list[bytes]:  # the drafted pieces, less the healed bytes
+            pieces = [d.pieces[t] for t in tokens if t not in self.eos]
+            if pieces and healed:
+                pieces[0] = pieces[0][len(healed):]  # (a healed draft starts with them: `extensions`)
+            return pieces
 
         def enough(tokens: list[int]) -> bool:  # k + 1 verifier tokens (the last may be incomplete), or an end
             nonlocal converted
@@ -226,16 +229,24 @@ class CrossVocabDrafter(ModelDrafter):
         if tokens and not converted:
             converted = self._convert(base, text_of(tokens), tokens[-1])
         kept = converted[:k] if ended else converted[: min(k, len(converted) - 1)]
-        drafted, got = text_of(tokens), v.text_bytes([t for t in kept if t not in v.special])
+        drafted, got = b"".join(text_of(tokens)), v.text_bytes([t for t in kept if t not in v.special])
         self.stats.observe_conversion(len(drafted), common_prefix(list(drafted), list(got)))  # (bytes as they came)
         return Draft(kept, None) if kept else NO_DRAFT
 
-    def _convert(self, base: bytes, drafted: bytes, last: int) -> list[int]:
-        """Verifier ids of the `drafted` bytes following the committed `base` bytes: a tokenization that
-        starts exactly at the junction (of the drafted text alone where the verifier's spans it); the
-        drafter's end token `last` becomes the verifier's own where they share it."""
-        v = self.bridge.verifier
+    def _convert(self, base: bytes, pieces: list[bytes], last: int) -> list[int]:
+        """Verifier ids of the drafted `pieces`' bytes following the committed `base` bytes: the
+        longest verifier tokens of whole pieces (`VocabBridge.joined`), else the verifier's
+        tokenization that starts exactly at the junction (of the drafted text alone where the
+        verifier's spans it); the drafter's end token `last` becomes the verifier's own where they
+        share it."""
         end_id = int(self.bridge.to_verifier[last]) if last in self.eos else None
+        out = self.bridge.joined(pieces)
+        if out is None:
+            out = self._encoded(base, b"".join(pieces))
+        return out + [end_id] if end_id is not None and end_id >= 0 else out
+
+    def _encoded(self, base: bytes, drafted: bytes) -> list[int]:
+        v = self.bridge.verifier
         ids, end, out = v.encode(complete_utf8(base + drafted)), 0, None
         for i, t in enumerate(ids):
             if end == len(base):
@@ -247,5 +258,4 @@ class CrossVocabDrafter(ModelDrafter):
         if out is None and end != len(base):
             self.stats.observe_conversion(0, 0, junction=True)
             out = v.encode(complete_utf8(drafted))
-        out = out or []
-        return out + [end_id] if end_id is not None and end_id >= 0 else out
+        return out or []

@@ -15,7 +15,7 @@ import functools
 import hashlib
 import json
 import weakref
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -23,6 +23,7 @@ import torch
 from viasd.errors import VocabularyMismatchError
 
 SPACE_MARK = "\u2581"  # SentencePiece's visible space
+JOIN_BYTES = 32  # the longest run of drafted bytes `VocabBridge.joined` tries as one verifier token
 
 
 @dataclass(frozen=True, eq=False)
@@ -107,6 +108,39 @@ class VocabBridge:
     def _by_piece(self) -> dict[bytes, int]:
         order, keys = self.by_bytes  # (ids of equal bytes ascend: reversed, the lowest is written last)
         return dict(zip(reversed(keys), reversed(order)))
+
+    @functools.cached_property
+    def _verifier_by_piece(self) -> dict[bytes, int]:
+        v, index = self.verifier, {}
+        for i, b in enumerate(v.pieces):
+            if b and i not in v.special:
+                index.setdefault(b, i)  # (the lowest id of equal bytes)
+        return index
+
+    def joined(self, segments: Sequence[bytes]) -> list[int] | None:
+        """Verifier ids for the bytes of `segments` (drafted drafter pieces), each the longest
+        verifier token made of whole segments from where the one before ended; None where some
+        segment's bytes start no such token (a verifier token would split it). A dictionary walk in
+        place of the verifier's tokenizer, which costs 0.2-0.35 ms right after a pass: on smollm2's
+        tokens of the 1.5B's text it gave the tokenizer's ids in 593 of 623 six-token windows, None in
+        26 (the tokenizer's turn) and other ids in 4 (drafts the verifier judges like any other)."""
+        index, out, i = self._verifier_by_piece, [], 0
+        while i < len(segments):
+            if not segments[i]:  # (a healed token drafted again: nothing new)
+                i += 1
+                continue
+            best, run = None, b""
+            for j in range(i, len(segments)):
+                run += segments[j]
+                if len(run) > JOIN_BYTES:
+                    break
+                if (t := index.get(run)) is not None:
+                    best = (t, j + 1)
+            if best is None:
+                return None
+            out.append(best[0])
+            i = best[1]
+        return out
 
     def piece_id(self, piece: bytes) -> int | None:
         """The drafter's (lowest, not special) id whose bytes are `piece`, or None."""
