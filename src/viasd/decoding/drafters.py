@@ -9,6 +9,7 @@ so a verification round needs no separate `update`.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Protocol
@@ -84,6 +85,7 @@ class _AutoregressiveDrafter:
         self.keep_probs = probs
         self.stats = DecodeStats()
         self.passes = Passes()
+        self._singles = 0  # one-token drafting passes not yet in `stats`
 
     route: LayerMask | None = None
     head: ReducedHead | None = None  # a drafting route's reduced LM head
@@ -119,39 +121,18 @@ class _AutoregressiveDrafter:
         feed = context[start:] + ([] if guess is None else [guess])  # (ids, not a tensor: see `Decoder.forward`)
         tokens: list[int] = []
         probs: list[torch.Tensor] = []
-        ahead: torch.Tensor | None = None  # [V] the next token's logits, computed already (a right guess)
+        ahead: torch.Tensor | None = None  # [1, V] the next token's logits, computed already (a right guess)
         for _ in range(k):
             if ahead is not None:
                 logits, ahead = ahead, None
             else:
                 logits = self._pass(feed, start, cache, rows=2 if guess is not None and not tokens else 1, expand=not compact)
                 if guess is not None and not tokens:
-                    logits, ahead = logits.unbind(0)  # [V] at the context's last token, [V] at the guess
+                    logits, ahead = logits[:1], logits[1:]  # [1, V] at the context's last token, [1, V] at the guess
                 start += len(feed)
-            healing = first is not None and not tokens
-            if healing and not plain:
-                logits = torch.full_like(logits, float("-inf")).index_copy_(0, ids := torch.tensor(first), logits[ids])  # ids [n]
-            if self.grammar is not None:  # draft only what the grammar allows: a cut draft is a wasted pass
-                allowed = self.grammar(tokens)[: logits.shape[-1]]
-                allowed = torch.nn.functional.pad(allowed, (0, logits.shape[-1] - allowed.shape[0]))  # (a wider head's padding)
-                logits = logits.masked_fill(~allowed, float("-inf"))
-                if not torch.isfinite(logits).any():  # (a reduced head holding no allowed token)
-                    break
-            top = None  # the drafter's top probability, where a threshold reads it
-            if healing and plain:  # the masked row's first maximum, without the masked row
-                token = first_among(logits, first)
-            elif compact:  # (ascending ids: the first maximum is the expanded row's first maximum)
-                token = self.head.id_list[first_maxima(logits)[0]]
-                if self.threshold is not None:
-                    top = float(self.params.confidence(logits).max())  # [N] the head's probabilities
-            elif self.keep_probs or self.threshold is not None:
-                q = self.params.confidence(logits)  # [V]
-                token = self.params.draw(q, self.generator)
-                top = float(q.max())
-                if self.keep_probs:
-                    probs.append(q)
-            else:  # greedy: the logits' argmax (softmax keeps their order)
-                token = first_maxima(logits)[0]
+            token, top = self._choose(logits, tokens, first if not tokens else None, plain, compact, probs)
+            if token is None:  # (a reduced head holding no token the grammar allows)
+                break
             tokens.append(token)
             if guess is not None and len(tokens) == 1 and token != guess:  # the guess' K/V and logits are of
                 start -= 1  # another token: dropped
@@ -160,17 +141,61 @@ class _AutoregressiveDrafter:
             if self.threshold is not None and top < self.threshold or enough is not None and enough(tokens):
                 break
             feed = [token]
+        self._observe_singles()
         self._drafted(context, tokens)
         return tokens, torch.stack(probs) if probs else None
 
+    def _choose(self, logits: torch.Tensor, tokens: list[int], first: Sequence[int] | None, plain: bool, compact: bool,
+                probs: list[torch.Tensor]) -> tuple[int | None, float | None]:
+        """The next draft token from a pass' last row `logits` [1, V] (`compact`: [1, N] over the reduced
+        head's ids), and the drafter's top probability where a threshold reads it; `first`: the ids a
+        healed token is drawn from; q appended to `probs` where kept. None: nothing the grammar allows."""
+        if plain and not compact and first is None:  # greedy: the argmax, found by the LM head (no row taken)
+            return first_maxima(logits)[-1], None
+        logits = logits[-1]  # [V] (or [N])
+        if first is not None and not plain:
+            logits = torch.full_like(logits, float("-inf")).index_copy_(0, ids := torch.tensor(first), logits[ids])  # ids [n]
+        if self.grammar is not None:  # draft only what the grammar allows: a cut draft is a wasted pass
+            allowed = self.grammar(tokens)[: logits.shape[-1]]
+            allowed = torch.nn.functional.pad(allowed, (0, logits.shape[-1] - allowed.shape[0]))  # (a wider head's padding)
+            logits = logits.masked_fill(~allowed, float("-inf"))
+            if not torch.isfinite(logits).any():
+                return None, None
+        if first is not None and plain:  # the masked row's first maximum, without the masked row
+            return first_among(logits, first), None
+        if compact:  # (ascending ids: the first maximum is the expanded row's first maximum)
+            token = self.head.id_list[first_maxima(logits)[0]]
+            return token, float(self.params.confidence(logits).max()) if self.threshold is not None else None
+        if self.keep_probs or self.threshold is not None:
+            q = self.params.confidence(logits)  # [V]
+            if self.keep_probs:
+                probs.append(q)
+            return self.params.draw(q, self.generator), float(q.max())
+        return first_maxima(logits)[0], None  # greedy: the logits' argmax (softmax keeps their order)
+
     def _pass(self, feed: list[int], start: int, cache: KVCache, rows: int = 1, expand: bool = True) -> torch.Tensor:
-        """The logits of the last `rows` rows of a drafting pass over `feed` ([V], or [rows, V]; with
-        `expand` False and a reduced head, over its ids: [N], [rows, N])."""
+        """The logits of the last `rows` rows of a drafting pass over `feed` ([rows, V]; with `expand`
+        False and a reduced head, over its ids: [rows, N])."""
         logits = self.passes.forward(self.decoder, feed, start, cache, route=self.route, last_only=rows == 1, head=self.head,
                                      **({} if expand else {"expand": False}))  # (asked only of decoders with reduced heads)
-        self.stats.observe_call(CallKind.DRAFT, verifier_share=self.verifier_share, rows=len(feed), model=self.owner,
-                                bytes_read=pass_bytes(self.decoder, self.route, head=self.head))
-        return logits[0] if rows == 1 else logits[-rows:]
+        if len(feed) == 1 and rows == 1:
+            self._singles += 1  # (counted when the draft ends: a stats call costs ~40 us right after a pass)
+        else:
+            self.stats.observe_call(CallKind.DRAFT, verifier_share=self.verifier_share, rows=len(feed), model=self.owner,
+                                    bytes_read=self._bytes_read)
+        return logits if rows == 1 else logits[-rows:]
+
+    def _observe_singles(self) -> None:
+        """Count the draft's one-token passes in the statistics."""
+        if self._singles:
+            self.stats.observe_call(CallKind.DRAFT, n=self._singles, verifier_share=self.verifier_share, rows=1,
+                                    model=self.owner, bytes_read=self._bytes_read)
+            self._singles = 0
+
+    @functools.cached_property
+    def _bytes_read(self) -> int:
+        """Weight bytes of one drafting pass (its route and head are the drafter's for good)."""
+        return pass_bytes(self.decoder, self.route, head=self.head)
 
     def _drafted(self, context: list[int], tokens: list[int]) -> None:
         pass
