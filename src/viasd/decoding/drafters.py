@@ -150,8 +150,9 @@ class _AutoregressiveDrafter:
         """The next draft token from a pass' last row `logits` [1, V] (`compact`: [1, N] over the reduced
         head's ids), and the drafter's top probability where a threshold reads it; `first`: the ids a
         healed token is drawn from; q appended to `probs` where kept. None: nothing the grammar allows."""
-        if plain and not compact and first is None:  # greedy: the argmax, found by the LM head (no row taken)
-            return first_maxima(logits)[-1], None
+        if plain and first is None:  # greedy: the argmax, found by the LM head (no row taken)
+            i = first_maxima(logits)[-1]  # (over a reduced head's ids ascending: the expanded row's first maximum)
+            return self.head.id_list[i] if compact else i, None
         logits = logits[-1]  # [V] (or [N])
         if first is not None and not plain:
             logits = torch.full_like(logits, float("-inf")).index_copy_(0, ids := torch.tensor(first), logits[ids])  # ids [n]
