@@ -5,6 +5,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
+from support import GREEDY, NO_EOS
 from viasd.api import generate
 from types import SimpleNamespace
 
@@ -185,3 +186,32 @@ def test_a_drafter_window_reads_only_the_prompts_last_tokens(smollm2):
     ar = generate(ids, smollm2, strategy="ar", max_new_tokens=32).token_ids
     r = generate(ids, smollm2, drafter=smollm2, strategy="sd", max_new_tokens=32, drafter_window=8, lookup=False)
     assert r.token_ids == ar and r.stats.drafted > 0
+
+
+def test_every_drafting_pass_is_counted_once_with_its_rows(tiny, tiny_drafter):
+    """A draft's one-token passes are counted when it ends (a statistics call per pass cost ~40 us
+    right after it): the statistics still hold every pass the drafter's decoder ran, with its rows and
+    weight bytes, whether the draft runs to k or stops early."""
+    from viasd.decoding.strategies import speculative_decode
+    from viasd.decoding.verifier import DecodeRequest, pass_bytes
+
+    rows: list[int] = []
+    forward = tiny_drafter.decoder.forward
+
+    def counted(tokens, *args, **kw):
+        if kw.get("logits", True):  # (the prompt's pass before decoding computes no logits)
+            rows.append(len(tokens))
+        return forward(tokens, *args, **kw)
+
+    tiny_drafter.decoder.forward = counted
+    try:
+        for k in (1, 4):
+            rows.clear()
+            req = DecodeRequest([1, 5, 6, 7, 5, 6], 24, GREEDY, NO_EOS)
+            speculative_decode(tiny.decoder, ModelDrafter(tiny_drafter.decoder, GREEDY, None, None, probs=False), req, k=k)
+            drafting = {key: n for key, n in req.stats.passes.items() if key[0] == "drafter"}
+            assert sum(drafting.values()) == len(rows) > 0
+            assert sorted(r for (_, _, r, _), n in drafting.items() for _ in range(n)) == sorted(rows)
+            assert {b for (_, _, _, b) in drafting} == {pass_bytes(tiny_drafter.decoder, None)}
+    finally:
+        tiny_drafter.decoder.forward = forward
