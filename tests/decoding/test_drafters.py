@@ -188,30 +188,28 @@ def test_a_drafter_window_reads_only_the_prompts_last_tokens(smollm2):
     assert r.token_ids == ar and r.stats.drafted > 0
 
 
-def test_every_drafting_pass_is_counted_once_with_its_rows(tiny, tiny_drafter):
+def test_every_drafting_pass_is_counted_once_with_its_rows(tiny, tiny_drafter, monkeypatch):
     """A draft's one-token passes are counted when it ends (a statistics call per pass cost ~40 us
     right after it): the statistics still hold every pass the drafter's decoder ran, with its rows and
     weight bytes, whether the draft runs to k or stops early."""
     from viasd.decoding.strategies import speculative_decode
     from viasd.decoding.verifier import DecodeRequest, pass_bytes
 
+    dec = tiny_drafter.decoder
     rows: list[int] = []
-    forward = tiny_drafter.decoder.forward
+    forward = type(dec).forward
 
-    def counted(tokens, *args, **kw):
-        if kw.get("logits", True):  # (the prompt's pass before decoding computes no logits)
+    def counted(self, tokens, *args, **kw):
+        if self is dec and kw.get("logits", True):  # (the prompt's pass before decoding computes no logits)
             rows.append(len(tokens))
-        return forward(tokens, *args, **kw)
+        return forward(self, tokens, *args, **kw)
 
-    tiny_drafter.decoder.forward = counted
-    try:
-        for k in (1, 4):
-            rows.clear()
-            req = DecodeRequest([1, 5, 6, 7, 5, 6], 24, GREEDY, NO_EOS)
-            speculative_decode(tiny.decoder, ModelDrafter(tiny_drafter.decoder, GREEDY, None, None, probs=False), req, k=k)
-            drafting = {key: n for key, n in req.stats.passes.items() if key[0] == "drafter"}
-            assert sum(drafting.values()) == len(rows) > 0
-            assert sorted(r for (_, _, r, _), n in drafting.items() for _ in range(n)) == sorted(rows)
-            assert {b for (_, _, _, b) in drafting} == {pass_bytes(tiny_drafter.decoder, None)}
-    finally:
-        tiny_drafter.decoder.forward = forward
+    monkeypatch.setattr(type(dec), "forward", counted)
+    for k in (1, 4):
+        rows.clear()
+        req = DecodeRequest([1, 5, 6, 7, 5, 6], 24, GREEDY, NO_EOS)
+        speculative_decode(tiny.decoder, ModelDrafter(dec, GREEDY, None, None, probs=False), req, k=k)
+        drafting = {key: n for key, n in req.stats.passes.items() if key[0] == "drafter"}
+        assert sum(drafting.values()) == len(rows) > 0
+        assert sorted(r for (_, _, r, _), n in drafting.items() for _ in range(n)) == sorted(rows)
+        assert {b for (_, _, _, b) in drafting} == {pass_bytes(dec, None)}
