@@ -99,15 +99,15 @@ class DraftLength:
         VIA-SD pays its slim and its resumed full pass instead of one full pass (`check_share +
         verify_share` of it)."""
         costs = self.costs
+        own = [costs[0]] + [(self.check_share + self.verify_share) * c for c in costs[1:]]  # [k+1]
+        if others == 0:
+            return own
         slope = costs[-1] - costs[-2] if len(costs) > 1 else costs[0]
         table = [costs[0]]  # [n] a pass of 1..n rows (n: as many as the round's step may carry)
         for r in range(2, max(others + 1, len(costs)) + 1):
             measured = costs[r - 1] if r <= len(costs) else costs[-1] + (r - len(costs)) * slope
             table.append(min(measured, table[-1] + costs[0]))
         rows = lambda r: table[r - 1]  # noqa: E731
-        own = [costs[0]] + [(self.check_share + self.verify_share) * c for c in costs[1:]]  # [k+1]
-        if others == 0:
-            return own
         return [rows(others + 1)] + [rows(others) + own[j] for j in range(1, self.k + 1)]
 
     @property
@@ -129,7 +129,7 @@ class DraftLength:
         drafting = lambda i: (i + self.extra_passes) * pass_cost + round_cost if i else 0.0  # noqa: E731
         rate = lambda alpha, i: (others + expected_tokens(alpha, i)) / (costs[i] + drafting(i))  # noqa: E731
         rates = [rate(a, i) for i in range(self.k + 1)]
-        j = max(range(self.k + 1), key=lambda i: (rates[i], -i))  # ties: fewer drafts
+        j = rates.index(max(rates))  # (ties: the fewest drafts)
         self._probing, self._steady = False, self._idle == 0 and self._drafting > 0
         if j == 0 and not self.free_drafts and self.k > 0 and self._idle >= self._probe_every:
             if max(rate(1.0, i) for i in range(1, self.k + 1)) > rates[0]:  # drafts could pay: score the drafter

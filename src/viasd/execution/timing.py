@@ -215,21 +215,22 @@ def _measure(decoder: Decoder, rows: int, reps: int, last_only: bool, head: Redu
 
 
 class PassTimer:
-    """Seconds of model work on `decoders` less the forward graphs built meanwhile: a graph is built
-    once per shape and cache length (each request's caches have their own), so a round that built
-    some would otherwise price every later round as dear, and the policy would stop drafting.
+    """Seconds of model work on `decoder` (None: time alone) less the forward graphs it built
+    meanwhile: a graph is built once per shape and cache length (each request's caches have their
+    own), so a round that built some would otherwise price every later round as dear, and the policy
+    would stop drafting.
 
         with PassTimer(decoder) as t:
             ...
         t.seconds
     """
 
-    def __init__(self, *decoders):
-        self.decoders = [d for d in decoders if d is not None]
+    def __init__(self, decoder=None):
+        self.decoder = decoder
         self.seconds = 0.0
 
-    def _built(self) -> float:
-        return sum(getattr(d, "graph_build_s", 0.0) for d in self.decoders)
+    def _built(self) -> float:  # (a plain attribute read: twice a round, right after a pass)
+        return getattr(self.decoder, "graph_build_s", 0.0)
 
     def __enter__(self) -> PassTimer:
         self._t0, self._b0 = time.perf_counter(), self._built()
