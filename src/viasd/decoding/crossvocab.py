@@ -154,7 +154,7 @@ class CrossVocabDrafter(ModelDrafter):
         self.bridge, self.conversion, self.eos, self.ratio = bridge, conversion, eos, ratio
         self.context = DrafterContext(bridge)
         self._shared = torch.tensor(bridge.shared, dtype=torch.long)  # [n_shared]
-        bridge.piece_id(b""), bridge.joined([])  # (both tokens by their bytes: indexed here, not in a drafting round)
+        bridge.piece_id(b"")  # (the drafter's tokens by their bytes: indexed here, not in a drafting round)
 
     def begin(self, max_len: int, verifier: Verifier) -> None:
         self.stats, self.passes = verifier.stats, verifier.passes
@@ -226,10 +226,11 @@ class CrossVocabDrafter(ModelDrafter):
             tokens, _ = self.draft_ids(ids, 2 * k + 2, enough)
         self.context.drafted(len(ids) - bool(healed), tokens)
         ended = bool(tokens) and tokens[-1] in self.eos
+        pieces = text_of(tokens)
         if tokens and not converted:
-            converted = self._convert(base, text_of(tokens), tokens[-1])
+            converted = self._convert(base, pieces, tokens[-1])
         kept = converted[:k] if ended else converted[: min(k, len(converted) - 1)]
-        drafted, got = b"".join(text_of(tokens)), v.text_bytes([t for t in kept if t not in v.special])
+        drafted, got = b"".join(pieces), v.text_bytes([t for t in kept if t not in v.special])
         self.stats.observe_conversion(len(drafted), common_prefix(list(drafted), list(got)))  # (bytes as they came)
         return Draft(kept, None) if kept else NO_DRAFT
 

@@ -91,7 +91,8 @@ class VocabBridge:
 
     def __init__(self, verifier: Vocabulary, drafter: Vocabulary):
         self.verifier, self.drafter = verifier, drafter
-        index = {(b, i in verifier.special): i for i, b in enumerate(verifier.pieces) if b}
+        # (bytes, special) -> the verifier's id: what a drafter token maps to, and what drafted text joins into
+        index = self._verifier_index = {(b, i in verifier.special): i for i, b in enumerate(verifier.pieces) if b}
         to_v = [index.get((b, j in drafter.special), -1) if b else -1 for j, b in enumerate(drafter.pieces)]
         self.to_verifier = torch.tensor(to_v, dtype=torch.long)  # [V_drafter] verifier id, -1: none
         self.shared = tuple(j for j, i in enumerate(to_v) if i >= 0)  # drafter ids, ascending
@@ -109,14 +110,6 @@ class VocabBridge:
         order, keys = self.by_bytes  # (ids of equal bytes ascend: reversed, the lowest is written last)
         return dict(zip(reversed(keys), reversed(order)))
 
-    @functools.cached_property
-    def _verifier_by_piece(self) -> dict[bytes, int]:
-        v, index = self.verifier, {}
-        for i, b in enumerate(v.pieces):
-            if b and i not in v.special:
-                index.setdefault(b, i)  # (the lowest id of equal bytes)
-        return index
-
     def joined(self, segments: Sequence[bytes]) -> list[int] | None:
         """Verifier ids for the bytes of `segments` (drafted drafter pieces), each the longest
         verifier token made of whole segments from where the one before ended; None where some
@@ -124,7 +117,7 @@ class VocabBridge:
         place of the verifier's tokenizer, which costs 0.2-0.35 ms right after a pass: on smollm2's
         tokens of the 1.5B's text it gave the tokenizer's ids in 593 of 623 six-token windows, None in
         26 (the tokenizer's turn) and other ids in 4 (drafts the verifier judges like any other)."""
-        index, out, i = self._verifier_by_piece, [], 0
+        index, out, i = self._verifier_index, [], 0
         while i < len(segments):
             if not segments[i]:  # (a healed token drafted again: nothing new)
                 i += 1
@@ -134,7 +127,7 @@ class VocabBridge:
                 run += segments[j]
                 if len(run) > JOIN_BYTES:
                     break
-                if (t := index.get(run)) is not None:
+                if (t := index.get((run, False))) is not None:
                     best = (t, j + 1)
             if best is None:
                 return None
