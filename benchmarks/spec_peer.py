@@ -47,6 +47,7 @@ from load import SETTLE_S, LlamaServer, Server, build_llama_server, build_option
 
 from viasd import generate  # noqa: E402
 from viasd.bench import load_tasks, parse_methods  # noqa: E402
+from viasd.errors import UsageError  # noqa: E402
 from viasd.models.loading import load_model, zoo_gguf_verified  # noqa: E402
 from viasd.models.zoo import ZOO  # noqa: E402
 
@@ -60,8 +61,8 @@ def draft_name(n_max: int) -> str:
 
 
 def llama_complete(server: LlamaServer, ids: list[int], n: int) -> dict:
-    """One greedy, non-streamed completion of prompt `ids` (no prefix reuse from an earlier prompt's
-    cache beyond what the two share: llama-server keeps one slot's cache, as viasd's prefix cache)."""
+    """One greedy, non-streamed completion of prompt `ids`. (llama-server keeps its slot's last prompt,
+    as its speculation requires, which shares only the chat template's opening with the next.)"""
     import httpx
 
     t0 = time.perf_counter()
@@ -75,9 +76,8 @@ def llama_complete(server: LlamaServer, ids: list[int], n: int) -> dict:
     tokens = [int(i) for i in body["tokens"]]
     decode = (t["predicted_n"] - 1) / (t["predicted_ms"] / 1000) if t["predicted_n"] > 1 and t["predicted_ms"] > 0 else 0.0
     return {"token_ids": tokens, "text": body["content"], "counted_tokens": t["predicted_n"], "wall_s": wall,
-            "first_token_s": t["prompt_ms"] / 1000,
-            "decode_tokens_per_s": decode,
-            "drafted": t.get("draft_n"), "accepted": t.get("draft_n_accepted"), "timings": t}
+            "first_token_s": t["prompt_ms"] / 1000, "decode_tokens_per_s": decode, "drafted": t.get("draft_n"),
+            "accepted": t.get("draft_n_accepted"), "timings": t}
 
 
 def served_complete(server: Server, model: str, ids: list[int], settings: dict, n: int) -> dict:
@@ -94,9 +94,8 @@ def served_complete(server: Server, model: str, ids: list[int], settings: dict, 
     body = r.json()
     st = body["viasd"]["stats"]
     return {"token_ids": None, "text": body["choices"][0]["text"], "counted_tokens": st["new_tokens"], "wall_s": wall,
-            "first_token_s": st["first_token_s"],
-            "decode_tokens_per_s": st["decode_tokens_per_s"] or 0.0, "drafted": st["drafted"], "accepted": st["accepted"],
-            "stats": st}
+            "first_token_s": st["first_token_s"], "decode_tokens_per_s": st["decode_tokens_per_s"] or 0.0,
+            "drafted": st["drafted"], "accepted": st["accepted"], "stats": st}
 
 
 def viasd_complete(ids: list[int], model, drafter, settings: dict, n: int) -> dict:
@@ -170,7 +169,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     try:
         args.draft_max = [int(x) for x in args.draft_max.split(",") if x]
     except ValueError:
-        ap.error(f"--draft-max takes comma-separated integers, got {args.draft_max!r}")
+        args.draft_max = [0]
+    if not all(n >= 1 for n in args.draft_max):
+        ap.error("--draft-max takes comma-separated positive integers")
     if args.table is not None and not args.table.is_file():
         ap.error(f"--table {args.table}: no such file")
     if args.table is None:
@@ -178,6 +179,12 @@ def parse_args(argv=None) -> argparse.Namespace:
             ap.error("--out is required")
         if args.out.exists() and args.out.stat().st_size:
             ap.error(f"{args.out} is not empty: compare methods within one run only (start from an empty file)")
+        try:
+            names = {name for name, _ in parse_methods(args.methods)}
+        except UsageError as e:
+            ap.error(f"--methods: {e}")
+        if "ar" not in names:
+            ap.error("--methods needs ar: every ratio is taken against it")
         for alias in (args.model, args.drafter):
             if alias not in ZOO:
                 ap.error(f"{alias!r} is not a zoo alias ({', '.join(ZOO)})")
