@@ -6,7 +6,8 @@ script starts the server itself on a free loopback port, warms each strategy up,
 for --duration seconds; requests still running then get --grace seconds to finish (after that they
 are cancelled and counted as incomplete). The strategy is chosen per request through the `viasd`
 extension object, so one server (one model load) serves every strategy; llama-server serves `ar`
-(plain decoding) only. Every answer is compared with the same prompt's answer served alone (the
+(plain decoding), and `llama-server-md` serves `sd`: llama-server with --drafter's GGUF as its draft
+model (`-md`, its speculative settings at their defaults). Every answer is compared with the same prompt's answer served alone (the
 deployment's first, 1-client cell, or a solo pass): `equal_to_alone` is the share that matches.
 
 Before the cells, a solo phase compares one request served alone with `viasd generate` on the same
@@ -68,7 +69,7 @@ STRATEGIES = {  # name -> the request's `viasd` extension object
     "viasd": {"strategy": "viasd", "mode": "lossless", "draft": "pld"},
     "viasd-tiered": {"strategy": "viasd", "mode": "tiered", "draft": "pld"},
 }
-DEPLOYMENTS = {"process": 0, "ray2": 2, "llama-server": None}  # name -> --replicas (None: the peer)
+DEPLOYMENTS = {"process": 0, "ray2": 2, "llama-server": None, "llama-server-md": None}  # name -> --replicas (None: the peer)
 LLAMA_CPP_PYTHON = "llama-cpp-python==0.3.16"  # its sdist vendors the llama.cpp the peers extra pins
 
 
@@ -319,7 +320,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--strategies", default="ar,pld,viasd", help=f"comma-separated, from {', '.join(STRATEGIES)} (default: %(default)s)")
     p.add_argument("--clients", default="1,4,16", help="comma-separated numbers of concurrent clients (default: %(default)s)")
     p.add_argument("--deployments", default="process,ray2",
-                   help="comma-separated: process (one process), ray2 (two Ray Serve replicas) (default: %(default)s)")
+                   help="comma-separated: process (one process), ray2 (two Ray Serve replicas), llama-server (plain), "
+                        "llama-server-md (with --drafter's GGUF as its draft model) (default: %(default)s)")
     p.add_argument("--duration", type=float, default=60.0, help="seconds each cell issues requests (default: %(default)s)")
     p.add_argument("--grace", type=float, default=60.0, help="seconds running requests may take to finish after that (default: %(default)s)")
     p.add_argument("--max-tokens", type=int, default=64, help="max_tokens of each request (default: %(default)s)")
@@ -348,8 +350,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     bad = [s for s in args.strategy_list if s not in STRATEGIES]
     if bad or not args.strategy_list:
         p.error(f"unknown strategy {bad}: choose from {', '.join(STRATEGIES)}")
-    if "sd" in args.strategy_list and not args.drafter:
-        p.error("the sd strategy needs --drafter MODEL")
+    if ("sd" in args.strategy_list or "llama-server-md" in args.deployment_list) and not args.drafter:
+        p.error("the sd strategy and the llama-server-md deployment need --drafter MODEL")
     if args.url is None and ([d for d in args.deployment_list if d not in DEPLOYMENTS] or not args.deployment_list):
         p.error(f"--deployments: choose from {', '.join(DEPLOYMENTS)}")
     if args.url is not None and not args.url.startswith(("http://127.0.0.1", "http://localhost", "http://[::1]")):
@@ -465,15 +467,17 @@ def main(argv=None) -> int:
 
     records, solos = [], []
     for deployment in (args.deployment_list if args.url is None else [args.deployment_list[0] if args.deployment_list else "external"]):
-        server, peer, peer_build = None, deployment == "llama-server", None
+        server, peer, peer_build = None, deployment in ("llama-server", "llama-server-md"), None
         if args.url is None and peer:
             from viasd.models.loading import zoo_gguf_verified
             from viasd.models.zoo import ZOO
 
             binary = Path(args.llama_server) if args.llama_server else build_llama_server(Path(args.llama_server_build))
             peer_build = build_options(binary)
+            draft = ("-md", str(zoo_gguf_verified(ZOO[args.drafter])), "-cd", str(args.ctx), "-td", str(args.threads), "-tbd",
+                     str(args.threads)) if deployment == "llama-server-md" else ()
             server = LlamaServer(binary, zoo_gguf_verified(ZOO[args.model]), max(args.client_list), args.ctx, args.threads,
-                                 args.startup_timeout)
+                                 args.startup_timeout, extra=draft)
             url = server.url
         elif args.url is None:
             server = Server(args.model, DEPLOYMENTS[deployment], args.startup_timeout,
@@ -481,7 +485,7 @@ def main(argv=None) -> int:
             url = server.url
         else:
             url = args.url.rstrip("/")
-        strategies = ["ar"] if peer else args.strategy_list
+        strategies = (["sd"] if deployment == "llama-server-md" else ["ar"]) if peer else args.strategy_list
         try:
             for strategy in strategies:  # warm-up: one request per strategy (first calls pay allocation)
                 body = {"model": args.model, "messages": [{"role": "user", "content": PROMPTS[0]}], "max_tokens": 4}
