@@ -7,8 +7,9 @@ for --duration seconds; requests still running then get --grace seconds to finis
 are cancelled and counted as incomplete). The strategy is chosen per request through the `viasd`
 extension object, so one server (one model load) serves every strategy; llama-server serves `ar`
 (plain decoding), and `llama-server-md` serves `sd`: llama-server with --drafter's GGUF as its draft
-model (`-md`, its speculative settings at their defaults). Every answer is compared with the same prompt's answer served alone (the
-deployment's first, 1-client cell, or a solo pass): `equal_to_alone` is the share that matches.
+model (`-md`, its speculative settings at their defaults). Every answer is compared with the same
+prompt's answer served alone (the deployment's first, 1-client cell, or a solo pass):
+`equal_to_alone` is the share that matches.
 
 Before the cells, a solo phase compares one request served alone with `viasd generate` on the same
 prompt, interleaved prompt by prompt: decode-only tokens/s of each (the server's own
