@@ -46,7 +46,7 @@ from common import environment  # noqa: E402
 from load import SETTLE_S, LlamaServer, Server, build_llama_server, build_options  # noqa: E402
 
 from viasd import generate  # noqa: E402
-from viasd.bench import load_tasks, parse_methods  # noqa: E402
+from viasd.bench import drafter_of, load_tasks, parse_methods  # noqa: E402
 from viasd.errors import UsageError  # noqa: E402
 from viasd.models.loading import load_model, zoo_gguf_verified  # noqa: E402
 from viasd.models.zoo import ZOO  # noqa: E402
@@ -99,8 +99,8 @@ def served_complete(server: Server, model: str, ids: list[int], settings: dict, 
 
 
 def viasd_complete(ids: list[int], model, drafter, settings: dict, n: int) -> dict:
-    uses_drafter = settings.get("strategy") == "sd" or settings.get("draft") == "model"
-    r = generate(ids, model, drafter=drafter if uses_drafter else None, max_new_tokens=n, **settings)
+    """`drafter`: the method's drafter model, as `viasd bench` picks it (`bench.drafter_of`), or None."""
+    r = generate(ids, model, drafter=drafter, max_new_tokens=n, **settings)
     s = r.stats.to_dict()
     return {"token_ids": list(r.token_ids), "text": r.text, "wall_s": s["wall_s"], "first_token_s": s["first_token_s"],
             "decode_tokens_per_s": s["decode_tokens_per_s"] or 0.0, "drafted": s["drafted"], "accepted": s["accepted"],
@@ -180,10 +180,14 @@ def parse_args(argv=None) -> argparse.Namespace:
         if args.out.exists() and args.out.stat().st_size:
             ap.error(f"{args.out} is not empty: compare methods within one run only (start from an empty file)")
         try:
-            names = {name for name, _ in parse_methods(args.methods)}
+            methods = parse_methods(args.methods)
         except UsageError as e:
             ap.error(f"--methods: {e}")
-        if "ar" not in names:
+        for name, settings in methods:
+            if (why := drafter_of(settings, {args.drafter: args.drafter})[1]) is not None:
+                ap.error(f"--methods: {name} {why} (the one drafter is --drafter)")
+        args.method_list = methods
+        if "ar" not in {name for name, _ in methods}:
             ap.error("--methods needs ar: every ratio is taken against it")
         for alias in (args.model, args.drafter):
             if alias not in ZOO:
@@ -225,7 +229,7 @@ def main(argv=None) -> int:
             sys.exit(f"{args.table} holds {len(runs)} runs: one run a file (start each from an empty file)")
         print(summary(records))
         return 0
-    methods = parse_methods(args.methods)
+    methods = args.method_list
     prompts = load_tasks(args.tasks, args.limit)
     model = load_model(args.model, progress=False)
     drafter = load_model(args.drafter, progress=False)
@@ -248,7 +252,7 @@ def main(argv=None) -> int:
         def run(side: tuple[str, str, dict | None], ids: list[int], n: int) -> dict:
             name, way, settings = side
             if way == "generate":
-                return viasd_complete(ids, model, drafter, settings, n)
+                return viasd_complete(ids, model, drafter_of(settings, {args.drafter: drafter})[0], settings, n)
             return served_complete(servers[SERVE], args.model, ids, settings, n) if way == "serve" else llama_complete(servers[name], ids, n)
 
         warm = model.encode("Hello")  # (not recorded: first calls build graphs, caches and pass costs)

@@ -111,7 +111,7 @@ def _draft_kind(settings: dict, has_model: bool) -> DraftKind | None:
     return STRATEGIES[settings["strategy"]].draft_kind(settings.get("draft", DraftKind.AUTO), has_model)
 
 
-def _drafter_of(settings: dict, drafters: dict) -> tuple[object | None, str | None]:
+def drafter_of(settings: dict, drafters: dict) -> tuple[object | None, str | None]:
     """The drafter model a method runs with (None: it drafts without one), or why it cannot run."""
     if _draft_kind(settings, bool(drafters)) is not DraftKind.MODEL:
         return None, None
@@ -437,7 +437,7 @@ def _methods_here(methods, drafters: dict) -> tuple[dict, dict, dict]:
     reported, not faked), and its settings without the drafter's name."""
     chosen, available, settings_of = {}, {}, {}
     for name, settings in methods:
-        chosen[name], available[name] = _drafter_of(settings, drafters)
+        chosen[name], available[name] = drafter_of(settings, drafters)
         settings_of[name] = {k: v for k, v in settings.items() if k != "drafter"}
     return chosen, available, settings_of
 
