@@ -39,6 +39,9 @@ def run(capsys, *argv):
         (["generate", "hi", "--logit-bias", "5=101"], "viasd: error: logit_bias[5] must be <= 100.0, got 101.0"),
         (["generate", "hi", "--logit-bias", "5"], "viasd: error: logit_bias must be ID=BIAS pairs (a token id, a number), got '5'"),
         (["generate", "hi", "--logit-bias", "1=2,x=3"], "viasd: error: logit_bias must be ID=BIAS pairs"),
+        # a negative id is the flag's value, not an unknown option: the range error, not "expected one argument"
+        (["generate", "hi", "--logit-bias", "-1=5"], "viasd: error: logit_bias keys must be token ids (integers >= 0), got -1"),
+        (["generate", "hi", "--logit-bias", "2=1,-7=5"], "viasd: error: logit_bias keys must be token ids (integers >= 0), got -7"),
     ],
 )
 def test_usage_errors_exit_2_with_one_line(capsys, argv, message):

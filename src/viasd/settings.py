@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import re
 import typing
 from collections.abc import Mapping
 from dataclasses import dataclass, field
@@ -455,7 +456,7 @@ def parse_bias(text: str) -> dict[int, float]:
     for item in text.replace(",", " ").replace("/", " ").split():
         tid, eq, bias = item.partition("=")
         try:
-            if not eq or not tid.strip().isdigit():
+            if not eq or not re.fullmatch(r"-?[0-9]+", tid.strip()):  # (a negative id: bias_of's range error)
                 raise ValueError
             out[int(tid)] = float(bias)
         except ValueError:
@@ -499,6 +500,8 @@ def add_arguments(parser, skip: tuple[str, ...] = (), only: tuple[str, ...] | No
             kw["metavar"] = s.metavar
         elif d.kind == "bias":
             kw.update(action="append", metavar=s.metavar)  # (parsed by from_args: a bad pair is a one-line UsageError)
+            # "-1=5" is this flag's value (and gets the range error), not an unknown option: argparse >= 3.13's reading
+            parser._negative_number_matcher = re.compile(r"-\.?[0-9]")
         else:
             kw["type"] = int if d.kind == "int" else float
         where.add_argument(*d.flags, **kw)
@@ -518,10 +521,10 @@ def _add_format(parser) -> None:
 
 def format_from_args(args) -> dict | None:
     """The `response_format` the structured-output flags give (their files read), or None."""
-    from viasd.validation import read_capped, read_json
+    from viasd.validation import read_capped, read_json, require_schema
 
     if getattr(args, "fmt_json_schema", None):
-        schema = read_json(Path(args.fmt_json_schema), "JSON schema")
+        schema = require_schema(read_json(Path(args.fmt_json_schema), "JSON schema"), args.fmt_json_schema)
         return {"type": "json_schema", "json_schema": {"name": Path(args.fmt_json_schema).stem, "schema": schema, "strict": True}}
     if getattr(args, "fmt_json", False):
         return {"type": "json_object"}

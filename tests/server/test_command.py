@@ -29,6 +29,7 @@ SRC = str(Path(__file__).resolve().parents[2] / "src")
     (["--replicas", "two"], "invalid int value: 'two'"),
     (["--ray-address", "auto"], "--ray-address needs --replicas N"),
     (["--k", "-1"], "k must be >= 0, got -1"),
+    (["--logit-bias", "-1=5"], "logit_bias keys must be token ids (integers >= 0), got -1"),
     (["--strategy", "magic"], "invalid choice: 'magic'"),
     (["--api-key", " "], "--api-key (or VIASD_API_KEY) is empty"),
     (["--model", "no-such-model"], "unknown model 'no-such-model'"),
