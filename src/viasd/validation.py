@@ -436,6 +436,13 @@ def require_dict(data, path, what: str, error: type[UsageError] = MalformedFileE
     return data
 
 
+def require_schema(data, path, error: type[UsageError] = MalformedFileError):
+    """A JSON schema read from `path`: an object or a boolean (`true`: anything, `false`: nothing)."""
+    if not isinstance(data, (dict, bool)):
+        raise error(f"{path}: a JSON schema is an object or a boolean, not {_json_type(data)}")
+    return data
+
+
 def _json_type(v) -> str:
     return {dict: "an object", list: "a list", str: "a string", bool: "a boolean", type(None): "null",
             int: "a number", float: "a number"}.get(type(v), type(v).__name__)
