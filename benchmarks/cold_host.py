@@ -39,7 +39,7 @@ def operations(loaded, drafter) -> dict:
     from viasd.decoding.acceptance import first_among
     from viasd.decoding.stats import DecodeStats
     from viasd.decoding.verifier import CallKind, pass_bytes
-    from viasd.models.rowexact import known_argmax
+    from viasd.models.logits import PassOutput
 
     dec, stats, counts = loaded.decoder, DecodeStats(), collections.Counter()
     ids = sorted(np.random.default_rng(0).choice(min(40000, dec.lm_head.out_features), 5, replace=False).tolist())
@@ -51,7 +51,7 @@ def operations(loaded, drafter) -> dict:
         "rows = logits.unbind(0)": lambda lg: lg.unbind(0),
         "rows by iteration: tuple(logits)": lambda lg: tuple(lg),
         "pass_bytes(decoder)": lambda lg: pass_bytes(dec, None),
-        "known_argmax(logits)": lambda lg: known_argmax(lg),
+        "PassOutput(logits, argmax)[0]": lambda lg: PassOutput(lg, [0])[0],
         "stats.observe_call": lambda lg: stats.observe_call(CallKind.DRAFT, rows=1, model="drafter", bytes_read=1),
         "Counter.update(2 items)": lambda lg: counts.update(["a", "b"]),
         "Counter += 1, twice": lambda lg: [counts.__setitem__(k, counts[k] + 1) for k in ("a", "b")],

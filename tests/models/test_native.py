@@ -306,38 +306,37 @@ def test_products_with_the_norm_and_residual_fused_in_give_the_separate_ops_logi
 
 def test_a_pass_finds_each_rows_first_maximum_as_its_head_writes_the_logits(tiny_native):
     """Greedy decoding reads the argmax of a pass' logits from what the LM head's op found while writing
-    them (no scan of the row): for every pass shape, and for views of its rows, it is numpy's argmax;
-    any other tensor is scanned."""
+    them (no scan of the row): for every pass shape, and for its rows taken, it is numpy's argmax;
+    logits without it are scanned."""
     import numpy as np
 
     from viasd.decoding.acceptance import first_maxima
-    from viasd.models.rowexact import known_argmax, remember_maxima
+    from viasd.models.logits import PassOutput
 
     dec = tiny_native.decoder
     fused_head = gk.ROW_EXACT in dec._graph.packed
     ids = (torch.arange(40) * 11 + 2) % 64
     cache = dec.new_cache(len(ids))
     head = dec.reduced_head(list(range(1, 64, 2)))  # (32 rows: whole tiles of the row-exact kernel)
-    outs = [dec.forward(ids[:30], 0, cache), dec.forward(ids[30:31], 30, cache), dec.forward(ids[31:35], 31, cache),
-            dec.forward(ids[35:], 35, cache, last_only=True),
-            dec.forward(ids[:5], 0, dec.new_cache(8), head=head, expand=False)]
+    outs = [dec.forward(ids[:30], 0, cache, scored=True), dec.forward(ids[30:31], 30, cache, scored=True),
+            dec.forward(ids[31:35], 31, cache, scored=True), dec.forward(ids[35:], 35, cache, last_only=True, scored=True),
+            dec.forward(ids[:5], 0, dec.new_cache(8), head=head, expand=False, scored=True)]
     for out in outs:
-        expected = np.argmax(out.numpy(), -1).tolist()
-        assert known_argmax(out) == (expected if fused_head else None)
-        assert first_maxima(out) == expected
-        for r in range(out.shape[0]):
-            assert first_maxima(out[r]) == [expected[r]]
-            assert known_argmax(out[r]) == ([expected[r]] if fused_head else None)
-        assert first_maxima(out[1:]) == expected[1:]
-        assert known_argmax(out.clone()) is None and first_maxima(out.clone()) == expected
+        expected = np.argmax(out.logits.numpy(), -1).tolist()
+        assert out.argmax == (expected if fused_head else None)
+        assert first_maxima(out.logits, out.argmax) == first_maxima(out.logits) == expected
+        for r in range(out.logits.shape[0]):
+            assert out[r].argmax == ([expected[r]] if fused_head else None)
+            assert first_maxima(out[r].logits, out[r].argmax) == [expected[r]]
+        assert first_maxima(out[1:].logits, out[1:].argmax) == expected[1:]
     # the expanded reduced head (-inf outside the head's ids) carries its rows' maxima over, mapped to ids
-    expanded = dec.forward(ids[:5], 0, dec.new_cache(8), head=head)
-    expected = np.argmax(expanded.numpy(), -1).tolist()
-    assert known_argmax(expanded) == (expected if fused_head else None) and first_maxima(expanded) == expected
+    expanded = dec.forward(ids[:5], 0, dec.new_cache(8), head=head, scored=True)
+    expected = np.argmax(expanded.logits.numpy(), -1).tolist()
+    assert expanded.argmax == (expected if fused_head else None) and first_maxima(expanded.logits) == expected
+    assert torch.equal(expanded.logits, dec.forward(ids[:5], 0, dec.new_cache(8), head=head))
     assert set(expected) <= set(range(1, 64, 2))
     rows = torch.full((2, len(head)), float("-inf"))  # rows of -inf alone: expanded, their first maximum is id 0
-    remember_maxima(rows, [0, 0])
-    assert known_argmax(head.expand(rows)) is None and first_maxima(head.expand(rows)) == [0, 0]
+    assert head.expand(PassOutput(rows, [0, 0])).argmax is None and first_maxima(head.expand(PassOutput(rows)).logits) == [0, 0]
 
 
 @pytest.mark.parametrize("kernel", ["best", "avx2", "reference"])
@@ -350,7 +349,6 @@ def test_the_heads_row_maxima_keep_the_first_of_equal_logits(tiny, kernel, monke
 
     from viasd.decoding.acceptance import first_maxima
     from viasd.models.loading import load_state_dict
-    from viasd.models.rowexact import known_argmax
 
     rowexact = _row_exact_or_skip()
     if kernel == "avx2" and not rowexact.lib().rx_has_avx2():
@@ -365,12 +363,13 @@ def test_the_heads_row_maxima_keep_the_first_of_equal_logits(tiny, kernel, monke
     state[name] = emb
     dec = Decoder.from_state_dict(tiny.config, state, native=quantize(state, tiny.config, Q8_0), pack=True)
     assert gk.ROW_EXACT in dec._graph.packed and rowexact.lib() is not None
-    out = dec.forward(torch.tensor([5, 21, 40, 3, 5, 40]), 0, dec.new_cache(8))
+    scored = dec.forward(torch.tensor([5, 21, 40, 3, 5, 40]), 0, dec.new_cache(8), scored=True)
+    out = scored.logits
     for row in out:
         assert (row == row.max()).sum() >= 2  # a tie at every row's maximum
     expected = np.argmax(out.numpy(), -1).tolist()
     assert set(expected) <= {0, 5} and first_maxima(out) == expected
-    assert known_argmax(out) == (None if kernel == "reference" else expected)
+    assert scored.argmax == (None if kernel == "reference" else expected)
 
 
 def test_row_maxima_combine_the_threads_first_maxima():
@@ -670,7 +669,7 @@ def test_a_long_pending_run_is_checked_on_the_logits_ar_computes(tiny_native):
     one_by_one = [dec.forward(torch.tensor(seq[p : p + 1]), p, cache)[0] for p in range(L, len(seq))]  # as `ar` runs
     v = Verifier.start(dec, None, DecodeRequest(prompt, n + 1, SamplingParams(), frozenset(), DecodeStats()), 256)
     assert v.tokens == seq[: L + 1]
-    logits = v.full(seq[L + 1 :])  # every later token checked in one pass, as a long pending run is
+    logits = v.full(seq[L + 1 :]).logits  # every later token checked in one pass, as a long pending run is
     assert len(logits) == len(one_by_one)
     for i, (row, ref) in enumerate(zip(logits, one_by_one)):
         assert torch.equal(row, ref), f"position {L + i}"

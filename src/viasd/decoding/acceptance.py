@@ -21,8 +21,6 @@ from enum import StrEnum
 import numpy as np
 import torch
 
-from viasd.models.rowexact import known_argmax
-
 
 def argmax(x: torch.Tensor) -> torch.Tensor:
     """x [..., V] -> [...] int64: the index of each row's first maximum, as `torch.argmax(x, -1)`.
@@ -33,11 +31,10 @@ def argmax(x: torch.Tensor) -> torch.Tensor:
     return x.argmax(-1)
 
 
-def first_maxima(x: torch.Tensor) -> list[int]:
-    """x [V] or [n, V] -> the index of each row's first maximum, as Python ints ([V]: one). A pass'
-    logits need no scan: its LM head found them as it wrote them (`rowexact.known_argmax`; a cold
+def first_maxima(x: torch.Tensor, known: list[int] | None = None) -> list[int]:
+    """x [V] or [n, V] -> the index of each row's first maximum, as Python ints ([V]: one). `known`:
+    them, as a pass' LM head found them writing x (`PassOutput.argmax`): then x is not scanned (a cold
     152k-float row took ~0.17 ms to scan on the AMX Xeon, a verifier pass 34 ms)."""
-    known = known_argmax(x)
     if known is not None:
         return known
     found = argmax(x)
@@ -47,15 +44,14 @@ def first_maxima(x: torch.Tensor) -> list[int]:
 SCAN = 64  # `first_among` reads up to this many ids one by one
 
 
-def first_among(x: torch.Tensor, ids: Sequence[int]) -> int:
+def first_among(x: torch.Tensor, ids: Sequence[int], known: list[int] | None = None) -> int:
     """x [V], ids (any order, each in 0..V-1) -> the first maximum of x over `ids` alone, as x's
-    argmax with every other entry -inf: x's own where its pass found it and `ids` holds it, else the
+    argmax with every other entry -inf: x's own (`known`, [1], as its pass found it) where `ids` holds it, else the
     lowest id of x[ids]'s maxima (NaN the largest, as torch.argmax has it; the rest of x is never
     scanned). Up to `SCAN` ids of a float32 row are read as Python floats: right after a pass, with
     the caches cold, that took 70 us where numpy's indexing took 230 (the AMX Xeon, a 1.5B pass)."""
     if not len(ids):
         raise ValueError("first_among needs at least one id")
-    known = known_argmax(x)
     if known is not None and known[0] in ids:
         return known[0]
     if len(ids) <= SCAN and x.dtype == torch.float32 and x.dim() == 1 and x.stride(0) == 1:
@@ -102,9 +98,9 @@ class SamplingParams:
         """One token from probs [V]: the argmax when greedy, else a sample."""
         return int(argmax(probs)) if self.greedy else sample(probs, generator)
 
-    def next_token(self, logits: torch.Tensor, generator: torch.Generator | None) -> int:
-        """The token plain decoding picks from logits [V]."""
-        return first_maxima(logits)[0] if self.greedy else sample(self.probs(logits), generator)
+    def next_token(self, logits: torch.Tensor, generator: torch.Generator | None, known: list[int] | None = None) -> int:
+        """The token plain decoding picks from logits [V] (`known`: its argmax, [1], where the pass found it)."""
+        return first_maxima(logits, known)[0] if self.greedy else sample(self.probs(logits), generator)
 
 
 def logits_to_probs(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
@@ -139,14 +135,16 @@ def sample(probs: torch.Tensor, generator: torch.Generator | None) -> int:
     return int(torch.multinomial(probs, 1, generator=generator))
 
 
-def greedy_accept(draft: list[int] | torch.Tensor, target_logits: torch.Tensor) -> tuple[int, int]:
+def greedy_accept(draft: list[int] | torch.Tensor, target_logits: torch.Tensor,
+                  known: list[int] | None = None) -> tuple[int, int]:
     """Greedy verification: keep drafts while they equal the verifier's argmax.
 
     draft: [k] token ids; target_logits: [k+1, V], row i scores the position of draft[i]
-    (row k is the bonus position). Returns (n_accepted, next_token).
+    (row k is the bonus position); known: [k+1] its rows' argmax where the pass found them.
+    Returns (n_accepted, next_token).
     """
     # (compared as Python ints: a handful of small tensor ops cost more than the comparison, every round)
-    target = first_maxima(target_logits)  # [k+1]
+    target = first_maxima(target_logits, known)  # [k+1]
     draft = draft.tolist() if isinstance(draft, torch.Tensor) else draft
     n = next((i for i, (d, t) in enumerate(zip(draft, target)) if d != t), len(draft))
     return n, target[n]
@@ -194,17 +192,21 @@ def accept(
     params: SamplingParams,
     generator: torch.Generator | None,
     target_probs: torch.Tensor | None = None,
+    known: list[int] | None = None,
 ) -> tuple[int, int]:
     """The one acceptance entry point of every loop: keep a prefix of `draft`, plus one recovered or
     bonus token. Greedy: `greedy_accept`; sampling: `speculative_sampling` (lossless).
 
     draft: [k] ids; q: [k, V] the drafts' proposal distribution (None: deterministic; unused when
     greedy); target_logits: [k+1, V]; target_probs: [k+1, V] a target other than the verifier's own
-    distribution (speculative cascades' pi), replacing the one derived from target_logits.
+    distribution (speculative cascades' pi), replacing the one derived from target_logits; known:
+    [k+1] target_logits' rows' argmax where the pass found them (`PassOutput.argmax`).
     Returns (n_accepted, next_token).
     """
     if params.greedy:
-        return greedy_accept(draft, target_logits if target_probs is None else target_probs)
+        if target_probs is not None:
+            return greedy_accept(draft, target_probs)
+        return greedy_accept(draft, target_logits, known)
     draft = torch.as_tensor(draft, dtype=torch.long)
     p = params.probs(target_logits) if target_probs is None else target_probs
     return speculative_sampling(draft, q, p, generator)

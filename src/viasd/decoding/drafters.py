@@ -25,6 +25,7 @@ from viasd.execution.passes import Passes
 from viasd.models.decoder import Decoder
 from viasd.models.kvcache import KVCache, LayerMask
 from viasd.models.layers import ReducedHead
+from viasd.models.logits import PassOutput
 
 
 @dataclass
@@ -121,16 +122,16 @@ class _AutoregressiveDrafter:
         feed = context[start:] + ([] if guess is None else [guess])  # (ids, not a tensor: see `Decoder.forward`)
         tokens: list[int] = []
         probs: list[torch.Tensor] = []
-        ahead: torch.Tensor | None = None  # [1, V] the next token's logits, computed already (a right guess)
+        ahead: PassOutput | None = None  # [1, V] the next token's logits, computed already (a right guess)
         for _ in range(k):
             if ahead is not None:
-                logits, ahead = ahead, None
+                out, ahead = ahead, None
             else:
-                logits = self._pass(feed, start, cache, rows=2 if guess is not None and not tokens else 1, expand=not compact)
+                out = self._pass(feed, start, cache, rows=2 if guess is not None and not tokens else 1, expand=not compact)
                 if guess is not None and not tokens:
-                    logits, ahead = logits[:1], logits[1:]  # [1, V] at the context's last token, [1, V] at the guess
+                    out, ahead = out[:1], out[1:]  # [1, V] at the context's last token, [1, V] at the guess
                 start += len(feed)
-            token, top = self._choose(logits, tokens, first if not tokens else None, plain, compact, probs)
+            token, top = self._choose(out, tokens, first if not tokens else None, plain, compact, probs)
             if token is None:  # (a reduced head holding no token the grammar allows)
                 break
             tokens.append(token)
@@ -145,46 +146,48 @@ class _AutoregressiveDrafter:
         self._drafted(context, tokens)
         return tokens, torch.stack(probs) if probs else None
 
-    def _choose(self, logits: torch.Tensor, tokens: list[int], first: Sequence[int] | None, plain: bool, compact: bool,
+    def _choose(self, out: PassOutput, tokens: list[int], first: Sequence[int] | None, plain: bool, compact: bool,
                 probs: list[torch.Tensor]) -> tuple[int | None, float | None]:
-        """The next draft token from a pass' last row `logits` [1, V] (`compact`: [1, N] over the reduced
+        """The next draft token from a pass' last row `out` [1, V] (`compact`: [1, N] over the reduced
         head's ids), and the drafter's top probability where a threshold reads it; `first`: the ids a
         healed token is drawn from; q appended to `probs` where kept. None: nothing the grammar allows."""
         if plain and first is None:  # greedy: the argmax, found by the LM head (no row taken)
-            i = first_maxima(logits)[-1]  # (over a reduced head's ids ascending: the expanded row's first maximum)
+            i = first_maxima(out.logits, out.argmax)[-1]  # (over a reduced head's ids ascending: the expanded row's first maximum)
             return self.head.id_list[i] if compact else i, None
-        logits = logits[-1]  # [V] (or [N])
+        row = out[-1]
+        logits, known = row.logits, row.argmax  # [V] (or [N]); its argmax, [1], where the pass found it
         if first is not None and not plain:
             logits = torch.full_like(logits, float("-inf")).index_copy_(0, ids := torch.tensor(first), logits[ids])  # ids [n]
+            known = None
         if self.grammar is not None:  # draft only what the grammar allows: a cut draft is a wasted pass
             allowed = self.grammar(tokens)[: logits.shape[-1]]
             allowed = torch.nn.functional.pad(allowed, (0, logits.shape[-1] - allowed.shape[0]))  # (a wider head's padding)
-            logits = logits.masked_fill(~allowed, float("-inf"))
+            logits, known = logits.masked_fill(~allowed, float("-inf")), None
             if not torch.isfinite(logits).any():
                 return None, None
         if first is not None and plain:  # the masked row's first maximum, without the masked row
-            return first_among(logits, first), None
+            return first_among(logits, first, known), None
         if compact:  # (ascending ids: the first maximum is the expanded row's first maximum)
-            token = self.head.id_list[first_maxima(logits)[0]]
+            token = self.head.id_list[first_maxima(logits, known)[0]]
             return token, float(self.params.confidence(logits).max()) if self.threshold is not None else None
         if self.keep_probs or self.threshold is not None:
             q = self.params.confidence(logits)  # [V]
             if self.keep_probs:
                 probs.append(q)
             return self.params.draw(q, self.generator), float(q.max())
-        return first_maxima(logits)[0], None  # greedy: the logits' argmax (softmax keeps their order)
+        return first_maxima(logits, known)[0], None  # greedy: the logits' argmax (softmax keeps their order)
 
-    def _pass(self, feed: list[int], start: int, cache: KVCache, rows: int = 1, expand: bool = True) -> torch.Tensor:
+    def _pass(self, feed: list[int], start: int, cache: KVCache, rows: int = 1, expand: bool = True) -> PassOutput:
         """The logits of the last `rows` rows of a drafting pass over `feed` ([rows, V]; with `expand`
         False and a reduced head, over its ids: [rows, N])."""
-        logits = self.passes.forward(self.decoder, feed, start, cache, route=self.route, last_only=rows == 1, head=self.head,
+        out = self.passes.forward(self.decoder, feed, start, cache, route=self.route, last_only=rows == 1, head=self.head,
                                      **({} if expand else {"expand": False}))  # (asked only of decoders with reduced heads)
         if len(feed) == 1 and rows == 1:
             self._singles += 1  # (counted when the draft ends: a stats call costs ~40 us right after a pass)
         else:
             self.stats.observe_call(CallKind.DRAFT, verifier_share=self.verifier_share, rows=len(feed), model=self.owner,
                                     bytes_read=self._bytes_read)
-        return logits if rows == 1 else logits[-rows:]
+        return out if rows == 1 else out[-rows:]
 
     def _observe_singles(self) -> None:
         """Count the draft's one-token passes in the statistics."""

@@ -39,6 +39,7 @@ from viasd.execution.passes import Passes
 from viasd.models.decoder import Decoder
 from viasd.models.kvcache import LayerMask
 from viasd.models.layers import ReducedHead
+from viasd.models.logits import PassOutput
 
 
 def resume_layer(route: LayerMask, resume: bool = True) -> int | None:
@@ -65,8 +66,8 @@ def viasd_lossless_decode(decoder: Decoder, drafter: Drafter, route: LayerMask, 
         # 1. slim stage: speculative decoding drafter -> slim builds a block distributed as q'
         s = _slim_stage(v, drafter, route, k, full_block, head, policy)
         # 2. full stage: one pass verifies the block, with q' as the proposal distribution
-        logits = v.full(s.block)  # [len(block)+1, V]
-        n, x = accept(s.block, s.block_q, logits, req.params, req.generator)
+        out = v.full(s.block)  # [len(block)+1, V]
+        n, x = accept(s.block, s.block_q, out.logits, req.params, req.generator, known=out.argmax)
         req.stats.observe_round(0, 0)
         req.stats.observe_full_check(len(s.block), n)
         if s.rescue is not None and n >= s.rescue:  # the full model judged the slim verifier's replacement
@@ -78,7 +79,7 @@ def viasd_lossless_decode(decoder: Decoder, drafter: Drafter, route: LayerMask, 
                 policy.observe(1, int(x == s.peek))
         # 3. commit; drafter tokens the full model rejected (or the budget cut) no longer count as accepted
         sources = [Source.GRAMMAR if f else _TIER_SOURCE[t] for t, f in zip(s.origin[:n], s.forced)]
-        kept = v.commit(s.block[:n] + [x], s.origin[:n] + [Tier.FULL], sources=sources, logits=logits)
+        kept = v.commit(s.block[:n] + [x], s.origin[:n] + [Tier.FULL], sources=sources, logits=out.logits)
         req.stats.observe_grammar(sum(s.forced), sum(s.forced[: min(n, kept)]))
         req.stats.accepted -= s.origin.count(Tier.ACCEPT) - s.origin[: min(n, kept)].count(Tier.ACCEPT)
     return v.out
@@ -138,15 +139,15 @@ def _slim_stage(v: Verifier, drafter: Drafter, route: LayerMask, k: int, full_bl
             peek = proposed if not block else None
             break
         drafted += len(draft)
-        slim_logits = v.slim(route, block + draft.tokens, n_rows=len(draft) + 1, head=head)  # [k'+1, V]
-        n, x = accept(draft.tokens, draft.probs, slim_logits, params, v.req.generator)
+        slim = v.slim(route, block + draft.tokens, n_rows=len(draft) + 1, head=head)  # [k'+1, V]
+        n, x = accept(draft.tokens, draft.probs, slim.logits, params, v.req.generator, known=slim.argmax)
         v.stats.observe_round(len(draft), n, verification=False)
         v.keep_slim(route, len(block) + n)  # slim K/V now covers the block and the accepted drafts
         block += draft.tokens[:n] + [x]
         origin += [Tier.ACCEPT] * n + [Tier.SLIM]
         forced += [i < draft.forced for i in range(n)] + [False]
         if not params.greedy:
-            block_q.append(params.probs(slim_logits[: n + 1]))
+            block_q.append(params.probs(slim.logits[: n + 1]))
         if n < len(draft):
             return _SlimBlock(block, origin, q(), len(block) - 1, drafted, forced, None)
         if any(t in v.req.eos for t in block[-n - 1 :]):
@@ -229,7 +230,7 @@ class _TieredLoop:
             self.drafted += [True] * kept
             return
         if draft.tokens and self.slim_tiers:
-            slim = self.params.confidence(v.slim(self.route, draft.tokens, head=self.head))  # [k'+1, V]
+            slim = self.params.confidence(v.slim(self.route, draft.tokens, head=self.head).logits)  # [k'+1, V]
             tiers = round_tiers(draft.tokens, draft.probs, slim, self.thresholds,
                                 self.head and self.head.contains(draft.tokens))  # k'+1
             # 2. tiers 1 and 2, in order, up to the first tier-3 position
@@ -269,12 +270,13 @@ class _TieredLoop:
             if corrected:
                 return new, origin
         rows = rows[len(unchecked) :]  # [k'-i+1, V]
-        n, x = accept(draft.tokens[i:], None if draft.probs is None else draft.probs[i:], rows, self.params, self.req.generator)
+        n, x = accept(draft.tokens[i:], None if draft.probs is None else draft.probs[i:], rows.logits, self.params,
+                      self.req.generator, known=rows.argmax)
         self.stats.observe_full_check(len(draft) - i, n)
         return new + draft.tokens[i : i + n] + [x], origin + [Tier.FULL] * (n + 1)
 
 
-def _recheck(v: Verifier, rows: torch.Tensor, unchecked: list[int], new: list[int], origin: list[Tier],
+def _recheck(v: Verifier, rows: PassOutput, unchecked: list[int], new: list[int], origin: list[Tier],
              correct: bool, drafted: list[bool]) -> tuple[list[int], list[Tier], bool]:
     """Greedy, after a full pass: rows [u, V] are the full model's logits before each of `unchecked`
     (the committed tokens it had not processed, then the round's `new` ones); count where its choice
@@ -283,7 +285,7 @@ def _recheck(v: Verifier, rows: torch.Tensor, unchecked: list[int], new: list[in
     streamed; the drafts among them, `drafted`'s flags of the new tokens, no longer count as
     accepted), the round's are cut. Returns the round's tokens and tiers to commit (unchanged when
     nothing is corrected; otherwise ending with the corrected token, tier 3) and whether it corrected one."""
-    choice = first_maxima(rows)
+    choice = first_maxima(rows.logits, rows.argmax)
     differs = [c != t for c, t in zip(choice, unchecked)]
     v.stats.observe_recheck(len(unchecked), sum(differs))
     j = differs.index(True) if correct and any(differs) else None

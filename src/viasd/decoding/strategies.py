@@ -19,9 +19,9 @@ def autoregressive_decode(decoder: Decoder, req: DecodeRequest) -> list[int]:
     """Plain decoding: one full-model call per token."""
     v = Verifier.start(decoder, None, req, len(req.prompt) + req.max_new_tokens + 1)
     while not v.done:
-        logits = v.full([])[0]  # [V] the position after the last committed token
+        out = v.full([])  # [1, V] the position after the last committed token
         req.stats.observe_round(0, 0)
-        v.commit([req.params.next_token(logits, req.generator)], logits=logits[None])
+        v.commit([req.params.next_token(out.logits[0], req.generator, out.argmax)], logits=out.logits)
     return v.out
 
 
@@ -50,12 +50,12 @@ def speculative_decode(
         draft, peek = propose(drafter, v.tokens, min(k, v.budget - 1), policy)
         # 2. verify the last committed token and the drafts in one full pass
         with PassTimer(decoder) as timer:
-            logits = v.full(draft.tokens)  # [k'+1, V]
+            out = v.full(draft.tokens)  # [k'+1, V]
         if policy is not None:
             policy.observe_pass(len(draft) + 1, timer.seconds)
         # 3. accept a prefix of the drafts, plus one recovered or bonus token
-        pi = cascade_target_probs(draft.probs, logits, params, *cascade) if cascade and draft.tokens else None
-        n, x = accept(draft.tokens, draft.probs, logits, params, req.generator, target_probs=pi)
+        pi = cascade_target_probs(draft.probs, out.logits, params, *cascade) if cascade and draft.tokens else None
+        n, x = accept(draft.tokens, draft.probs, out.logits, params, req.generator, target_probs=pi, known=out.argmax)
         stats.observe_round(len(draft), n)
         stats.observe_full_check(len(draft), n)
         stats.observe_grammar(draft.forced, min(n, draft.forced))
@@ -66,5 +66,5 @@ def speculative_decode(
             if peek is not None and n == len(draft):  # the token after the verified drafts: was it proposed?
                 policy.observe(1, int(x == peek))
         # 4. commit (cut at the end token and the budget)
-        v.commit(draft.tokens[:n] + [x], sources=drafted_sources(n, draft.forced), logits=logits)
+        v.commit(draft.tokens[:n] + [x], sources=drafted_sources(n, draft.forced), logits=out.logits)
     return v.out

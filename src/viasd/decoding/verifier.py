@@ -29,6 +29,7 @@ from viasd.execution.passes import Passes
 from viasd.models.decoder import Decoder
 from viasd.models.kvcache import KVCache, LayerMask
 from viasd.models.layers import ReducedHead
+from viasd.models.logits import PassOutput
 
 if TYPE_CHECKING:
     from viasd.decoding.drafters import Drafter
@@ -118,10 +119,11 @@ class Verifier:
             drafter.begin(max_len, verifier)
         if verifier.done:
             return verifier
-        logits = verifier.prefill()  # [V] the position after the prompt
-        if logits is not None:
+        first = verifier.prefill()  # [1, V] the position after the prompt
+        if first is not None:
             req.stats.observe_round(0, 0)
-            verifier.commit([req.params.next_token(logits, req.generator)], [Tier.FULL] if tiers else None, logits=logits[None])
+            verifier.commit([req.params.next_token(first.logits[0], req.generator, first.argmax)], [Tier.FULL] if tiers else None,
+                            logits=first.logits)
         return verifier
 
     @property
@@ -129,8 +131,8 @@ class Verifier:
         """New tokens the request may still commit."""
         return self.req.max_new_tokens - len(self.out)
 
-    def prefill(self) -> torch.Tensor | None:
-        """The whole prompt through the full model; returns the last row's logits [V] (the first commit
+    def prefill(self) -> PassOutput | None:
+        """The whole prompt through the full model; returns the last row's logits [1, V] (the first commit
         then restores the invariant), None for an empty prompt. For an encoder-decoder, the source first
         goes through the encoder (counted as one full call)."""
         if self.source is not None:
@@ -138,11 +140,11 @@ class Verifier:
             self.stats.observe_call(CallKind.FULL, verifier_share=1.0)
         if not self.tokens:
             return None
-        logits = self.passes.forward(self.decoder, list(self.tokens), 0, self.cache, last_only=True)
+        out = self.passes.forward(self.decoder, list(self.tokens), 0, self.cache, last_only=True)
         self.stats.observe_call(CallKind.FULL, verifier_share=1.0, bytes_read=pass_bytes(self.decoder, None))
-        return self._masked(logits[:1], [])[0]
+        return self._masked(out[:1], [])
 
-    def full(self, ahead: list[int], n_rows: int | None = None) -> torch.Tensor:
+    def full(self, ahead: list[int], n_rows: int | None = None) -> PassOutput:
         """One full pass over the pending positions, the last committed token and `ahead` (tokens past
         the committed ones: drafts, a slim-settled block). Returns the logits of the last `n_rows`
         positions (default len(ahead) + 1: the last committed token's and each of `ahead`'s), [n_rows, V].
@@ -164,7 +166,7 @@ class Verifier:
                                     rows=end - cache.n_exact)
         return self._pass(None, start, ahead, n_rows, CallKind.FULL, resume=True)
 
-    def slim(self, route: LayerMask, ahead: list[int], n_rows: int | None = None, head: ReducedHead | None = None) -> torch.Tensor:
+    def slim(self, route: LayerMask, ahead: list[int], n_rows: int | None = None, head: ReducedHead | None = None) -> PassOutput:
         """Like `full`, along `route`: it starts where the route's K/V stops being valid (a drafting
         route sharing layers may have overwritten some), at the latest at the first row asked for.
         `head`: logits over that reduced vocabulary only (-inf elsewhere)."""
@@ -177,28 +179,32 @@ class Verifier:
         self.cache.rollback_route(route, len(self.tokens) + n_ahead)
 
     def _pass(self, route: LayerMask | None, start: int, ahead: list[int], n_rows: int, kind: CallKind,
-              resume: bool = False, head: ReducedHead | None = None) -> torch.Tensor:
+              resume: bool = False, head: ReducedHead | None = None) -> PassOutput:
         n = len(self.tokens)
         rows = n + len(ahead) - start
         feed = self.tokens[start:] + ahead if start <= n else ahead[start - n :]  # (a slim pass may start inside `ahead`)
-        logits = self.passes.forward(self.decoder, feed, start, self.cache, route=route, resume=resume, head=head)  # [rows, V]
+        out = self.passes.forward(self.decoder, feed, start, self.cache, route=route, resume=resume, head=head)  # [rows, V]
         first = self.cache.resume_layer if resume else 0
         share = (1.0 if route is None else route.fraction) - (first / self.decoder.config.n_layers)
         full = route is None and not first and head is None  # (its bytes, known since the request began)
         self.stats.observe_call(kind, verifier_share=share, bytes_read=self.full_bytes if full else pass_bytes(self.decoder, route, first, head),
                                 rows=rows)
-        return self._masked(logits if n_rows == rows else logits[rows - n_rows :], ahead)  # (a slice costs ~20 us right after a pass)
+        return self._masked(out if n_rows == rows else out[rows - n_rows :], ahead)  # (a slice costs ~20 us right after a pass)
 
-    def _masked(self, rows: torch.Tensor, ahead: list[int]) -> torch.Tensor:
-        """rows [n, V]: the logits of the last n positions of tokens + ahead, through the request's
+    def _masked(self, out: PassOutput, ahead: list[int]) -> PassOutput:
+        """out [n, V]: the logits of the last n positions of tokens + ahead, through the request's
         logit processors (bias, penalties: `processors.py`), then with what its grammar forbids at each
-        set to -inf (unchanged without either). So the target distribution every rule uses is the processed one."""
+        set to -inf (unchanged without either: then with the maxima the pass found). So the target
+        distribution every rule uses is the processed one."""
+        if self.processors is None and self.constraint is None:
+            return out
+        rows = out.logits
         if self.processors is not None:
             rows = self.processors.process(rows, self.out, ahead)
-        if self.constraint is None:
-            return rows
-        with self.stats.grammar_clock(rows.shape[0]):
-            return self.constraint.mask(rows, ahead)
+        if self.constraint is not None:
+            with self.stats.grammar_clock(rows.shape[0]):
+                rows = self.constraint.mask(rows, ahead)
+        return PassOutput(rows)
 
     def commit(self, new: list[int], tiers: list[int] | None = None, checked: bool = True,
                sources: list[Source] | None = None, logits: torch.Tensor | None = None) -> int:

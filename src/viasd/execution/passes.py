@@ -21,6 +21,7 @@ if TYPE_CHECKING:
     import torch
 
     from viasd.models.kvcache import KVCache
+    from viasd.models.logits import PassOutput
 
 T = TypeVar("T")
 
@@ -36,8 +37,10 @@ class Passes:
         self._prefix = {id(d): c for d, c in prefix}
         self.seconds = 0.0
 
-    def forward(self, decoder, tokens: torch.Tensor | list[int], start: int, cache: KVCache, **kw) -> torch.Tensor | None:
-        """`decoder.forward(tokens, start, cache, **kw)`, run as this request runs its passes."""
+    def forward(self, decoder, tokens: torch.Tensor | list[int], start: int, cache: KVCache, **kw) -> PassOutput | None:
+        """`decoder.forward(tokens, start, cache, scored=True, **kw)`, run as this request runs its passes:
+        the logits with the rows' maxima the pass found (None: a pass without logits)."""
+        kw["scored"] = True
         t0 = time.perf_counter()
         try:
             kept = self._prefix.get(id(decoder))
@@ -58,7 +61,7 @@ class Passes:
             return self.session.forward(decoder, *args, **kw)
         return decoder.forward(*args, **kw)
 
-    def _prefill(self, kept: PrefixCache, decoder, tokens: torch.Tensor | list[int], cache: KVCache, **kw) -> torch.Tensor | None:
+    def _prefill(self, kept: PrefixCache, decoder, tokens: torch.Tensor | list[int], cache: KVCache, **kw) -> PassOutput | None:
         """A prompt's pass from position 0 through the prefix cache: the longest cached prefix's K/V
         copied in, the rest computed, the whole prompt's K/V kept for the next one. Rows are computed
         independently, so the result is what the whole pass gives."""

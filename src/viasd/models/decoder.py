@@ -34,6 +34,7 @@ from viasd.models.ggml_kernels import NativeTensor, QuantEmbedding, QuantLinear
 from viasd.models.kvcache import ROW_ATTENTION_MAX, KVCache, LayerMask, begin_pass
 from viasd.models.layers import (Embedding, Linear, PackedLinear, ReducedHead, _attention, _Layer, _rms_norm, _rope_table,
                                  _rotate_half, _softcap)
+from viasd.models.logits import PassOutput
 
 
 def token_ids(tokens: torch.Tensor | list[int]) -> list[int]:
@@ -177,7 +178,8 @@ class Decoder:
         logits: bool = True,
         head: ReducedHead | None = None,
         expand: bool = True,
-    ) -> torch.Tensor | None:
+        scored: bool = False,
+    ) -> torch.Tensor | PassOutput | None:
         """Logits for `tokens` at positions start .. start+T-1, reading and writing `cache`.
 
         tokens: [T] int64, or T ids (`token_ids`). Returns [T, vocab] float32 logits ([1, vocab] with `last_only`; None
@@ -188,6 +190,7 @@ class Decoder:
         stream entering that layer stores it. `head`: logits over a reduced vocabulary only (-inf
         elsewhere; see `ReducedHead`), or with `expand` False [T, N] over the head's ids alone (a
         greedy drafter's argmax among them: filling a 152k-token row took it 0.25 ms a token).
+        `scored`: the logits as a `PassOutput`, with each row's argmax where the LM head found it.
         """
         tokens = token_ids(tokens)
         n_tokens = len(tokens)
@@ -208,9 +211,14 @@ class Decoder:
         cache._commit(route, start, end)
         if not outs:
             return None
-        out = outs[0] if len(outs) == 1 else torch.cat(outs)
+        out = outs[0] if len(outs) == 1 else PassOutput(torch.cat([o.logits for o in outs]))
+        out = self._finish(out, head, expand)
+        return out if scored else out.logits
+
+    def _finish(self, out: PassOutput, head: ReducedHead | None, expand: bool) -> PassOutput:
+        """A pass' raw logits soft-capped (their maxima then unknown) and expanded over a reduced head."""
         if self.config.final_softcap is not None:
-            out = _softcap(out, self.config.final_softcap)
+            out = PassOutput(_softcap(out.logits, self.config.final_softcap))
         return out if head is None or not expand else head.expand(out)
 
     @torch.inference_mode()
@@ -220,8 +228,8 @@ class Decoder:
         entering one layer or none: `batching._group_key`) as one pass: every product over all their
         rows, each request's rows attending its own cache (and reading or storing its own streams).
         `rows`: each call padded to that many rows (its last token repeated; those rows' outputs
-        dropped, their K/V and streams past its positions). Returns each call's result, or the
-        exception its checks raised (the others run)."""
+        dropped, their K/V and streams past its positions). Returns each call's result (a `PassOutput`
+        where its `scored` asks), or the exception its checks raised (the others run)."""
         results: list = [None] * len(calls)
         runnable, route, head, first, save = [], None, None, 0, None
         for i, (args, kw) in enumerate(calls):
@@ -247,13 +255,15 @@ class Decoder:
         outs = self._graph.run([(t, s, c, w) for _, t, s, c, w, _ in runnable], route, first, save, head)
         for (i, _, start, cache, _, end), out in zip(runnable, outs):
             cache._commit(route, start, end)
-            if out is not None and self.config.final_softcap is not None:
-                out = _softcap(out, self.config.final_softcap)
-            results[i] = out if out is None or head is None or not calls[i][1].get("expand", True) else head.expand(out)
+            kw = calls[i][1]
+            if out is not None:
+                out = self._finish(out, head, kw.get("expand", True))
+                out = out if kw.get("scored") else out.logits
+            results[i] = out
         return results
 
     def _rows(self, tokens: list[int], start: int, cache: KVCache, route: LayerMask | None, last_only: bool,
-              first: int, save: int | None, logits: bool, head: ReducedHead | None) -> torch.Tensor | None:
+              first: int, save: int | None, logits: bool, head: ReducedHead | None) -> PassOutput | None:
         """One chunk of `forward` (at most ROW_ATTENTION_MAX rows; the cache's bookkeeping is the caller's):
         raw logits [T, V] ([1, V] with `last_only`, [T, N] over a reduced head), or None."""
         n_tokens = len(tokens)
@@ -284,7 +294,7 @@ class Decoder:
             return None
         if last_only:
             x = x[-1:]
-        return (self.lm_head if head is None else head.linear)(_rms_norm(x, self.norm, cfg.rms_eps)).float()
+        return PassOutput((self.lm_head if head is None else head.linear)(_rms_norm(x, self.norm, cfg.rms_eps)).float())
 
     def _attention_block(self, i: int, layer: _Layer, x: torch.Tensor, cache: KVCache, start: int,
                          rope: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:

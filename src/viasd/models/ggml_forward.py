@@ -34,6 +34,7 @@ from viasd.models import ggml_kernels as gk
 from viasd.models import rowexact
 from viasd.models.ggml_kernels import F32, I32, QuantLinear, lib
 from viasd.models.kvcache import ROW_ATTENTION_MAX, KVCache, LayerMask
+from viasd.models.logits import PassOutput
 
 if TYPE_CHECKING:  # annotations only: the decoder builds its graph from here
     from viasd.models.decoder import Decoder
@@ -353,17 +354,17 @@ class NativeForward:
         return mask[start:end], None if local is None else local[start:end]
 
     def __call__(self, tokens: list[int], start: int, cache: KVCache, route: LayerMask | None, last_only: bool,
-                 first: int = 0, save: int | None = None, with_logits: bool = True, head=None) -> torch.Tensor | None:
+                 first: int = 0, save: int | None = None, with_logits: bool = True, head=None) -> PassOutput | None:
         """(`head`: a `layers.ReducedHead`; the logits are then its N columns, [T, N].)"""
         n = len(tokens)
         rows = (0, 0) if not with_logits else (n - 1, 1) if last_only else (0, n)
         return self.run([(tokens, start, cache, rows)], route, first, save, head)[0]
 
     def run(self, calls: list[tuple[list[int], int, KVCache, tuple[int, int]]], route: LayerMask | None, first: int = 0,
-            save: int | None = None, head=None) -> list[torch.Tensor | None]:
+            save: int | None = None, head=None) -> list[PassOutput | None]:
         """One pass over several requests' rows: `calls`, per request (its n token ids, start, its cache,
         (first, count): the rows whose logits it wants, of its own). Returns each request's logits
-        ([count, V], or None for none)."""
+        ([count, V], with their rows' maxima where the head found them; None for none)."""
         parts = tuple((len(t), c.k.shape[2], want) for t, _, c, want in calls)
         head_linear = None if head is None else head.linear
         key = (parts, route, first, save, id(head_linear))
@@ -399,11 +400,10 @@ class NativeForward:
             if (maxima := leaves.get("maxima")) is not None:
                 maxima.arm()
             graph.run()
-            if maxima is not None and (found := maxima.result()) is not None:
-                rowexact.remember_maxima(out, found)
+            found = maxima.result() if maxima is not None else None
         outs, at = [], 0
         for n in counts:
-            outs.append(out[at : at + n] if n else None)
+            outs.append(PassOutput(out[at : at + n], None if found is None else found[at : at + n]) if n else None)
             at += n
         return outs
 

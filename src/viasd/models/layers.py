@@ -12,7 +12,7 @@ import torch
 import torch.nn.functional as F
 
 from viasd.models.ggml_kernels import QuantLinear
-from viasd.models.rowexact import known_argmax, remember_maxima
+from viasd.models.logits import PassOutput
 
 
 class PackedLinear:
@@ -81,16 +81,16 @@ class ReducedHead:
         """The ids' sha256 (hex, 16 digits): which subset, for what is kept of its passes' times."""
         return hashlib.sha256(self.ids.numpy().astype("<i8").tobytes()).hexdigest()[:16]
 
-    def expand(self, logits: torch.Tensor) -> torch.Tensor:
+    def expand(self, out: PassOutput) -> PassOutput:
         """[T, N] -> [T, V]: the subset's logits in place, -inf elsewhere. Where the pass' head found
         its rows' maxima, the expanded rows' are known too (ids ascending: the first maximum maps to the
         first; a row of -inf alone would have its first at id 0, so those rows are left unknown)."""
-        out = torch.full((logits.shape[0], self.vocab_size), float("-inf"), dtype=logits.dtype)
-        out[:, self.ids] = logits
-        known = known_argmax(logits)
-        if known is not None and logits.dim() == 2 and (logits.numpy()[np.arange(len(known)), known] > float("-inf")).all():
-            remember_maxima(out, [self.id_list[i] for i in known])
-        return out
+        logits, known = out.logits, out.argmax
+        full = torch.full((logits.shape[0], self.vocab_size), float("-inf"), dtype=logits.dtype)
+        full[:, self.ids] = logits
+        if known is not None and (logits.numpy()[np.arange(len(known)), known] > float("-inf")).all():
+            return PassOutput(full, [self.id_list[i] for i in known])
+        return PassOutput(full)
 
     def contains(self, tokens: list[int]) -> list[bool]:
         return self.member[torch.tensor(tokens, dtype=torch.long)].tolist() if tokens else []

@@ -41,7 +41,6 @@ import subprocess
 import sys
 import tempfile
 import threading
-import weakref
 from pathlib import Path
 
 import numpy as np
@@ -109,39 +108,6 @@ class RowMaxima:
                 return None
             out.append(best)
         return out
-
-
-# ---------------------------------------------------------------- logits whose row maxima are known
-_known: dict[int, tuple] = {}  # storage address -> (weakref to the storage, row stride, [row maxima' indices])
-_known_lock = threading.Lock()
-
-
-def remember_maxima(logits: torch.Tensor, maxima: list[int]) -> None:
-    """Record `maxima` (`RowMaxima.result`) for a pass' fresh logits [n, V] (contiguous): `known_argmax`
-    answers for them, and for views of their rows, while their storage lives."""
-    storage = logits.untyped_storage()
-    with _known_lock:
-        for key in [k for k, e in _known.items() if e[0]() is None]:
-            del _known[key]
-        _known[storage.data_ptr()] = (weakref.ref(storage), logits.stride(0), maxima)
-
-
-def known_argmax(x: torch.Tensor) -> list[int] | None:
-    """x [V] or [n, V], rows of logits `remember_maxima` recorded -> each row's first maximum's index
-    (as `torch.argmax(x, -1).tolist()`, a list for [V] too), else None. A pass' logits are never changed
-    in place (logit processors and grammars write copies), so what the LM head found holds."""
-    if x.dim() not in (1, 2) or x.dtype != torch.float32 or x.stride(-1) != 1:
-        return None
-    storage = x.untyped_storage()
-    entry = _known.get(storage.data_ptr())
-    if entry is None or entry[0]() is not storage:
-        return None
-    _, stride, maxima = entry
-    offset, n = x.storage_offset(), 1 if x.dim() == 1 else x.shape[0]
-    if offset % stride or x.shape[-1] != stride or n > 1 and x.stride(0) != stride:
-        return None
-    first = offset // stride
-    return maxima[first : first + n] if first + n <= len(maxima) else None
 
 
 _lib: ctypes.CDLL | None = None

@@ -25,6 +25,7 @@ from viasd.errors import UnsupportedArchitectureError
 from viasd.models.config import ModelConfig, t5_config
 from viasd.models.kvcache import KVCache, LayerMask, begin_pass
 from viasd.models.layers import PackedLinear, _rms_norm
+from viasd.models.logits import PassOutput
 
 T5_ARCHITECTURES = ("t5",)
 
@@ -135,10 +136,10 @@ class EncoderDecoder:
 
     @torch.inference_mode()
     def forward(self, tokens: torch.Tensor, start: int, cache: Seq2SeqCache, route: LayerMask | None = None,
-                last_only: bool = False, resume: bool = False, head=None) -> torch.Tensor:
-        """Decoder logits for `tokens` at decoder positions start .. start+T-1 (after `encode`).
-        (`resume` is refused: an encoder-decoder's cache never stores resumable streams; so is a
-        reduced `head`: routes of a T5 store no vocabulary.)"""
+                last_only: bool = False, resume: bool = False, head=None, scored: bool = False) -> torch.Tensor | PassOutput:
+        """Decoder logits for `tokens` at decoder positions start .. start+T-1 (after `encode`); `scored`:
+        as a `PassOutput` (no row maxima known). (`resume` is refused: an encoder-decoder's cache never
+        stores resumable streams; so is a reduced `head`: routes of a T5 store no vocabulary.)"""
         if head is not None:
             raise ValueError("an encoder-decoder decoder has no reduced LM heads")
         if cache.cross_k is None:
@@ -177,4 +178,5 @@ class EncoderDecoder:
         x = _rms_norm(x, self.final_norm, cfg.rms_eps)
         if self.out_scale is not None:
             x = x * self.out_scale
-        return self.lm_head(x).float()
+        logits = self.lm_head(x).float()
+        return PassOutput(logits) if scored else logits
