@@ -45,8 +45,8 @@ def main() -> None:
                     pass
 
         loop.run_until_complete(finish())
-        kept = list(model.decoder._pass_times[5, False])
-        model.decoder._pass_times.clear()
+        kept = list(model.decoder.pass_times[5, False])
+        model.decoder.pass_times.clear()
         alone = pass_times(model.decoder, 5)
         worker.shutdown()
         records.write(run_id=run_id, model=name, kept_s=kept, alone_s=alone)

@@ -140,13 +140,13 @@ def test_recorded_pass_costs_are_measured_not_the_policys_learnt_times(tiny):
     base = GenerateConfig(k=9)
     rows = max(base.k, base.viasd.full_block) + 2
     learnt = [9.0 + j for j in range(rows)]  # seconds no pass of the tiny model takes
-    tiny.decoder.__dict__["_pass_times"] = {(rows, False): list(learnt)}
+    tiny.decoder.pass_times = {(rows, False): list(learnt)}
     try:
         costs = pass_costs(tiny, base)
         assert len(costs["rows_s"]) == rows and all(0 < t < 1 for t in costs["rows_s"])
-        assert tiny.decoder._pass_times == {(rows, False): learnt}  # the policy's table as it was
+        assert tiny.decoder.pass_times == {(rows, False): learnt}  # the policy's table as it was
     finally:
-        tiny.decoder.__dict__.pop("_pass_times", None)
+        tiny.decoder.pass_times.clear()
 
 
 def test_a_drafter_given_as_model_and_format_runs_in_that_format(fake_gguf, tmp_path, capsys):

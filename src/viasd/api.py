@@ -152,7 +152,7 @@ def _cross_drafter(verifier: LoadedModel, draft_model: LoadedModel, config: Gene
         raise VocabularyMismatchError(f"drafter {draft_model.name} has another vocabulary than {verifier.name}; drafting "
                                       "across vocabularies needs decoder-only models")
     # built once per pair (a dictionary over the larger vocabulary: a tenth of a second), kept on the drafter
-    bridges = draft_model.__dict__.setdefault("_bridges", {})
+    bridges = draft_model.bridges
     bridge = bridges.get(id(verifier.vocabulary)) or bridges.setdefault(id(verifier.vocabulary), VocabBridge(verifier.vocabulary, draft_model.vocabulary))
     if not bridge.shared:
         raise VocabularyMismatchError(f"drafter {draft_model.name} and verifier {verifier.name} share no token")
@@ -331,7 +331,7 @@ def constraint_for(model: LoadedModel, response_format: dict | None) -> Constrai
     grammar = grammar_of(response_format)
     if grammar is None:
         return None
-    tokenizer = model.__dict__.get("_grammar_tokenizer")
+    tokenizer = model.grammar_tokenizer
     if tokenizer is None:
         import llguidance.hf
 
@@ -340,7 +340,7 @@ def constraint_for(model: LoadedModel, response_format: dict | None) -> Constrai
                                                      eos_token=sorted(model.eos_token_ids) or None)
         except Exception as e:  # a slow or unusual tokenizer llguidance cannot read
             raise UsageError(f"{model.name}: its tokenizer cannot be used for constrained decoding ({e})") from None
-        model.__dict__["_grammar_tokenizer"] = tokenizer
+        model.grammar_tokenizer = tokenizer
     return Constraint.compile(grammar, tokenizer, model.config.vocab_size)
 
 

@@ -527,7 +527,7 @@ def test_adaptive_tiered_scores_free_drafts_it_did_not_verify(tiny, monkeypatch)
     off = TierThresholds(accept=2.0, slim=2.0)
     # each row 0.7 of a pass: at the prior acceptance (0.6) no draft pays; at 0.8 one does (the costs
     # held there: measured passes of the tiny model would replace them)
-    tiny.decoder.__dict__["_pass_times"] = {(k + 1, False): [1 + 0.7 * j for j in range(k + 1)]}
+    tiny.decoder.pass_times = {(k + 1, False): [1 + 0.7 * j for j in range(k + 1)]}
     monkeypatch.setattr(DraftLength, "observe_pass", lambda self, rows, seconds: None)
     try:
         for decode in (lambda req: speculative_decode(tiny.decoder, _Oracle(prompt, expected), req, k, adaptive=True),
@@ -536,7 +536,7 @@ def test_adaptive_tiered_scores_free_drafts_it_did_not_verify(tiny, monkeypatch)
             assert decode(req) == expected
             assert req.stats.drafted >= 20 and req.stats.accepted == req.stats.drafted
     finally:
-        tiny.decoder.__dict__.pop("_pass_times", None)
+        tiny.decoder.pass_times.clear()
 
 
 def test_adaptive_lossless_viasd_drafts_only_where_its_two_passes_pay_and_always_equals_ar(tiny, tiny_drafter):
@@ -555,7 +555,7 @@ def test_adaptive_lossless_viasd_drafts_only_where_its_two_passes_pay_and_always
     assert policy.check_share + policy.verify_share >= 1.0 and policy.check_share < 1.0
     try:
         for row_cost, drafts in ((1.0, False), (0.1, True)):
-            tiny.decoder.__dict__["_pass_times"] = {(k + 1, False): [1 + row_cost * j for j in range(k + 1)]}
+            tiny.decoder.pass_times = {(k + 1, False): [1 + row_cost * j for j in range(k + 1)]}
             req = DecodeRequest(prompt, 40, GREEDY)
             assert viasd_lossless_decode(tiny.decoder, _Oracle(prompt, expected), whole, req, k, 8, adaptive=True) == expected
             s = req.stats.to_dict()
@@ -567,7 +567,7 @@ def test_adaptive_lossless_viasd_drafts_only_where_its_two_passes_pay_and_always
                 req = DecodeRequest(prompt, 40, GREEDY)
                 assert viasd_lossless_decode(tiny.decoder, make(), slim, req, k, 8, adaptive=True) == expected, name
     finally:
-        tiny.decoder.__dict__.pop("_pass_times", None)
+        tiny.decoder.pass_times.clear()
 
 
 @pytest.mark.model

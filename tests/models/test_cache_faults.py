@@ -560,19 +560,19 @@ def test_a_damaged_pass_times_store_gives_the_same_tokens_and_is_rewritten(tiny_
     decoder, store = tiny_q8.decoder, tmp_path / timing.STORE_NAME
     run = lambda: generate([1, 2, 3, 1, 2], tiny_q8, strategy="pld", max_new_tokens=24).token_ids  # noqa: E731
     try:
-        decoder.__dict__.pop("_pass_times", None)
+        decoder.pass_times.clear()
         want = run()
         kept = json.loads(store.read_text())
         assert kept
         store.write_text("[" * 100000 + "]" * 100000)
-        decoder.__dict__.pop("_pass_times", None)  # a new process: nothing kept in memory
+        decoder.pass_times.clear()  # a new process: nothing kept in memory
         capsys.readouterr()
         assert run() == want
         err = capsys.readouterr().err
         assert len(err.strip().splitlines()) == 1 and "nested too deeply" in err and "Traceback" not in err
         assert set(json.loads(store.read_text())) == set(kept)  # rewritten whole
     finally:
-        decoder.__dict__.pop("_pass_times", None)
+        decoder.pass_times.clear()
 
 
 @pytest.mark.parametrize("argv", [["models"], ["models", "--json"], ["models", "--verify"]])

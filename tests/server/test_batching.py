@@ -132,7 +132,7 @@ def test_a_member_measures_pass_times_in_a_step_of_its_own(tiny_q8, monkeypatch)
     monkeypatch.setitem(decoder.__dict__, "forward", lambda tokens, start, cache, *a, **kw: (order.append(id(cache)), own(tokens, start, cache, *a, **kw))[1])
     many = decoder.forward_many
     monkeypatch.setattr(decoder, "forward_many", lambda calls, rows=None: ([order.append(id(args[2])) for args, _ in calls], many(calls, rows))[1])
-    monkeypatch.setattr(decoder, "_pass_times", {}, raising=False)
+    monkeypatch.setattr(decoder, "pass_times", {})
     session = batching.BatchSession()
     measuring = threading.Event()
     kw = dict(strategy="ar", max_new_tokens=40, progress=False)
@@ -161,7 +161,7 @@ def test_a_member_measures_pass_times_in_a_step_of_its_own(tiny_q8, monkeypatch)
         futures = [pool.submit(decoding), pool.submit(measuring_member)]
         compute.run(compute_thread)
         tokens, times = futures[0].result(timeout=60), futures[1].result(timeout=60)
-    assert tokens == alone and len(times) == 3 and decoder._pass_times[3, False] == times
+    assert tokens == alone and len(times) == 3 and decoder.pass_times[3, False] == times
     caches = list(dict.fromkeys(order))
     scratch = [c for c in caches if order.count(c) == 4 * 3]  # 4 rounds of 1-3 rows
     assert len(scratch) == 1, (len(caches), [order.count(c) for c in caches])

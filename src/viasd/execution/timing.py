@@ -44,7 +44,7 @@ def pass_times(decoder: Decoder, rows: int, reps: int = 3, last_only: bool = Fal
     this boot of the machine (`stored`). `passes`: the measuring request's, where it runs beside others.
     `head`: last-row passes over that reduced LM head (a drafter's: qwen2.5-coder-0.5b's drafting
     pass over 32768 tokens took 0.80x the time of one over its whole head)."""
-    cached: dict[tuple, list[float]] = decoder.__dict__.setdefault("_pass_times", {})
+    cached = decoder.pass_times
     if head is not None and not last_only:
         raise ValueError("a reduced head's passes are last-row (drafting) passes")
     shape = (rows, last_only) + ((len(head), head.digest) if head is not None else ())

@@ -59,6 +59,10 @@ class Decoder:
     _sin: torch.Tensor = field(repr=False)
     _graph: "ggml_forward.NativeForward | None" = field(default=None, repr=False)  # native weights: the pass as a ggml graph
     _head_weight: torch.Tensor | None = field(default=None, repr=False)  # float weights: the head unpacked (reduced heads)
+    _weight_bytes: dict[tuple, int] = field(default_factory=dict, repr=False)  # `weight_bytes`, by its arguments
+    _reduced_heads: dict[tuple, ReducedHead] = field(default_factory=dict, repr=False)  # `reduced_head`, by its ids
+    # seconds of passes by shape, measured and learnt by `execution.timing.pass_times` (per model: its costs)
+    pass_times: dict[tuple, list[float]] = field(default_factory=dict, repr=False)
 
     @classmethod
     def from_state_dict(
@@ -111,7 +115,7 @@ class Decoder:
         In the weights' stored format: a native model's file blocks, a float model's floats. What a
         pass costs one token when decoding is bound by weight bandwidth(the cost accounting of `DecodeStats`)."""
         key = (route if route is not None and not route.is_full else None, from_layer, head if isinstance(head, bool) else len(head))
-        cached = self.__dict__.setdefault("_weight_bytes", {})
+        cached = self._weight_bytes
         if key not in cached:
             size = lambda lin: lin.nbytes if isinstance(lin, QuantLinear) else (  # noqa: E731
                 lin.out_features * lin.in_features * torch.empty((), dtype=self.dtype).element_size())
@@ -128,7 +132,7 @@ class Decoder:
     def reduced_head(self, ids) -> ReducedHead:
         """The LM head over token ids `ids` (kept per id set: built once, packed like the full head)."""
         key = ids if isinstance(ids, tuple) else tuple(int(i) for i in ids)  # (a route's vocabulary: a tuple already)
-        heads = self.__dict__.setdefault("_reduced_heads", {})
+        heads = self._reduced_heads
         if key not in heads:
             vocab = self.lm_head.out_features
             index = torch.tensor(key, dtype=torch.long)

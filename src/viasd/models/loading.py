@@ -62,6 +62,10 @@ class LoadedModel:
     tokenizer: object = field(repr=False)
     source_sha256: str | None = None  # of the GGUF for zoo / GGUF sources
     weights: str = "float32"  # the weight format it runs: "native" (the GGUF's own blocks), one it was re-quantized to ("q4_0") or a float type
+    # built once per model, by the API: drafting bridges to other models' vocabularies (by the vocabulary's
+    # id), the grammar tokenizer of constrained decoding (`api.constraint_for`)
+    bridges: dict = field(default_factory=dict, repr=False, compare=False)
+    grammar_tokenizer: object | None = field(default=None, repr=False, compare=False)
 
     @property
     def kernels(self) -> dict[str, int] | None:

@@ -59,6 +59,7 @@ class EncoderDecoder:
     def __init__(self, config: ModelConfig, encoder, state: dict[str, torch.Tensor], start_token: int,
                  rel_buckets: int, rel_max_distance: int, dtype: torch.dtype, device: torch.device, pack: bool):
         self.config, self.encoder, self.dtype, self.device = config, encoder, dtype, device
+        self.pass_times: dict[tuple, list[float]] = {}  # measured by `execution.timing.pass_times`
         self.start_token = start_token  # the decoder's first token (T5: the pad id)
         self.rel_buckets, self.rel_max_distance = rel_buckets, rel_max_distance
 
