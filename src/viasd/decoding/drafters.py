@@ -335,14 +335,30 @@ class LookupDrafter:
     occurred before, the tokens that followed them are proposed (`lookup`: free, no pass); elsewhere
     the model drafts (`propose`). A passage the output copies (a summary quoting its source, code
     repeating a name) then costs no drafting passes; the model catches up on what it did not draft in
-    its next pass. Every other attribute is the model drafter's (the draft-length policy prices its
+    its next pass. What the draft-length policy reads of it is the model drafter's (it prices its
     passes, and learns only its drafts' acceptance: `Draft.looked_up`)."""
 
     def __init__(self, inner: Drafter, n: int):
         self.inner, self.ngram = inner, NgramDrafter(n, n)
 
-    def __getattr__(self, name: str):
-        return getattr(self.inner, name)
+    @property
+    def decoder(self) -> Decoder:
+        return self.inner.decoder
+
+    @property
+    def stats(self) -> DecodeStats:
+        return self.inner.stats
+
+    @property
+    def head(self) -> ReducedHead | None:
+        return self.inner.head
+
+    @property
+    def verifier_share(self) -> float:
+        return self.inner.verifier_share
+
+    def propose(self, context: list[int], k: int) -> Draft:
+        return self.inner.propose(context, k)
 
     def begin(self, max_len: int, verifier: Verifier) -> None:
         self.inner.begin(max_len, verifier)
@@ -383,11 +399,26 @@ class GrammarDrafter:
         self.forces = force  # False: the drafter's drafts cut to the grammar, no forced ones
         self.free = inner is None or getattr(inner, "free", False)
 
-    def __getattr__(self, name: str):
-        # what the draft-length policy reads of a drafter (stats, decoder, verifier_share) is the inner one's
-        if name == "inner":
-            raise AttributeError(name)
-        return getattr(self.inner, name) if self.inner is not None else None
+    # what the draft-length policy reads of a drafter is the inner one's (None, or 0, without it)
+    @property
+    def decoder(self) -> Decoder | None:
+        return getattr(self.inner, "decoder", None)
+
+    @property
+    def stats(self) -> DecodeStats | None:
+        return getattr(self.inner, "stats", None)
+
+    @property
+    def head(self) -> ReducedHead | None:
+        return getattr(self.inner, "head", None)
+
+    @property
+    def verifier_share(self) -> float:
+        return getattr(self.inner, "verifier_share", 0.0)
+
+    @property
+    def lookup(self) -> Callable[[list[int], int], Draft] | None:
+        return getattr(self.inner, "lookup", None)
 
     def begin(self, max_len: int, verifier: Verifier) -> None:
         self.verifier = verifier
