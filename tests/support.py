@@ -174,11 +174,11 @@ def native_q8(model: LoadedModel) -> LoadedModel:
 
 def run_ar(model: LoadedModel, prompt: list[int], n: int, eos: frozenset[int] = NO_EOS) -> list[int]:
     """Plain greedy decoding: what every lossless strategy must reproduce."""
-    return autoregressive_decode(model.decoder, DecodeRequest(prompt, n, GREEDY, eos))
+    return autoregressive_decode(model.decoder, DecodeRequest(prompt=prompt, max_new_tokens=n, params=GREEDY, eos=eos))
 
 
 def run_sd(model, drafter, prompt, n, k=4, eos=NO_EOS):
-    req = DecodeRequest(prompt, n, GREEDY, eos)
+    req = DecodeRequest(prompt=prompt, max_new_tokens=n, params=GREEDY, eos=eos)
     return speculative_decode(model.decoder, drafter, req, k), req.stats
 
 

@@ -195,7 +195,8 @@ def _loop_args(spec: Strategy, config: GenerateConfig, verifier: LoadedModel) ->
         extra["resume_layer"] = resume_layer(slim, resume)
     if tiered:
         extra["correct"] = v.correct
-    return LoopArgs(config.k, Mode(v.mode), v.full_block, slim, thresholds, cascade, adaptive, resume, head, v.correct), extra
+    return LoopArgs(k=config.k, mode=Mode(v.mode), full_block=v.full_block, slim=slim, thresholds=thresholds, cascade=cascade,
+                    adaptive=adaptive, resume=resume, slim_head=head, correct=v.correct), extra
 
 
 def check_messages(messages: Sequence[dict]) -> list[dict]:
@@ -289,8 +290,9 @@ def generate(
     stats = DecodeStats(prompt_tokens=len(ids))
     stream = TextStream(verifier, _emitter(on_text, on_tokens))
     constraint = constraint_for(verifier, config.response_format)
-    req = DecodeRequest(ids, config.max_new_tokens, params, verifier.eos_token_ids, stats, generator, stream, passes or Passes(),
-                        constraint, config.logprobs, processors if processors.active else None)
+    req = DecodeRequest(prompt=ids, max_new_tokens=config.max_new_tokens, params=params, eos=verifier.eos_token_ids, stats=stats,
+                        generator=generator, on_tokens=stream, passes=passes or Passes(), constraint=constraint,
+                        logprobs=config.logprobs, processors=processors if processors.active else None)
     args, extra = _loop_args(spec, config, verifier)
     chosen = _make_drafter(kind, verifier, drafter, config, params, generator, progress) if kind else None
     if constraint is not None and (chosen is not None or config.grammar_drafts):

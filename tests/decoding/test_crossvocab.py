@@ -154,7 +154,7 @@ def test_a_context_ending_in_a_special_token_drafts_without_healing(bpe_pair):
     assert prompt[-1] in v.vocabulary.special
     drafter = CrossVocabDrafter(d.decoder, VocabBridge(v.vocabulary, d.vocabulary), Conversion.TEXT, GREEDY, None, None,
                                 eos=d.eos_token_ids)
-    drafter.begin(64, Verifier(v.decoder, DecodeRequest(prompt, 20, GREEDY, NO_EOS), 64))
+    drafter.begin(64, Verifier(v.decoder, DecodeRequest(prompt=prompt, max_new_tokens=20, params=GREEDY, eos=NO_EOS), 64))
     drafted = []
     draft_ids = drafter.draft_ids
     drafter.draft_ids = lambda *a, **kw: (drafted.append(draft_ids(*a, **kw)[0]) or drafted[-1], None)
@@ -174,7 +174,7 @@ def test_a_drafter_copying_the_verifier_through_text_is_accepted(tmp_path, bpe_p
     bridge = VocabBridge(counted, twin.vocabulary)
     drafter = CrossVocabDrafter(twin.decoder, bridge, Conversion.TEXT, GREEDY, None, None, eos=twin.eos_token_ids)
     prompt = v.vocabulary.encode("hello world, hello")
-    req = DecodeRequest(prompt, 40, GREEDY, NO_EOS)
+    req = DecodeRequest(prompt=prompt, max_new_tokens=40, params=GREEDY, eos=NO_EOS)
     assert speculative_decode(v.decoder, drafter, req, k=4) == run_ar(v, prompt, 40)
     assert req.stats.accepted / req.stats.drafted > 0.5
     assert encoded == []
@@ -222,7 +222,7 @@ def test_intersection_sampling_follows_the_verifier_distribution(small_vocab_pai
     counts, n, drafted, accepted, seen = torch.zeros(4, marginals[0].shape[0]), 2000, 0, 0, set()
     for _ in range(n):
         drafter = CrossVocabDrafter(drafter_model.decoder, bridge, Conversion.INTERSECTION, params, g, None, head)
-        req = DecodeRequest(prompt, 4, params, NO_EOS, generator=g)
+        req = DecodeRequest(prompt=prompt, max_new_tokens=4, params=params, eos=NO_EOS, generator=g)
         out = speculative_decode(verifier.decoder, drafter, req, k=2)
         for i, t in enumerate(out):
             counts[i, t] += 1
@@ -269,7 +269,7 @@ def test_a_right_guess_of_the_healed_token_saves_its_pass_and_a_wrong_one_change
 
     def drafted(guess_of):
         drafter = ModelDrafter(tiny_drafter.decoder, GREEDY, None, None)
-        drafter.begin(64, Verifier(tiny.decoder, DecodeRequest(prompt, 20, GREEDY, NO_EOS), 64))
+        drafter.begin(64, Verifier(tiny.decoder, DecodeRequest(prompt=prompt, max_new_tokens=20, params=GREEDY, eos=NO_EOS), 64))
         out = []
         for context in (prompt, prompt + [6, 7], prompt + [6, 7, 9, 9]):  # later rounds: what was committed
             calls = drafter.stats.calls["draft"]
@@ -330,6 +330,6 @@ def test_healing_greedy_draws_the_masked_rows_first_maximum(tiny, tiny_drafter):
         drafts = []
         for probs in (False, True):
             drafter = ModelDrafter(tiny_drafter.decoder, GREEDY, None, None, probs=probs)
-            drafter.begin(64, Verifier(tiny.decoder, DecodeRequest(prompt, 20, GREEDY, NO_EOS), 64))
+            drafter.begin(64, Verifier(tiny.decoder, DecodeRequest(prompt=prompt, max_new_tokens=20, params=GREEDY, eos=NO_EOS), 64))
             drafts.append(drafter.draft_ids(prompt, 3, first=first)[0])
         assert drafts[0] == drafts[1] and drafts[0][0] in first, trial

@@ -207,7 +207,7 @@ def test_every_drafting_pass_is_counted_once_with_its_rows(tiny, tiny_drafter, m
     monkeypatch.setattr(type(dec), "forward", counted)
     for k in (1, 4):
         rows.clear()
-        req = DecodeRequest([1, 5, 6, 7, 5, 6], 24, GREEDY, NO_EOS)
+        req = DecodeRequest(prompt=[1, 5, 6, 7, 5, 6], max_new_tokens=24, params=GREEDY, eos=NO_EOS)
         speculative_decode(tiny.decoder, ModelDrafter(dec, GREEDY, None, None, probs=False), req, k=k)
         drafting = {key: n for key, n in req.stats.passes.items() if key[0] == "drafter"}
         assert sum(drafting.values()) == len(rows) > 0

@@ -157,7 +157,7 @@ def test_sampled_speculative_decoding_under_a_grammar_follows_the_masked_distrib
     n, drafted, accepted = 1000, 0, 0
     for _ in range(n):
         constraint = constraint_for(verifier, fmt)
-        req = DecodeRequest(prompt, 3, params, frozenset(), generator=g, constraint=constraint)
+        req = DecodeRequest(prompt=prompt, max_new_tokens=3, params=params, eos=frozenset(), generator=g, constraint=constraint)
         out = speculative_decode(verifier.decoder, GrammarDrafter(ModelDrafter(drafter.decoder, params, g, None), constraint), req, 2)
         for i, t in enumerate(out):
             counts[i, t] += 1

@@ -65,8 +65,8 @@ def test_rows_of_one_pass_see_the_tokens_before_each():
 
 def test_neutral_values_leave_the_default_path_alone(tiny):
     assert not LogitProcessors().active and not LogitProcessors(logit_bias={}).active
-    req = DecodeRequest([1, 2, 3], 4, GREEDY, NO_EOS, processors=LogitProcessors())
-    assert autoregressive_decode(tiny.decoder, req) == autoregressive_decode(tiny.decoder, DecodeRequest([1, 2, 3], 4, GREEDY))
+    req = DecodeRequest(prompt=[1, 2, 3], max_new_tokens=4, params=GREEDY, eos=NO_EOS, processors=LogitProcessors())
+    assert autoregressive_decode(tiny.decoder, req) == autoregressive_decode(tiny.decoder, DecodeRequest(prompt=[1, 2, 3], max_new_tokens=4, params=GREEDY))
 
 
 def test_penalised_lossless_strategies_equal_penalised_ar(tiny, tiny_drafter):
@@ -76,9 +76,9 @@ def test_penalised_lossless_strategies_equal_penalised_ar(tiny, tiny_drafter):
     n_layers, corrected = tiny.config.n_layers, 0
     slim = LayerMask.from_layers(n_layers, SLIM)
     for prompt in ([5, 6, 7, 8, 5, 6, 7], [11, 3, 11, 3, 20]):
-        req = lambda: DecodeRequest(prompt, 24, GREEDY, NO_EOS, processors=PENALISED)  # noqa: E731
+        req = lambda: DecodeRequest(prompt=prompt, max_new_tokens=24, params=GREEDY, eos=NO_EOS, processors=PENALISED)  # noqa: E731
         expected = autoregressive_decode(tiny.decoder, req())
-        assert expected != autoregressive_decode(tiny.decoder, DecodeRequest(prompt, 24, GREEDY, NO_EOS))
+        assert expected != autoregressive_decode(tiny.decoder, DecodeRequest(prompt=prompt, max_new_tokens=24, params=GREEDY, eos=NO_EOS))
         assert 9 not in expected
         self_drafter = lambda: SelfDrafter(tiny.decoder, LayerMask.from_layers(n_layers, DRAFT), GREEDY, None, None)  # noqa: E731
         runs = {
@@ -195,7 +195,7 @@ def test_sampled_speculative_decoding_follows_the_processed_distribution(small_v
     drafted = accepted = 0
     for _ in range(n):
         drafter = ModelDrafter(drafter_model.decoder, SamplingParams(1.0), g, None)
-        req = DecodeRequest(prompt, 3, params, NO_EOS, generator=g, processors=procs if procs.active else None)
+        req = DecodeRequest(prompt=prompt, max_new_tokens=3, params=params, eos=NO_EOS, generator=g, processors=procs if procs.active else None)
         for i, t in enumerate(speculative_decode(verifier.decoder, drafter, req, k=2)):
             counts[i, t] += 1
         drafted, accepted = drafted + req.stats.drafted, accepted + req.stats.accepted

@@ -397,7 +397,7 @@ def test_adaptive_draft_lengths_keep_every_drafter_lossless(tiny, tiny_drafter, 
         monkeypatch.setattr(DraftLength, "observe_pass", lambda self, rows, seconds: None)
     try:
         for name, drafter in tiny_drafters(tiny, tiny_drafter).items():
-            req = DecodeRequest(prompt, 40, GREEDY, NO_EOS)
+            req = DecodeRequest(prompt=prompt, max_new_tokens=40, params=GREEDY, eos=NO_EOS)
             assert speculative_decode(tiny.decoder, drafter, req, k, adaptive=True) == expected, name
             s = req.stats
             assert s.new_tokens == 40 and s.accepted <= s.drafted, name
@@ -433,7 +433,7 @@ def test_sampled_tokens_follow_the_verifier_distribution(small_vocab_pair, kind)
         drafter = ModelDrafter(drafter_model.decoder, params, g, None, head) if kind.startswith("model") else NgramDrafter()
         if kind == "model-lookup":
             drafter = LookupDrafter(drafter, 2)
-        req = DecodeRequest(prompt, 4, params, NO_EOS, generator=g)
+        req = DecodeRequest(prompt=prompt, max_new_tokens=4, params=params, eos=NO_EOS, generator=g)
         out, stats = speculative_decode(verifier.decoder, drafter, req, k=2), req.stats
         for i, t in enumerate(out):
             counts[i, t] += 1
@@ -480,7 +480,7 @@ def test_drafter_with_a_reduced_head_drafts_inside_it_and_stays_lossless(tiny, t
     drafter = ModelDrafter(tiny_drafter.decoder, GREEDY, None, None, head)
     prompt = [1, 2, 3, 4, 5]
     expected = run_ar(tiny, prompt, 24, NO_EOS)
-    req = DecodeRequest(prompt, 24, GREEDY, NO_EOS)
+    req = DecodeRequest(prompt=prompt, max_new_tokens=24, params=GREEDY, eos=NO_EOS)
     drafter.begin(64, SimpleNamespace(stats=req.stats, tokens=prompt, passes=req.passes))  # (what a drafter model reads of a verifier)
     assert set(drafter.propose(prompt, 6).tokens) <= set(inside)
     out, stats = run_sd(tiny, ModelDrafter(tiny_drafter.decoder, GREEDY, None, None, head), prompt, 24, k=3, eos=NO_EOS)
@@ -552,7 +552,7 @@ def test_a_drafter_without_q_drafts_what_one_with_q_drafts(tiny, tiny_drafter, r
     head = tiny_drafter.decoder.reduced_head(list(range(1, tiny.config.vocab_size, 3))) if reduced else None
     with_q, without = (ModelDrafter(tiny_drafter.decoder, GREEDY, None, None, head, probs=p) for p in (True, False))
     for d in (with_q, without):
-        d.begin(64, Verifier.start(tiny.decoder, None, DecodeRequest(context, 0, GREEDY), 64))
+        d.begin(64, Verifier.start(tiny.decoder, None, DecodeRequest(prompt=context, max_new_tokens=0, params=GREEDY), 64))
     a, b = with_q.propose(context, 5), without.propose(context, 5)
     assert a.tokens == b.tokens and len(a.tokens) == 5
     assert a.probs is not None and a.probs.shape[0] == 5 and b.probs is None

@@ -52,7 +52,7 @@ def test_lossless_equals_ar_on_tiny_model(tiny, tiny_drafter, k, full_block):
     for prompt in prompts():
         expected = run_ar(tiny, prompt, 40)
         for name, make in drafters(tiny, tiny_drafter).items():
-            req = DecodeRequest(prompt, 40, GREEDY)
+            req = DecodeRequest(prompt=prompt, max_new_tokens=40, params=GREEDY)
             out = viasd_lossless_decode(tiny.decoder, make(), slim, req, k, full_block)
             assert out == expected, name
             s = req.stats.to_dict()
@@ -65,11 +65,11 @@ def test_full_model_rejections_are_counted(tiny, tiny_drafter):
     a slim verifier that is the full model itself proposes blocks the full model never rejects."""
     all_layers = LayerMask.from_layers(tiny.config.n_layers, range(tiny.config.n_layers))
     for prompt in prompts(2):
-        req = DecodeRequest(prompt, 24, GREEDY)
+        req = DecodeRequest(prompt=prompt, max_new_tokens=24, params=GREEDY)
         speculative_decode(tiny.decoder, ModelDrafter(tiny_drafter.decoder, GREEDY, None, None), req, 4)
         s = req.stats.to_dict()
         assert (s["full_checked"], s["full_kept"]) == (s["drafted"], s["accepted"]) and s["full_rejection_rate"] > 0
-        req = DecodeRequest(prompt, 24, GREEDY)
+        req = DecodeRequest(prompt=prompt, max_new_tokens=24, params=GREEDY)
         viasd_lossless_decode(tiny.decoder, ModelDrafter(tiny_drafter.decoder, GREEDY, None, None), all_layers, req, 4, 8)
         s = req.stats.to_dict()
         assert s["full_checked"] > 0 and s["full_kept"] == s["full_checked"] and s["full_rejection_rate"] == 0.0
@@ -153,7 +153,7 @@ def test_tiered_equals_cache_free_reference(tiny, kind, thr):
     for prompt in prompts(3):
         expected = tiered_reference(tiny, kind, SLIM, prompt, 30, 4, thr)
         make = drafters(tiny, None)[kind]
-        req = DecodeRequest(prompt, 30, GREEDY)
+        req = DecodeRequest(prompt=prompt, max_new_tokens=30, params=GREEDY)
         out = viasd_tiered_decode(tiny.decoder, make(), slim_route, req, 4, thr)
         assert out == expected
         s = req.stats.to_dict()
@@ -168,8 +168,8 @@ def test_tiered_with_every_token_to_full_is_sd(tiny, tiny_drafter, kind):
     never = TierThresholds(accept=2.0, slim=2.0)
     for prompt in prompts(3):
         make = drafters(tiny, tiny_drafter)[kind]
-        expected = speculative_decode(tiny.decoder, make(), DecodeRequest(prompt, 30, GREEDY), 4)
-        req = DecodeRequest(prompt, 30, GREEDY)
+        expected = speculative_decode(tiny.decoder, make(), DecodeRequest(prompt=prompt, max_new_tokens=30, params=GREEDY), 4)
+        req = DecodeRequest(prompt=prompt, max_new_tokens=30, params=GREEDY)
         assert viasd_tiered_decode(tiny.decoder, make(), slim_route, req, 4, never) == expected
         s = req.stats.to_dict()
         assert s["tiers"] == {"accept": 0, "slim": 0, "full": 30}
@@ -191,7 +191,7 @@ def test_tiered_with_slim_settling_everything_is_the_routed_model(tiny):
             logits = tiny.decoder.forward(torch.tensor(seq[-1:]), len(seq) - 1, cache, route=slim_route)[0]
             routed.append(int(logits.argmax()))
             seq.append(routed[-1])
-        req = DecodeRequest(prompt, 30, GREEDY)
+        req = DecodeRequest(prompt=prompt, max_new_tokens=30, params=GREEDY)
         out = viasd_tiered_decode(tiny.decoder, drafters(tiny, None)["self"](), slim_route, req, 4, everything)
         assert out == tiered_reference(tiny, "self", SLIM, prompt, 30, 4, everything)
         s = req.stats.to_dict()
@@ -216,7 +216,7 @@ def test_tiered_round_without_a_draft_makes_no_slim_pass(tiny):
     under which the slim verifier would settle every position."""
     slim_route = LayerMask.from_layers(tiny.config.n_layers, SLIM)
     for prompt in prompts(2):
-        req = DecodeRequest(prompt, 12, GREEDY)
+        req = DecodeRequest(prompt=prompt, max_new_tokens=12, params=GREEDY)
         out = viasd_tiered_decode(tiny.decoder, _NoDrafts(), slim_route, req, 4, TierThresholds(accept=0.0, slim=0.0))
         assert out == run_ar(tiny, prompt, 12)
         s = req.stats.to_dict()
@@ -243,7 +243,7 @@ def test_lossless_sampling_follows_the_verifier_distribution(tmp_path):
     n = 1500
     for _ in range(n):
         drafter = SelfDrafter(model.decoder, LayerMask.from_layers(4, DRAFT), params, g, None)
-        out = viasd_lossless_decode(model.decoder, drafter, slim, DecodeRequest(prompt, 5, params, generator=g), 2, 2)
+        out = viasd_lossless_decode(model.decoder, drafter, slim, DecodeRequest(prompt=prompt, max_new_tokens=5, params=params, generator=g), 2, 2)
         for i, t in enumerate(out[:3]):
             counts[i, t] += 1
     for i, p in enumerate(marginals):
@@ -328,7 +328,7 @@ def test_resumed_full_passes_change_no_token_and_read_fewer_bytes(tiny, kind):
     for prompt in prompts(2):
         runs = {}
         for resume in (True, False):
-            req_t, req_l = DecodeRequest(prompt, 30, GREEDY), DecodeRequest(prompt, 30, GREEDY)
+            req_t, req_l = DecodeRequest(prompt=prompt, max_new_tokens=30, params=GREEDY), DecodeRequest(prompt=prompt, max_new_tokens=30, params=GREEDY)
             runs[resume] = (viasd_tiered_decode(tiny.decoder, drafters(tiny, None)[kind](), slim, req_t, 4, thr, resume), req_t.stats,
                             viasd_lossless_decode(tiny.decoder, drafters(tiny, None)[kind](), slim, req_l, 4, 8, resume), req_l.stats)
         assert runs[True][0] == runs[False][0] and runs[True][2] == runs[False][2] == run_ar(tiny, prompt, 30)
@@ -368,14 +368,14 @@ def test_reduced_head_scores_its_vocabulary_only(tiny):
     assert round_tiers([4, 5], None, probs, thr, head.contains([4, 5])) == [Tier.ACCEPT, Tier.FULL, Tier.SLIM]
     everything = dec.reduced_head(range(64))
     for prompt in prompts(3):
-        req = DecodeRequest(prompt, 24, GREEDY)
+        req = DecodeRequest(prompt=prompt, max_new_tokens=24, params=GREEDY)
         out = viasd_tiered_decode(dec, NgramDrafter(), slim, req, 4, thr, head=head)
         # tiers 1 and 2 commit only tokens the head holds (judged drafts, the slim verifier's own)
         assert sum(t % 2 for t in out) <= req.stats.tiers[Tier.FULL] and sum(req.stats.tiers.values()) == 24
-        plain, same = DecodeRequest(prompt, 24, GREEDY), DecodeRequest(prompt, 24, GREEDY)
+        plain, same = DecodeRequest(prompt=prompt, max_new_tokens=24, params=GREEDY), DecodeRequest(prompt=prompt, max_new_tokens=24, params=GREEDY)
         assert (viasd_tiered_decode(dec, NgramDrafter(), slim, plain, 4, thr)
                 == viasd_tiered_decode(dec, NgramDrafter(), slim, same, 4, thr, head=everything))
-        req = DecodeRequest(prompt, 24, GREEDY)
+        req = DecodeRequest(prompt=prompt, max_new_tokens=24, params=GREEDY)
         assert viasd_lossless_decode(dec, NgramDrafter(), slim, req, 4, 8, head=head) == run_ar(tiny, prompt, 24)
 
 
@@ -384,13 +384,13 @@ def test_drafter_confident_rounds_skip_the_slim_pass(tiny, tiny_drafter):
     committed without a slim pass (the drafter's greedy text then), and off (2) changes nothing."""
     slim = LayerMask.from_layers(tiny.config.n_layers, SLIM)
     for prompt in prompts(2):
-        req = DecodeRequest(prompt, 20, GREEDY)
+        req = DecodeRequest(prompt=prompt, max_new_tokens=20, params=GREEDY)
         out = viasd_tiered_decode(tiny.decoder, ModelDrafter(tiny_drafter.decoder, GREEDY, None, None), slim, req, 4,
                                   TierThresholds(draft_confident=0.0))
         assert "slim" not in req.stats.calls and req.stats.tiers[Tier.ACCEPT] >= 15
         drafted = run_ar(tiny_drafter, prompt + out[:1], 19)  # after the prefill's token, the drafter's own greedy text
         assert out[1:-1] == drafted[: len(out) - 2]  # (the last token may be the full model's: one token of budget left)
-        off, default = DecodeRequest(prompt, 20, GREEDY), DecodeRequest(prompt, 20, GREEDY)
+        off, default = DecodeRequest(prompt=prompt, max_new_tokens=20, params=GREEDY), DecodeRequest(prompt=prompt, max_new_tokens=20, params=GREEDY)
         assert (viasd_tiered_decode(tiny.decoder, ModelDrafter(tiny_drafter.decoder, GREEDY, None, None), slim, off, 4,
                                     TierThresholds(draft_confident=2.0))
                 == viasd_tiered_decode(tiny.decoder, ModelDrafter(tiny_drafter.decoder, GREEDY, None, None), slim, default, 4,
@@ -405,10 +405,10 @@ def test_full_passes_recheck_tokens_settled_without_them(tiny):
     everything_tier1 = TierThresholds(accept=0.0, accept_draft=0.0, slim=1.5)  # drafts tier 1; the bonus position tier 3
     rechecked = disagreed = 0
     for prompt in prompts(3):
-        req = DecodeRequest(prompt, 30, GREEDY)
+        req = DecodeRequest(prompt=prompt, max_new_tokens=30, params=GREEDY)
         viasd_tiered_decode(tiny.decoder, drafters(tiny, None)["same-model"](), slim, req, 4, everything_tier1)
         assert req.stats.rechecked > 0 and req.stats.disagreed == 0
-        req = DecodeRequest(prompt, 30, GREEDY)
+        req = DecodeRequest(prompt=prompt, max_new_tokens=30, params=GREEDY)
         viasd_tiered_decode(tiny.decoder, NgramDrafter(), slim, req, 4, everything_tier1)
         rechecked, disagreed = rechecked + req.stats.rechecked, disagreed + req.stats.disagreed
     assert 0 < disagreed <= rechecked
@@ -427,11 +427,11 @@ def test_tiered_correction_equals_ar_and_streams_only_checked_tokens(tiny, tiny_
     changed = corrected = 0
     for prompt in prompts(3):
         expected = run_ar(tiny, prompt, 30)
-        plain = DecodeRequest(prompt, 30, GREEDY)
+        plain = DecodeRequest(prompt=prompt, max_new_tokens=30, params=GREEDY)
         changed += viasd_tiered_decode(tiny.decoder, drafters(tiny, tiny_drafter)[kind](), slim, plain, 4, thr) != expected
         streamed: list[int] = []
         sources: list = []
-        req = DecodeRequest(prompt, 30, GREEDY, on_tokens=lambda ids, by, _: (streamed.extend(ids), sources.extend(by)))
+        req = DecodeRequest(prompt=prompt, max_new_tokens=30, params=GREEDY, on_tokens=lambda ids, by, _: (streamed.extend(ids), sources.extend(by)))
         out = viasd_tiered_decode(tiny.decoder, drafters(tiny, tiny_drafter)[kind](), slim, req, 4, thr, correct=True)
         assert out == expected and streamed == out
         s = req.stats
@@ -453,11 +453,11 @@ def test_tiered_correction_checks_the_budget_s_last_tokens(tiny):
     thr = TierThresholds(accept=0.0, accept_draft=0.0, slim=0.0)
     for n in (1, 2, 5, 13):
         for prompt in prompts(2):
-            req = DecodeRequest(prompt, n, GREEDY)
+            req = DecodeRequest(prompt=prompt, max_new_tokens=n, params=GREEDY)
             assert viasd_tiered_decode(tiny.decoder, NgramDrafter(), slim, req, 4, thr, correct=True) == run_ar(tiny, prompt, n)
             assert req.stats.accepted <= n - 1 - req.stats.corrected  # (taken-back drafts uncounted)
     with pytest.raises(ValueError, match="greedy"):
-        viasd_tiered_decode(tiny.decoder, NgramDrafter(), slim, DecodeRequest(prompts(1)[0], 4, SamplingParams(0.7)), 4, thr,
+        viasd_tiered_decode(tiny.decoder, NgramDrafter(), slim, DecodeRequest(prompt=prompts(1)[0], max_new_tokens=4, params=SamplingParams(0.7)), 4, thr,
                             correct=True)
 
 
@@ -473,7 +473,7 @@ def test_tiered_correction_stops_at_the_end_token_ar_stops_at(tiny):
         for eos in ({free[6]}, {free[11], free[17]}):
             expected = run_ar(tiny, prompt, 30, frozenset(eos))
             streamed: list[int] = []
-            req = DecodeRequest(prompt, 30, GREEDY, frozenset(eos), on_tokens=lambda ids, *_: streamed.extend(ids))
+            req = DecodeRequest(prompt=prompt, max_new_tokens=30, params=GREEDY, eos=frozenset(eos), on_tokens=lambda ids, *_: streamed.extend(ids))
             out = viasd_tiered_decode(tiny.decoder, NgramDrafter(), slim, req, 4, thr, correct=True)
             assert out == expected == streamed
             ended += len(out) < 30
@@ -489,7 +489,7 @@ def test_adaptive_tiered_with_every_token_to_full_equals_ar(tiny, tiny_drafter, 
     off = TierThresholds(accept=2.0, slim=2.0)
     for prompt in prompts(2):
         make = drafters(tiny, tiny_drafter)[kind]
-        fixed, adaptive = DecodeRequest(prompt, 30, GREEDY), DecodeRequest(prompt, 30, GREEDY)
+        fixed, adaptive = DecodeRequest(prompt=prompt, max_new_tokens=30, params=GREEDY), DecodeRequest(prompt=prompt, max_new_tokens=30, params=GREEDY)
         assert viasd_tiered_decode(tiny.decoder, make(), slim, fixed, 4, off) == run_ar(tiny, prompt, 30)
         assert viasd_tiered_decode(tiny.decoder, make(), slim, adaptive, 4, off, adaptive=True) == run_ar(tiny, prompt, 30)
         assert adaptive.stats.drafted < fixed.stats.drafted
@@ -532,7 +532,7 @@ def test_adaptive_tiered_scores_free_drafts_it_did_not_verify(tiny, monkeypatch)
     try:
         for decode in (lambda req: speculative_decode(tiny.decoder, _Oracle(prompt, expected), req, k, adaptive=True),
                        lambda req: viasd_tiered_decode(tiny.decoder, _Oracle(prompt, expected), slim, req, k, off, adaptive=True)):
-            req = DecodeRequest(prompt, 40, GREEDY)
+            req = DecodeRequest(prompt=prompt, max_new_tokens=40, params=GREEDY)
             assert decode(req) == expected
             assert req.stats.drafted >= 20 and req.stats.accepted == req.stats.drafted
     finally:
@@ -556,7 +556,7 @@ def test_adaptive_lossless_viasd_drafts_only_where_its_two_passes_pay_and_always
     try:
         for row_cost, drafts in ((1.0, False), (0.1, True)):
             tiny.decoder.pass_times = {(k + 1, False): [1 + row_cost * j for j in range(k + 1)]}
-            req = DecodeRequest(prompt, 40, GREEDY)
+            req = DecodeRequest(prompt=prompt, max_new_tokens=40, params=GREEDY)
             assert viasd_lossless_decode(tiny.decoder, _Oracle(prompt, expected), whole, req, k, 8, adaptive=True) == expected
             s = req.stats.to_dict()
             if drafts:
@@ -564,7 +564,7 @@ def test_adaptive_lossless_viasd_drafts_only_where_its_two_passes_pay_and_always
             else:
                 assert s["drafted"] == 0 and s["calls"].get("slim", 0) == 0 and s["calls"]["full"] == 40, s
             for name, make in drafters(tiny, tiny_drafter).items():
-                req = DecodeRequest(prompt, 40, GREEDY)
+                req = DecodeRequest(prompt=prompt, max_new_tokens=40, params=GREEDY)
                 assert viasd_lossless_decode(tiny.decoder, make(), slim, req, k, 8, adaptive=True) == expected, name
     finally:
         tiny.decoder.pass_times.clear()

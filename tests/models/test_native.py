@@ -667,7 +667,7 @@ def test_a_long_pending_run_is_checked_on_the_logits_ar_computes(tiny_native):
     cache = dec.new_cache(256)
     dec.forward(torch.tensor(prompt), 0, cache, last_only=True)
     one_by_one = [dec.forward(torch.tensor(seq[p : p + 1]), p, cache)[0] for p in range(L, len(seq))]  # as `ar` runs
-    v = Verifier.start(dec, None, DecodeRequest(prompt, n + 1, SamplingParams(), frozenset(), DecodeStats()), 256)
+    v = Verifier.start(dec, None, DecodeRequest(prompt=prompt, max_new_tokens=n + 1, params=SamplingParams(), eos=frozenset(), stats=DecodeStats()), 256)
     assert v.tokens == seq[: L + 1]
     logits = v.full(seq[L + 1 :]).logits  # every later token checked in one pass, as a long pending run is
     assert len(logits) == len(one_by_one)

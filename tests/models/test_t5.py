@@ -160,7 +160,7 @@ def test_tiered_viasd_and_cascade_run_on_t5(t5, t5_drafter):
 def test_a_decoder_only_drafter_is_refused_for_an_encoder_decoder_verifier(t5, tiny):
     from viasd.decoding.drafters import ModelDrafter
 
-    req = DecodeRequest([5, 6, EOS], 4)
+    req = DecodeRequest(prompt=[5, 6, EOS], max_new_tokens=4)
     with pytest.raises(ValueError, match="encoder-decoder drafter"):
         Verifier.start(t5.decoder, ModelDrafter(tiny.decoder, req.params, None, None), req, 16)
 
@@ -168,7 +168,7 @@ def test_a_decoder_only_drafter_is_refused_for_an_encoder_decoder_verifier(t5, t
 def test_ngram_drafts_come_from_the_source(t5):
     from viasd.decoding.drafters import NgramDrafter
 
-    req = DecodeRequest([9, 10, 11, 12, EOS], 4)
+    req = DecodeRequest(prompt=[9, 10, 11, 12, EOS], max_new_tokens=4)
     v = Verifier(t5.decoder, req, 16)
     d = NgramDrafter()
     d.begin(16, v)

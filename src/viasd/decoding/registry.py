@@ -34,7 +34,7 @@ class Mode(StrEnum):
     TIERED = "tiered"
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class LoopArgs:
     """What a loop needs beyond the request."""
 
@@ -53,10 +53,12 @@ class LoopArgs:
 Loop = Callable[[Decoder, Drafter | None, DecodeRequest, LoopArgs], list[int]]
 
 
-def _viasd(decoder: Decoder, drafter: Drafter | None, req: DecodeRequest, a: LoopArgs) -> list[int]:
-    if a.mode is Mode.LOSSLESS:
-        return viasd_lossless_decode(decoder, drafter, a.slim, req, a.k, a.full_block, a.resume, a.slim_head, a.adaptive)
-    return viasd_tiered_decode(decoder, drafter, a.slim, req, a.k, a.thresholds, a.resume, a.slim_head, a.adaptive, a.correct)
+def _viasd(decoder: Decoder, drafter: Drafter | None, req: DecodeRequest, args: LoopArgs) -> list[int]:
+    if args.mode is Mode.LOSSLESS:
+        return viasd_lossless_decode(decoder, drafter, args.slim, req, args.k, full_block=args.full_block, resume=args.resume,
+                                     head=args.slim_head, adaptive=args.adaptive)
+    return viasd_tiered_decode(decoder, drafter, args.slim, req, args.k, args.thresholds, resume=args.resume, head=args.slim_head,
+                               adaptive=args.adaptive, correct=args.correct)
 
 
 @dataclass(frozen=True)
@@ -93,17 +95,17 @@ class Strategy:
         return f"{self.name}/{Mode(mode).value}" if self.multitier else self.name
 
 
-def _ar(decoder: Decoder, drafter: Drafter | None, req: DecodeRequest, a: LoopArgs) -> list[int]:
+def _ar(decoder: Decoder, drafter: Drafter | None, req: DecodeRequest, args: LoopArgs) -> list[int]:
     # under a grammar, its forced tokens are drafted (`drafters.GrammarDrafter` with no drafter of its own)
     return autoregressive_decode(decoder, req) if drafter is None else speculative_decode(decoder, drafter, req, 1)
 
 
-def _sd(decoder: Decoder, drafter: Drafter | None, req: DecodeRequest, a: LoopArgs) -> list[int]:
-    return speculative_decode(decoder, drafter, req, a.k, adaptive=a.adaptive)
+def _sd(decoder: Decoder, drafter: Drafter | None, req: DecodeRequest, args: LoopArgs) -> list[int]:
+    return speculative_decode(decoder, drafter, req, args.k, adaptive=args.adaptive)
 
 
-def _cascade(decoder: Decoder, drafter: Drafter | None, req: DecodeRequest, a: LoopArgs) -> list[int]:
-    return speculative_decode(decoder, drafter, req, a.k, a.cascade, adaptive=a.adaptive)
+def _cascade(decoder: Decoder, drafter: Drafter | None, req: DecodeRequest, args: LoopArgs) -> list[int]:
+    return speculative_decode(decoder, drafter, req, args.k, args.cascade, adaptive=args.adaptive)
 
 
 STRATEGIES: dict[str, Strategy] = {s.name: s for s in (

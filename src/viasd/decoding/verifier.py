@@ -44,7 +44,7 @@ class CallKind(StrEnum):
     DRAFT = "draft"  # a drafter: a separate model or a drafting route of the verifier
 
 
-@dataclass
+@dataclass(kw_only=True)
 class DecodeRequest:
     """One request as every loop sees it."""
 
