@@ -41,7 +41,7 @@ def _as_model(model: str | LoadedModel, progress: bool, drafter: bool = False) -
 
 
 class StopGeneration(Exception):
-    """Raised by an `on_text` callback to end the decode after the round that produced the text:
+    """Raised by an `on_text` or `on_tokens` callback to end the decode after the round that produced the text:
     `generate` then returns what was committed so far (the server's `stop` strings and cancellation)."""
 
 
@@ -269,6 +269,9 @@ def generate(
     Settings are `GenerateConfig` fields, given as `config=` or as keywords (`strategy="viasd"`,
     `mode="tiered"`, `k=4`, `temperature=0.7`, ...). `on_text` receives the text as it is produced;
     `on_tokens` the committed tokens (`TokenText`: each one's text, who settled it, its logprobs).
+    Both run on the thread that decodes, between its passes: the compute thread (`compute.owned`), or
+    a server's batch member, whose passes the others' wait for. So they must return quickly (hand the
+    text to a queue, not to a socket); raising `StopGeneration` in one ends the decode.
     `passes`: where the model passes run (a server's batch session and prefix caches); default: here.
     """
     config = _checked_request(prompt, config, settings, on_text, on_tokens)
@@ -276,23 +279,15 @@ def generate(
     kind = drafter_kind(config, drafter is not None)
     verifier = _as_model(model, progress)
     ids = _prompt_ids(prompt, verifier, config.chat)
-    v = config.viasd
-    if len(ids) + config.max_new_tokens + config.k + v.full_block + 2 > verifier.config.max_positions:
-        raise UsageError(
-            f"prompt ({len(ids)} tokens) + max_new_tokens ({config.max_new_tokens}) exceeds the "
-            f"model's {verifier.config.max_positions} positions"
-        )
+    _check_length(ids, config, verifier)
     generator = torch.Generator().manual_seed(config.seed)
     params = SamplingParams(config.temperature, config.top_p, config.top_k, config.min_p)
-    check_bias_ids(config.logit_bias, verifier.config.vocab_size)
-    processors = LogitProcessors(bias_of(config.logit_bias or {}), config.presence_penalty, config.frequency_penalty,
-                                 config.repetition_penalty)
     stats = DecodeStats(prompt_tokens=len(ids))
     stream = TextStream(verifier, _emitter(on_text, on_tokens))
     constraint = constraint_for(verifier, config.response_format)
     req = DecodeRequest(prompt=ids, max_new_tokens=config.max_new_tokens, params=params, eos=verifier.eos_token_ids, stats=stats,
                         generator=generator, on_tokens=stream, passes=passes or Passes(), constraint=constraint,
-                        logprobs=config.logprobs, processors=processors if processors.active else None)
+                        logprobs=config.logprobs, processors=_processors(config, verifier))
     args, extra = _loop_args(spec, config, verifier)
     chosen = _make_drafter(kind, verifier, drafter, config, params, generator, progress) if kind else None
     if constraint is not None and (chosen is not None or config.grammar_drafts):
@@ -309,6 +304,23 @@ def generate(
         raise RuntimeError(f"{spec.name}: {len(stream.ids)} tokens streamed, {len(out)} returned")
     return DecodeResult(text=verifier.decode(out), token_ids=out, stats=stats, config=record, sources=stream.sources,
                         logprobs=stream.logprobs if config.logprobs is not None else None)
+
+
+def _check_length(ids: list[int], config: GenerateConfig, verifier: LoadedModel) -> None:
+    """The prompt, the budget and a round's drafts and block must fit the model's positions."""
+    if len(ids) + config.max_new_tokens + config.k + config.viasd.full_block + 2 > verifier.config.max_positions:
+        raise UsageError(
+            f"prompt ({len(ids)} tokens) + max_new_tokens ({config.max_new_tokens}) exceeds the "
+            f"model's {verifier.config.max_positions} positions"
+        )
+
+
+def _processors(config: GenerateConfig, verifier: LoadedModel) -> LogitProcessors | None:
+    """The request's logit bias and penalties (None at their neutral values)."""
+    check_bias_ids(config.logit_bias, verifier.config.vocab_size)
+    processors = LogitProcessors(bias_of(config.logit_bias or {}), config.presence_penalty, config.frequency_penalty,
+                                 config.repetition_penalty)
+    return processors if processors.active else None
 
 
 def _emitter(on_text: Callable[[str], None] | None,
