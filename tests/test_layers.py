@@ -160,3 +160,90 @@ def test_no_function_is_longer_than_a_screen():
             if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)) and node.end_lineno - node.lineno + 1 > MAX_FUNCTION_LINES:
                 long.append(f"{path.relative_to(SRC)}:{node.lineno} {node.name} ({node.end_lineno - node.lineno + 1} lines)")
     assert not long, "functions over the limit:\n" + "\n".join(long)
+
+
+# ------------------------------------------------------------------ state: no hidden registries or caches
+
+# private attributes of objects no module of src/ defines, which src/ sets on purpose
+FOREIGN_PRIVATE = {"_negative_number_matcher"}  # argparse's: settings.py makes "-1=5" a --logit-bias value
+
+
+def _addresses(node: ast.AST) -> bool:
+    """Whether `node` computes an object's address: `x.data_ptr()` or `id(x)`."""
+    return any(isinstance(n, ast.Call) and (isinstance(n.func, ast.Attribute) and n.func.attr == "data_ptr"
+                                            or isinstance(n.func, ast.Name) and n.func.id == "id") for n in ast.walk(node))
+
+
+def _targets(node: ast.AST) -> list[ast.AST]:
+    return node.targets if isinstance(node, ast.Assign) else [node.target] if isinstance(node, ast.AnnAssign) else []
+
+
+def _state_problems(source: str) -> list[str]:
+    """What in a module's `source` keeps state where its owner does not declare it: a module-level
+    mapping keyed by addresses (`x.data_ptr()`, `id(x)`), a write into an object's `__dict__`, a
+    `setattr` of a private name on another object, or a private attribute set on an object whose
+    class this module does not define (declared in a class body, or set on `self`)."""
+    tree = ast.parse(source)
+    module_names = {t.id for node in tree.body for t in _targets(node) if isinstance(t, ast.Name)}
+    own = {t.id for c in ast.walk(tree) if isinstance(c, ast.ClassDef) for item in c.body for t in _targets(item)
+           if isinstance(t, ast.Name)}
+    own |= {n.attr for n in ast.walk(tree) if isinstance(n, ast.Attribute) and isinstance(n.ctx, ast.Store)
+            and isinstance(n.value, ast.Name) and n.value.id in ("self", "cls")}
+    found = []
+    for node in ast.walk(tree):
+        line = getattr(node, "lineno", 0)
+        if isinstance(node, ast.Subscript):
+            if isinstance(node.value, ast.Name) and node.value.id in module_names and _addresses(node.slice):
+                found.append(f"{line}: module-level {node.value.id} keyed by addresses")
+            if isinstance(node.value, ast.Attribute) and node.value.attr == "__dict__" and not isinstance(node.ctx, ast.Load):
+                found.append(f"{line}: writes into an object's __dict__")
+        elif isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute):
+            f = node.func
+            if isinstance(f.value, ast.Name) and f.value.id in module_names and f.attr in ("get", "setdefault", "pop") \
+                    and node.args and _addresses(node.args[0]):
+                found.append(f"{line}: module-level {f.value.id} keyed by addresses")
+            if isinstance(f.value, ast.Attribute) and f.value.attr == "__dict__" and f.attr in ("setdefault", "update", "pop", "__setitem__"):
+                found.append(f"{line}: writes into an object's __dict__")
+        elif isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and node.func.id == "setattr" and len(node.args) >= 2:
+            obj, name = node.args[:2]
+            if isinstance(name, ast.Constant) and str(name.value).startswith("_") and not (isinstance(obj, ast.Name) and obj.id == "self"):
+                found.append(f"{line}: setattr of private {name.value} on another object")
+        elif isinstance(node, ast.Attribute) and isinstance(node.ctx, ast.Store) and node.attr.startswith("_") \
+                and not node.attr.startswith("__") and node.attr not in own | FOREIGN_PRIVATE \
+                and not (isinstance(node.value, ast.Name) and node.value.id in ("self", "cls")):
+            found.append(f"{line}: sets private {node.attr} of an object another module defines")
+    return found
+
+
+def test_no_state_hides_outside_its_owner():
+    """No module of src/ keeps a registry keyed by object addresses (what a pass knows of its logits
+    travels with them: `models.logits.PassOutput`), and no cache lives in an object's `__dict__` or in
+    private attributes set from another module: each is a declared field of the object owning it."""
+    found = [f"{path.relative_to(SRC)}:{p}" for path in sorted(SRC.rglob("*.py")) for p in _state_problems(path.read_text())]
+    assert not found, "state outside its owner:\n" + "\n".join(found)
+
+
+def test_the_state_check_sees_each_kind():
+    source = '''
+import weakref
+_known = {}
+def remember(x, v):
+    _known[x.untyped_storage().data_ptr()] = v
+def known(x):
+    return _known.get(id(x))
+def stash(model, t):
+    model.__dict__["_tokenizer"] = t
+    model.__dict__.setdefault("_bridges", {})
+    setattr(model, "_cache", {})
+    model._times = {}
+class Own:
+    _heads: dict
+    def __init__(self):
+        self._heads = {}
+def fine(other: Own):
+    other._heads = {}
+'''
+    assert [p.split(": ", 1)[1] for p in _state_problems(source)] == [
+        "module-level _known keyed by addresses", "module-level _known keyed by addresses", "writes into an object's __dict__",
+        "writes into an object's __dict__", "setattr of private _cache on another object",
+        "sets private _times of an object another module defines"]
