@@ -104,7 +104,8 @@ def test_bad_input_edge_transports(live):
     check_error(httpx.get(live.url + "/v1/completions"), 405, "method_not_allowed")
     # a chunked body (no Content-Length) over the limit is cut while reading
     chunks = (b"x" * 8192 for _ in range(10))
-    check_error(httpx.post(live.url + "/v1/completions", content=chunks), 413, "request_too_large")
+    check_error(httpx.post(live.url + "/v1/completions", content=chunks, headers={"Content-Type": "application/json"}), 413,
+                "request_too_large")
     # streaming requests get their errors as a status code too, before any event is sent
     check_error(_post(live, "/v1/completions", _body(stream=True, prompt=LONG_IDS, max_tokens=100)), 400, "context_length_exceeded")
     assert httpx.get(live.url + "/health").json() == {"status": "ok"}  # and the server is fine

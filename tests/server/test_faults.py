@@ -128,7 +128,7 @@ def test_a_client_that_sends_half_a_body_and_leaves_is_a_499_not_a_500(tiny, cap
     app = create_app(tiny, settings=ServeSettings(served_name="tiny"))
     with LiveServer(app) as live:
         with socket.create_connection(("127.0.0.1", live.port)) as leaving:
-            leaving.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+            leaving.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
                             b"Content-Length: 1000\r\n\r\n{\"model\": \"tiny\", ")
             time.sleep(0.2)
         wait_for(lambda: metric(live.metrics(), "viasd_requests_total", endpoint="completions", status="499") == 1,

@@ -88,7 +88,7 @@ def test_a_request_whose_client_left_while_queued_is_never_decoded(tiny, stream)
         # would wait for the response headers, which come with the first text)
         payload = json.dumps({**body, "stream": stream}).encode()
         with socket.create_connection(("127.0.0.1", live.port)) as leaving:
-            leaving.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+            leaving.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
                             b"Content-Length: %d\r\n\r\n%s" % (len(payload), payload))
             wait_for(lambda: worker.waiting == 1, "the second request to queue")
         worker.gate.set()
@@ -128,7 +128,7 @@ def test_a_client_that_disconnects_mid_stream_cancels_its_generation(live):
 def test_metrics_counters_move(live, client):
     before = live.metrics()
     r = client.completions.create(model=MODEL, prompt=COUNTING, max_tokens=8)
-    httpx.post(live.url + "/v1/completions", content=b"{")
+    httpx.post(live.url + "/v1/completions", content=b"{", headers={"Content-Type": "application/json"})
     after = live.metrics()
     d = lambda name, **labels: metric(after, name, **labels) - metric(before, name, **labels)  # noqa: E731
     assert d("viasd_requests_total", endpoint="completions", status="200") == 1

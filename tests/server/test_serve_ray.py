@@ -74,7 +74,7 @@ def test_two_replicas_serve_the_engines_answers(replicas, smollm2):
 @pytest.mark.model
 def test_replicas_keep_the_error_contract(replicas):
     url, _ = replicas
-    r = httpx.post(url + "/v1/completions", content=b'{"model": "smollm2-135m", "prompt": ')
+    r = httpx.post(url + "/v1/completions", content=b'{"model": "smollm2-135m", "prompt": ', headers={"Content-Type": "application/json"})
     assert r.status_code == 400 and r.json()["error"]["code"] == "invalid_json" and "Traceback" not in r.text
     r = httpx.post(url + "/v1/completions", json={"model": "other", "prompt": "x"})
     assert r.status_code == 404 and r.json()["error"]["code"] == "model_not_found"

@@ -1,8 +1,10 @@
 """The OpenAI-compatible HTTP API over one loaded model (FastAPI).
 
 Status codes: 400 malformed JSON / invalid UTF-8 / unsupported parameter / prompt + max_tokens beyond
-the context / settings the engine rejects; 401 missing or wrong bearer token; 404 unknown model or
-route; 405 wrong method; 413 body over the size limit; 422 wrong types or out-of-range values;
+the context / settings the engine rejects / fields OpenAI refuses together; 401 missing or wrong bearer
+token; 403 a Host that is no name of this server, or another site's Origin; 404 unknown model or route;
+405 wrong method; 413 body over the size limit; 415 a JSON route's body not sent as application/json;
+422 wrong types or out-of-range values;
 499 the client left (or sent half a body, or stopped reading a stream); 503 queue full or shutting
 down (a stream the drain cut ends with that error object and `[DONE]`). Every error body is OpenAI's
 `{"error": {"message", "type", "param", "code"}}`; no traceback ever reaches a response.
@@ -45,6 +47,9 @@ class ServeSettings:
     prefix_cache: int = 128 << 20  # bytes of recent prompts' K/V kept for reuse (execution/prefix.py); 0: off
     max_body_bytes: int = DEFAULT_MAX_BODY
     api_key: str | None = None
+    # Host names answered besides IP literals and localhost (against DNS rebinding); None or "*": any
+    allowed_hosts: tuple[str, ...] | None = ()
+    allowed_origins: tuple[str, ...] = ()  # other sites whose pages may call the API (CORS); "*": any
 
 
 def check_serving(model, drafter, defaults: dict) -> None:

@@ -1,10 +1,12 @@
-"""What answers around the routes: the bearer token and declared body size (ASGI middleware), the
-exception handlers that turn every failure into an OpenAI-style error body, and the per-endpoint
-request counter they share."""
+"""What answers around the routes: the Host and Origin a browser sends (BrowserGuard), the bearer token
+and declared body size (AuthAndSize), the exception handlers that turn every failure into an
+OpenAI-style error body, and the per-endpoint request counter they share."""
 
 from __future__ import annotations
 
 import hmac
+import ipaddress
+from urllib.parse import urlsplit
 
 from fastapi import FastAPI, Request
 from starlette.exceptions import HTTPException as StarletteHTTPException
@@ -24,6 +26,72 @@ def public(path: str) -> bool:
     """Served without the API key: /health, and the chat page (/) with its files (/static/...), which
     hold nothing of the server's; the page asks for the key when the API answers 401."""
     return path in ("/", "/health") or path.startswith("/static/")
+
+
+def host_name(value: str) -> str:
+    """The name of a Host header (or of an origin's netloc): lower case, without port, brackets or final dot."""
+    value = value.strip().lower()
+    if value.startswith("["):  # an IPv6 literal: [::1]:8000
+        return value[1:].partition("]")[0]
+    return value.rpartition(":")[0].rstrip(".") if value.count(":") == 1 else value.rstrip(".")
+
+
+def local_name(name: str) -> bool:
+    """An IP literal, or localhost: names no other site's page can have (a rebinding page's Host is its own
+    domain name)."""
+    if name == "localhost" or name.endswith(".localhost"):
+        return True
+    try:
+        ipaddress.ip_address(name)
+    except ValueError:
+        return False
+    return True
+
+
+def same_host(origin: str, host: str, scheme: str) -> bool:
+    """An Origin naming the host (and port) the request was sent to: the server's own page."""
+    try:
+        o = urlsplit(origin)
+        default = {"http": 80, "https": 443}.get(o.scheme)
+        h = urlsplit(f"{scheme}://{host}")
+        return bool(o.hostname) and o.hostname == h.hostname and (o.port or default) == (h.port or default)
+    except ValueError:  # (a port out of range, a bracket unclosed)
+        return False
+
+
+class BrowserGuard:
+    """ASGI middleware against other web pages: a Host header that is no name of this server (DNS rebinding:
+    a page whose domain now resolves to this machine) and an Origin header of another site, both 403.
+    `hosts`: names accepted besides IP literals and localhost, None: any; `origins`: the other sites'
+    origins accepted ("*": any)."""
+
+    def __init__(self, app, hosts: frozenset[str] | None, origins: frozenset[str], metrics: Metrics):
+        self.app, self.hosts, self.origins, self.metrics = app, hosts, origins, metrics
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] == "http":
+            problem = self.problem(scope)
+            if problem is not None:
+                self.metrics.requests.labels(endpoint_of(scope["path"]), str(problem.status)).inc()
+                await error_response(problem)(scope, receive, send)
+                return
+        await self.app(scope, receive, send)
+
+    def problem(self, scope) -> APIError | None:
+        headers = dict(scope.get("headers") or [])
+        host = headers.get(b"host", b"").decode("latin-1")
+        name = host_name(host)
+        if self.hosts is not None and host and not (local_name(name) or name in self.hosts):
+            return APIError(403, f"the Host {name!r} is not a name of this server: add it to viasd serve --allowed-hosts"[:300],
+                            code="host_not_allowed")
+        origin = headers.get(b"origin")
+        if origin is None:
+            return None
+        origin = origin.decode("latin-1").strip().lower().rstrip("/")
+        if "*" in self.origins or origin in self.origins or same_host(origin, host, scope.get("scheme", "http")):
+            return None
+        return APIError(403, f"requests from the web page of {origin!r} are not allowed: add its origin to viasd serve "
+                             "--allowed-origins"[:300], code="origin_not_allowed")
 
 
 class AuthAndSize:
@@ -84,8 +152,17 @@ async def on_internal_error(request: Request, e: Exception):
 
 
 def install(app: FastAPI, settings) -> None:
-    """The middleware and exception handlers of `app` (`settings`: a ServeSettings)."""
+    """The middleware and exception handlers of `app` (`settings`: a ServeSettings); the last added runs first:
+    Host and Origin, then CORS for the origins allowed (whose preflights carry no key), then key and size."""
+    from starlette.middleware.cors import CORSMiddleware
+
     app.add_middleware(AuthAndSize, api_key=settings.api_key, max_body=settings.max_body_bytes, metrics=app.state.metrics)
+    origins = frozenset(settings.allowed_origins)
+    if origins:
+        app.add_middleware(CORSMiddleware, allow_origins=sorted(origins), allow_methods=["GET", "POST"],
+                           allow_headers=["Authorization", "Content-Type"])
+    hosts = None if settings.allowed_hosts is None or "*" in settings.allowed_hosts else frozenset(settings.allowed_hosts)
+    app.add_middleware(BrowserGuard, hosts=hosts, origins=origins, metrics=app.state.metrics)
     app.add_exception_handler(APIError, on_api_error)
     app.add_exception_handler(StarletteHTTPException, on_http_error)
     app.add_exception_handler(Exception, on_internal_error)

@@ -32,6 +32,10 @@ async def read_body(request: Request, max_body: int) -> bytes:
 
 
 async def read_json(request: Request, max_body: int):
+    kind = request.headers.get("content-type", "").partition(";")[0].strip().lower()
+    if kind != "application/json":  # (a cross-site form or text/plain POST needs no CORS preflight: refused unread)
+        raise APIError(415, f"the request body must be sent as Content-Type: application/json, got {kind or 'none'!r}"[:200],
+                       code="unsupported_media_type")
     body = await read_body(request, max_body)
     try:
         text = body.decode("utf-8")
@@ -65,6 +69,9 @@ def parse(cls, data, served: str):
     if bad:
         raise APIError(400, f"{bad} is not supported by this server" + (" (only n=1)" if bad == "n" else ""),
                        param=bad, code="unsupported_parameter")
+    wrong = req.contradiction()
+    if wrong is not None:
+        raise APIError(400, wrong[2], param=wrong[0], code=wrong[1])
     return req
 
 

@@ -5,10 +5,13 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import ipaddress
 import os
+import re
 import signal
 import sys
 import time
+from urllib.parse import urlsplit
 
 from viasd.errors import UsageError
 
@@ -31,6 +34,14 @@ def add_arguments(p: argparse.ArgumentParser, add_model_flags) -> None:
     s.add_argument("--port", type=int, default=8000, help="TCP port (default: %(default)s)")
     s.add_argument("--api-key", default=os.environ.get("VIASD_API_KEY"),
                    help="require 'Authorization: Bearer KEY' on every route but /health (default: $VIASD_API_KEY, else none)")
+    s.add_argument("--allowed-hosts", metavar="NAMES",
+                   help="comma-separated Host names the server answers to besides IP addresses and localhost; other Hosts "
+                        "get 403 (a DNS-rebinding page's). Default: none on a loopback --host, any Host on another address "
+                        "(this flag narrows it); '*': any")
+    s.add_argument("--allowed-origins", metavar="ORIGINS",
+                   help="comma-separated origins (scheme://host[:port]) of other sites whose pages may call the API "
+                        "(CORS); a request with another site's Origin gets 403 (default: none, only the server's own "
+                        "pages); '*': any")
     s.add_argument("--served-model-name", help="the model id clients send (default: the --model value)")
     s.add_argument("--max-queue", type=int, default=64,
                    help="requests that may wait behind the running ones; more are answered 503 (default: %(default)s)")
@@ -43,6 +54,10 @@ def add_arguments(p: argparse.ArgumentParser, add_model_flags) -> None:
                    help="MiB of recent prompts' KV cache kept per model for reuse by prompts that share a prefix "
                         "(a chat template's system prompt, earlier turns); results unchanged; 0: off (default: %(default)s)")
     s.add_argument("--max-body-kb", type=int, default=1024, help="request body limit in KiB; larger bodies get 413 (default: %(default)s)")
+    s.add_argument("--header-timeout", type=float, default=20.0,
+                   help="seconds a request's headers may take to arrive (after the connection opens or its last answer "
+                        "ends); slower ones get 408 and are closed, against clients holding connections open "
+                        "(default: %(default)s)")
     s.add_argument("--drain-timeout", type=float, default=30.0,
                    help="on SIGTERM, seconds in-flight requests may take to finish before they are cancelled (default: %(default)s)")
     s.add_argument("--log-level", default="warning", choices=("critical", "error", "warning", "info", "debug"),
@@ -74,9 +89,12 @@ def check_args(args: argparse.Namespace) -> dict:
     check_int("--prefix-cache-mb", args.prefix_cache_mb, 0)
     check_int("--max-body-kb", args.max_body_kb, 1)
     check_float("--drain-timeout", args.drain_timeout, 0, allow_inf=True)
+    check_float("--header-timeout", args.header_timeout, 0, lo_open=True)
     check_int("--replicas", args.replicas, 0)
     if args.ray_address and not args.replicas:
         raise UsageError("--ray-address needs --replicas N")
+    args.allowed_hosts = allowed_hosts(args.host, args.allowed_hosts)
+    args.allowed_origins = allowed_origins(args.allowed_origins)
     if args.api_key is not None:
         key = args.api_key.strip()
         if not key:
@@ -90,6 +108,42 @@ def check_args(args: argparse.Namespace) -> dict:
     return defaults
 
 
+def loopback(host: str) -> bool:
+    if host.lower() == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host.strip("[]")).is_loopback
+    except ValueError:
+        return False
+
+
+def allowed_hosts(bind: str, flag: str | None) -> tuple[str, ...] | None:
+    """ServeSettings.allowed_hosts for --host `bind` and --allowed-hosts `flag`: the flag's names; without it,
+    none on a loopback address (only IP literals and localhost: no rebinding page gets in) and any Host
+    (None) on another."""
+    names = tuple(n.strip().lower().rstrip(".") for n in (flag or "").split(",") if n.strip())
+    if "*" in names or (not names and not loopback(bind)):
+        return None
+    bad = next((n for n in names if not re.fullmatch(r"[a-z0-9_.-]+", n)), None)
+    if bad is not None:
+        raise UsageError(f"--allowed-hosts takes host names (no scheme, port or path), got {bad!r}")
+    return names
+
+
+def allowed_origins(flag: str | None) -> tuple[str, ...]:
+    """ServeSettings.allowed_origins for --allowed-origins `flag`: each scheme://host[:port], lower case."""
+    origins = tuple(o.strip().lower().rstrip("/") for o in (flag or "").split(",") if o.strip())
+    for o in origins:
+        try:
+            parts = urlsplit(o)
+            parts.port  # noqa: B018 (a port out of range raises)
+        except ValueError:
+            parts = None
+        if o != "*" and (parts is None or not parts.scheme or not parts.netloc or parts.path or parts.query or parts.fragment):
+            raise UsageError(f"--allowed-origins takes origins as scheme://host[:port] (or '*'), got {o!r}")
+    return origins
+
+
 def serve_command(args: argparse.Namespace) -> int:
     from viasd.server.app import ServeSettings, build_app
 
@@ -97,7 +151,8 @@ def serve_command(args: argparse.Namespace) -> int:
     settings = ServeSettings(defaults=defaults, served_name=args.served_model_name or args.model, max_queue=args.max_queue,
                              max_body_bytes=args.max_body_kb * 1024, api_key=args.api_key, max_batch=args.max_batch,
                              kv_budget=None if args.kv_budget_mb is None else args.kv_budget_mb << 20,
-                             prefix_cache=args.prefix_cache_mb << 20)
+                             prefix_cache=args.prefix_cache_mb << 20, allowed_hosts=args.allowed_hosts,
+                             allowed_origins=args.allowed_origins)
     if args.replicas:
         from viasd.server.ray_serve import serve_replicas
 
@@ -106,7 +161,7 @@ def serve_command(args: argparse.Namespace) -> int:
     try:
         app = build_app(args.model, args.drafter, settings, weights=args.weights, device=args.device, progress=not args.quiet,
                         drafter_weights=args.drafter_weights)
-        run_uvicorn(app, args.host, args.port, args.drain_timeout, args.log_level, sock=sock)
+        run_uvicorn(app, args.host, args.port, args.drain_timeout, args.log_level, sock=sock, header_timeout=args.header_timeout)
     finally:
         sock.close()
     return 0
@@ -134,13 +189,18 @@ def _address(host: str, port: int) -> str:
     return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
 
 
-def run_uvicorn(app, host: str, port: int, drain_timeout: float = 30.0, log_level: str = "warning", sock=None) -> None:
-    """Serve `app` on `sock` (else a socket bound here to host:port), saying where once it listens."""
+def run_uvicorn(app, host: str, port: int, drain_timeout: float = 30.0, log_level: str = "warning", sock=None,
+                header_timeout: float = 20.0) -> None:
+    """Serve `app` on `sock` (else a socket bound here to host:port), saying where once it listens; each
+    connection limited as protocol.py says (heads of at most 64 KiB, arrived within `header_timeout` s)."""
     import uvicorn
+
+    from viasd.server.protocol import protocol
 
     if sock is None:
         sock = listen_socket(host, port)
-    config = uvicorn.Config(app, host=host, port=port, log_level=log_level, timeout_graceful_shutdown=5, lifespan="off")
+    config = uvicorn.Config(app, host=host, port=port, log_level=log_level, timeout_graceful_shutdown=5, lifespan="off",
+                            http=protocol(header_timeout), timeout_keep_alive=5)
     server = DrainingServer(config, app.state.worker, drain_timeout)
     bound_host, bound_port = sock.getsockname()[:2]  # the port the system chose for --port 0
     print(f"viasd serve: {app.state.model.name} on http://{_address(bound_host, bound_port)}/v1 (Ctrl-C or SIGTERM drains)",

@@ -165,6 +165,11 @@ class _Common(_Sampling):  # (its sampling fields: _Sampling's, one per setting)
             return "n"
         return None
 
+    def contradiction(self) -> tuple[str, str, str] | None:
+        """OpenAI's 400 for fields valid alone but not together: (param, code, message), or None."""
+        if self.stream_options is not None and not self.stream:
+            return "stream_options", "invalid_value", "the 'stream_options' parameter is only allowed when 'stream' is enabled"
+        return None
 
 
 class CompletionRequest(_Common):
@@ -272,3 +277,21 @@ class ChatCompletionRequest(_Common):
 
     def limit(self) -> int | None:
         return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
+
+    def contradiction(self) -> tuple[str, str, str] | None:
+        """Also OpenAI's conversation rules: a tool message carries a tool_call_id, which names a call of the
+        assistant message before it (or before the tool messages that answer its other calls)."""
+        calls = None  # the ids of the calls the next tool message may answer (None: no assistant message called tools)
+        for i, m in enumerate(self.messages):
+            if m.role != "tool":
+                calls = {c.id for c in m.tool_calls} if m.role == "assistant" and m.tool_calls else None
+            elif m.tool_call_id is None:
+                return (f"messages.[{i}].tool_call_id", "missing_required_parameter",
+                        "missing parameter 'tool_call_id': messages with role 'tool' must have a 'tool_call_id'")
+            elif calls is None:
+                return (f"messages.[{i}].role", "invalid_value",
+                        "messages with role 'tool' must be a response to a preceding message with 'tool_calls'")
+            elif m.tool_call_id not in calls:
+                return (f"messages.[{i}].tool_call_id", "invalid_value",
+                        f"'tool_call_id' of {m.tool_call_id!r} not found in 'tool_calls' of the previous assistant message")
+        return super().contradiction()
