@@ -295,15 +295,20 @@ def generate(
     record = {"model": verifier.name, "drafter": getattr(drafter, "name", drafter), **config.settings(),
               "draft": kind.value if kind else None, **extra}
     record.update(_drafter_record(chosen))
+    finish = "stop"
     try:
         out = spec.loop(verifier.decoder, chosen, req, args)
+        ended = bool(out) and out[-1] in verifier.eos_token_ids
+        complete = constraint is not None and constraint.complete(verifier.eos_token_ids)
+        if len(out) >= config.max_new_tokens and not ended and not complete:
+            finish = "length"
     except StopGeneration:  # from on_text / on_tokens: keep the tokens committed so far
         out = list(stream.ids)
     stats.finish()
     if stream.ids != out:  # every committed token is streamed (correction mode's once checked)
         raise RuntimeError(f"{spec.name}: {len(stream.ids)} tokens streamed, {len(out)} returned")
     return DecodeResult(text=verifier.decode(out), token_ids=out, stats=stats, config=record, sources=stream.sources,
-                        logprobs=stream.logprobs if config.logprobs is not None else None)
+                        logprobs=stream.logprobs if config.logprobs is not None else None, finish_reason=finish)
 
 
 def _check_length(ids: list[int], config: GenerateConfig, verifier: LoadedModel) -> None:

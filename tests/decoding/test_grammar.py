@@ -17,6 +17,7 @@ from viasd.api import constraint_for
 from viasd.cli import main
 from viasd.decoding.acceptance import SamplingParams, logits_to_probs
 from viasd.decoding.drafters import GrammarDrafter, ModelDrafter
+from viasd.decoding.grammar import Constraint, closed_objects, grammar_of
 from viasd.decoding.strategies import speculative_decode
 from viasd.decoding.stats import Source
 from viasd.decoding.verifier import DecodeRequest
@@ -26,6 +27,7 @@ from viasd.models.loading import load_model
 from support import bpe_tokenizer, save_tiny
 
 CORPUS = ['{"ok": true, "n": 2, "name": "abc"}', '{"ok":false,"n":3,"name":"cab"}', "abc cab bca aab", "yes no maybe"] * 30
+RECURSIVE = {"type": "object", "properties": {"a": {"$ref": "#"}}, "required": ["a"]}  # every answer infinite
 SCHEMA = {"type": "object", "properties": {"ok": {"type": "boolean"}, "n": {"enum": [1, 2, 3]},
                                            "name": {"type": "string", "pattern": "^[abc]{1,4}$"}},
           "required": ["ok", "n", "name"], "additionalProperties": False}
@@ -203,6 +205,76 @@ def test_bad_constraints_are_refused_before_any_model_loads(fmt, message):
         generate("hi", "no-such-model", response_format=fmt)
 
 
+@pytest.mark.parametrize("fmt, message", [
+    ({"type": "json_schema", "json_schema": {"schema": {"$ref": "#"}}}, "response_format: invalid json schema: no text satisfies it"),
+    ({"type": "regex", "regex": r"[^\s\S]"}, "response_format: invalid regex: no text satisfies it"),
+    ({"type": "json_schema", "json_schema": {"schema": False}}, "invalid json schema: the schema is false, which no JSON value"),
+    ({"type": "json_schema", "json_schema": {"schema": RECURSIVE}}, "invalid json schema: no finite text satisfies it"),
+    ({"type": "grammar", "grammar": 'start: x\nx: "c" x'}, "invalid grammar: no finite text satisfies it"),
+    ({"type": "regex", "regex": "a{1000000}"}, "invalid regex: no finite text satisfies it"),
+    ({"type": "json_schema", "json_schema": {"schema": 42}}, "json_schema's schema must be a JSON object or a boolean, got 42"),
+])
+def test_constraints_with_no_finite_answer_are_refused_in_one_line_naming_why(fmt, message):
+    """Not answered with empty text (a `$ref` to itself, a regex matching nothing), a crash (`false`) or a
+    parser error once the model has loaded (the forced text of a `$ref` that only recurses)."""
+    with pytest.raises(UsageError, match=re.escape(message)) as e:
+        generate("hi", "no-such-model", response_format=fmt)
+    assert "\n" not in str(e.value) and "special token" not in str(e.value)
+
+
+def test_a_true_schema_is_any_json_value():
+    assert grammar_of({"type": "json_schema", "json_schema": {"schema": True}}) == \
+        grammar_of({"type": "json_schema", "json_schema": {"schema": {}}})
+
+
+def test_objects_naming_their_properties_take_no_other_keys(bpe_pair):
+    """A non-strict schema's object closes after its properties: no free key for a model to repeat."""
+    verifier, _ = bpe_pair
+    schema = {"type": "object", "properties": {"n": {"type": "integer"}}, "required": ["n"]}
+    c = constraint_for(verifier, {"type": "json_schema", "json_schema": {"name": "n", "schema": schema}})
+    ids = verifier.tokenizer('{"n":1', add_special_tokens=False)["input_ids"]
+    c.commit(ids)
+    nexts = {verifier.tokenizer.decode([t])[:1] for t in c.allowed().nonzero().flatten().tolist()}
+    assert "}" in nexts and "," not in nexts and '"' not in nexts
+
+
+def test_closed_objects_closes_only_objects_that_name_their_keys():
+    inner = {"type": "object", "properties": {"b": {"type": "integer"}}}
+    schema = {"type": "object", "properties": {"a": inner, "c": {"const": {"properties": {"x": 1}}}},
+              "$defs": {"d": inner}, "items": [inner]}
+    closed = {**inner, "additionalProperties": False}
+    assert closed_objects(schema) == {**schema, "properties": {"a": closed, "c": schema["properties"]["c"]},
+                                      "$defs": {"d": closed}, "items": [closed], "additionalProperties": False}
+    described = {"properties": {"a": {"$ref": "#/$defs/d", "description": "an A"}}, "$defs": {"d": inner}}
+    assert closed_objects(described)["$defs"]["d"] == closed
+    kept = [{"type": "object"}, {"properties": {"a": {}}, "additionalProperties": True},
+            {"properties": {"a": {}}, "patternProperties": {"^x": {}}},
+            # where schemas intersect, a closed one would forbid the other's keys: the whole schema stays open
+            {"properties": {"a": {}}, "$ref": "#/$defs/d", "$defs": {"d": inner}},
+            {"allOf": [{"properties": {"a": {}}}, {"properties": {"b": {}}}], "required": ["a", "b"]},
+            {"properties": {"a": {}}, "anyOf": [{"properties": {"b": {}}}, {"required": ["a"]}]},
+            {"properties": {"x": inner, "y": {"allOf": [inner]}}}]
+    for s in kept:
+        assert closed_objects(s) == s, s
+    assert closed_objects(schema) is not schema and "additionalProperties" not in inner  # a copy
+
+
+def test_a_parser_limit_hit_while_decoding_is_named_as_such():
+    """The parser outgrowing its limits mid-decode (a recursion the up-front check cannot follow) says so,
+    not that the grammar spells a special token."""
+
+    class Stuck:
+        def get_error(self):
+            return "parser error: Too many items (limit 50000; ff_tokens); try avoiding single-byte/short lexemes"
+
+        def is_error(self):
+            return True
+
+    with pytest.raises(UsageError, match="past the parser's limits") as e:
+        Constraint(Stuck(), 8)._check(True)
+    assert "special token" not in str(e.value) and "try avoiding" not in str(e.value)
+
+
 def test_cli_structured_output_flags(bpe_pair, tmp_path, capsys):
     verifier, _ = bpe_pair
     schema = tmp_path / "schema.json"
@@ -221,6 +293,50 @@ def test_cli_structured_output_flags(bpe_pair, tmp_path, capsys):
         except SystemExit as e:
             code = e.code
         assert code == 2 and message in capsys.readouterr().err, argv
+
+
+def test_cli_refuses_a_constraint_with_no_answer_before_the_model_loads(tmp_path, capsys):
+    files = {"false.json": "false", "ref.json": '{"$ref": "#"}', "n.json": "42"}
+    for name, text in files.items():
+        (tmp_path / name).write_text(text)
+    absent = str(tmp_path / "no-model")  # loading it would fail: the constraint must be refused first
+    for argv, message in [(["--json-schema", str(tmp_path / "false.json")], "the schema is false"),
+                          (["--json-schema", str(tmp_path / "ref.json")], "invalid json schema: no text satisfies it"),
+                          (["--regex", r"[^\s\S]"], "invalid regex: no text satisfies it"),
+                          (["--regex", "a{1000000}"], "invalid regex: no finite text satisfies it"),
+                          (["--json-schema", str(tmp_path / "n.json")],
+                           f"{tmp_path / 'n.json'}: a JSON schema is an object or a boolean, not a number")]:
+        code = main(["generate", "hi", "--model", absent, *argv])
+        err = capsys.readouterr().err
+        assert code == 2 and message in err and err.count("\n") == 1, (argv, err)
+
+
+GENERATE = ["generate", "abc cab", "--no-chat", "--strategy", "ar", "--json"]
+
+
+def test_cli_takes_a_true_schema_as_any_json(bpe_pair, tmp_path, capsys):
+    verifier, _ = bpe_pair
+    (tmp_path / "true.json").write_text("true")
+    assert main([*GENERATE, "--model", str(verifier.path), "--json-schema", str(tmp_path / "true.json"), "-n", "4"]) == 0
+    assert json.loads(capsys.readouterr().out)["config"]["response_format"]["json_schema"]["schema"] is True
+
+
+def test_cli_record_says_whether_max_new_tokens_cut_a_constrained_answer(bpe_pair, capsys):
+    verifier, _ = bpe_pair
+    base = [*GENERATE, "--model", str(verifier.path)]
+
+    def run(n: int) -> dict:
+        assert main([*base, "--regex", "yes no maybe", "-n", str(n)]) == 0
+        return json.loads(capsys.readouterr().out)
+
+    whole = run(30)
+    assert whole["text"] == "yes no maybe" and whole["finish_reason"] == "stop"
+    n = len(whole["token_ids"]) - (whole["token_ids"][-1] in verifier.eos_token_ids)
+    assert n > 1
+    at_budget = run(n)  # complete at exactly the budget: the grammar allows only the end there
+    assert at_budget["text"] == "yes no maybe" and at_budget["finish_reason"] == "stop"
+    cut = run(n - 1)
+    assert cut["finish_reason"] == "length" and "yes no maybe".startswith(cut["text"]) and cut["text"] != "yes no maybe"
 
 
 def test_a_grammar_spelling_a_special_tokens_text_is_a_usage_error_not_a_crash(bpe_pair):

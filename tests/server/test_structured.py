@@ -17,7 +17,7 @@ jsonschema = pytest.importorskip("jsonschema")
 pytest.importorskip("fastapi")
 from viasd.models.loading import load_model  # noqa: E402
 from viasd.server import ServeSettings, create_app  # noqa: E402
-from viasd.server.tools import GENERIC, HERMES, LLAMA3, ToolPlan, ToolStream, chat_prompt, family_of, grammar, split  # noqa: E402
+from viasd.server.tools import GENERIC, HERMES, LLAMA3, ToolPlan, ToolStream, chat_prompt, family_of, grammar, parameters, split  # noqa: E402
 from live_server import LiveServer  # noqa: E402
 from helpers import check_error  # noqa: E402
 from support import bpe_tokenizer, save_tiny  # noqa: E402
@@ -86,6 +86,19 @@ def test_a_constraint_cut_by_max_tokens_ends_with_length(oc):
     fmt = {"type": "json_schema", "json_schema": {"name": "reply", "schema": SCHEMA}}
     r = chat(oc, response_format=fmt, max_tokens=3)
     assert r.choices[0].finish_reason == "length" and r.usage.completion_tokens == 3
+
+
+def test_a_tool_call_complete_at_exactly_max_tokens_finishes_with_tool_calls(oc):
+    kw = dict(tools=TOOLS, tool_choice={"type": "function", "function": {"name": "get_time"}}, parallel_tool_calls=False)
+    whole = chat(oc, **kw)
+    assert whole.choices[0].finish_reason == "tool_calls"
+    calls = [(c.function.name, c.function.arguments) for c in whole.choices[0].message.tool_calls]
+    n = whole.usage.completion_tokens - 1  # all but its end token: where the grammar allows nothing but the end
+    at_budget = chat(oc, max_tokens=n, **kw).choices[0]
+    assert at_budget.finish_reason == "tool_calls" and [(c.function.name, c.function.arguments) for c in at_budget.message.tool_calls] == calls
+    assert streamed(oc, max_tokens=n, **kw) == (None, calls, "tool_calls")
+    # a token earlier the grammar still allows the newline that ends a turn: the budget cut the answer
+    assert chat(oc, max_tokens=n - 1, **kw).choices[0].finish_reason == "length"
 
 
 def check_calls(calls, names=("get_weather", "get_time")):
@@ -173,7 +186,9 @@ BAD = {  # request fields -> (status, param)
     "tool of another type": ({"tools": [{"type": "retrieval", "function": WEATHER["function"]}]}, 422, "tools.0.type"),
     "bad function name": ({"tools": [{"type": "function", "function": {"name": "a b"}}]}, 422, "tools.0.function.name"),
     "bad tool_choice": ({"tools": TOOLS, "tool_choice": "always"}, 422, "tool_choice"),
-    "tool message without content": ({"messages": [{"role": "tool", "tool_call_id": "x"}]}, 400, "messages"),
+    "tool message without content": ({"messages": HI + [{"role": "assistant", "content": None, "tool_calls": [
+        {"id": "x", "type": "function", "function": {"name": "f", "arguments": "{}"}}]}, {"role": "tool", "tool_call_id": "x"}]},
+        400, "messages"),
     "user message without content": ({"messages": [{"role": "user", "content": None}]}, 400, "messages"),
     "tool calls in a user message": ({"messages": [{"role": "user", "content": "x", "tool_calls": [
         {"id": "c", "type": "function", "function": {"name": "f", "arguments": "{}"}}]}]}, 400, "messages"),
@@ -191,6 +206,38 @@ def test_bad_structured_input_is_refused_naming_the_param(live_qwen, case):
 
 
 LIBRARY_SAYS = {"invalid json schema": "no-such-type", "invalid regex": "unclosed group", "invalid parameters schema": "type"}
+
+NO_ANSWER = {  # request fields -> (param, what the one-line message says)
+    "false schema": ({"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": False}}},
+                     "response_format", "the schema is false, which no JSON value satisfies"),
+    "schema that only refers to itself": ({"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {"$ref": "#"}}}},
+                                          "response_format", "invalid json schema: no text satisfies it"),
+    "required property that only recurses": ({"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {
+        "type": "object", "properties": {"a": {"$ref": "#"}}, "required": ["a"]}}}}, "response_format",
+        "invalid json schema: no finite text satisfies it"),
+    "regex matching nothing": ({"viasd": {"regex": r"[^\s\S]"}}, "viasd.regex", "invalid regex: no text satisfies it"),
+    "regex too large to build": ({"viasd": {"regex": "a{1000000}"}}, "viasd.regex", "invalid regex: no finite text satisfies it"),
+}
+
+
+@pytest.mark.parametrize("case", list(NO_ANSWER))
+def test_constraints_with_no_finite_answer_are_400s_naming_why(live_qwen, case):
+    """Not a 200 with empty content, a 500 (`false`), or an error without its param once decoding began."""
+    fields, param, says = NO_ANSWER[case]
+    r = httpx.post(live_qwen.url + "/v1/chat/completions", json={"model": SERVED, "messages": HI, "max_tokens": 4, **fields})
+    check_error(r, 400, "invalid_value")
+    error = r.json()["error"]
+    assert error["param"] == param and says in error["message"] and "\n" not in error["message"], r.text
+
+
+def test_a_true_schema_is_any_json_value(oc):
+    r = chat(oc, response_format={"type": "json_schema", "json_schema": {"name": "any", "schema": True}}, max_tokens=8)
+    assert r.choices[0].message.content and r.choices[0].finish_reason in ("stop", "length")
+
+
+def test_tool_arguments_take_only_their_declared_keys():
+    args = parameters(TIME["function"] | {"parameters": {"type": "object", "properties": {"utc": {"type": "boolean"}}}})
+    assert args["additionalProperties"] is False
 
 
 def test_families_grammars_and_parsers(tiny_qwen):

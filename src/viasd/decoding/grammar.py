@@ -13,6 +13,12 @@ longest grammar-valid prefix; a tokenization the model would not choose is rejec
 llguidance over xgrammar: on qwen2.5's 152k vocabulary a mask took 37 us (median) against a JSON
 schema, the forced tokens under 1 us, and it is one wheel with no dependencies (xgrammar 0.2.8 pulls
 triton and tvm-ffi).
+
+A constraint must allow some finite answer: one with none (an unsatisfiable schema, `false`, a regex
+matching nothing, a `$ref` that only recurses) is refused up front (`grammar_of`), found on a byte-level
+vocabulary by the matcher's own state and by following the text the grammar forces. Objects that name
+their properties and say nothing of others get `additionalProperties: false` (xgrammar's strict mode
+does the same): a free extra key is where a model repeats keys (`{"n":1,"":1,"":1`).
 """
 
 from __future__ import annotations
@@ -29,6 +35,7 @@ FORCED_MAX = 16  # grammar-forced tokens drafted in one round at most (the cache
 GRAMMAR_MAX_CHARS = 1 << 17  # a schema, regex or grammar longer than this is refused before it compiles
 FORMAT_TYPES = ("text", "json_object", "json_schema", "regex", "grammar")
 _NEG_INF_BITS = np.uint32(0xFF800000)  # float32 -inf
+_LIMITS_HIT = "Too many items"  # llguidance's parser error once a grammar's state outgrows LLParserLimits
 
 
 def _limits():
@@ -50,8 +57,12 @@ def grammar_of(response_format: dict | None) -> str | None:
     kind, body = check_format(response_format)
     if kind == "text":
         return None
+    what = kind.replace("_", " ")
     if kind in ("json_object", "json_schema"):
-        schema = {"type": "object"} if kind == "json_object" else body
+        if body is False:
+            raise InvalidArgumentError("response_format: invalid json schema: the schema is false, which no JSON value "
+                                       "satisfies")
+        schema = {"type": "object"} if kind == "json_object" else closed_objects({} if body is True else body)
         # compact JSON, as the models print it: no free whitespace between tokens the grammar forces
         grammar = llguidance.LLMatcher.grammar_from_json_schema(schema, defaults={"whitespace_flexible": False})
     elif kind == "regex":
@@ -60,8 +71,103 @@ def grammar_of(response_format: dict | None) -> str | None:
         grammar = llguidance.LLMatcher.grammar_from_lark(body)
     error = llguidance.LLMatcher.validate_grammar(grammar, None, limits=_limits())
     if error and not error.startswith("WARNING"):
-        raise InvalidArgumentError(f"response_format: invalid {kind.replace('_', ' ')}: {error.strip()}")
+        raise InvalidArgumentError(f"response_format: invalid {what}: {error.strip()}")
+    why = _no_answer(grammar)
+    if why:
+        raise InvalidArgumentError(f"response_format: invalid {what}: {why}")
     return grammar
+
+
+FORCED_CHECK_BYTES = 1 << 20  # forced text followed up front at most (a{100000} is a valid regex)
+_SCHEMA_MAPS = ("properties", "patternProperties", "$defs", "definitions", "dependentSchemas")
+_SCHEMA_LISTS = ("anyOf", "oneOf", "allOf", "prefixItems", "items")  # (a list of items: draft 4's tuples)
+_SCHEMA_ONES = ("additionalProperties", "items", "not", "if", "then", "else", "contains", "unevaluatedProperties", "propertyNames")
+_INTERSECTING = ("allOf", "not", "if", "then", "else", "dependentSchemas")
+_NOTES = {"$ref", "$defs", "definitions", "$schema", "$id", "$comment", "title", "description", "default", "examples"}
+_OPEN = ("additionalProperties", "patternProperties", "unevaluatedProperties")
+
+
+def _rebuilt(schema: dict, f) -> dict:
+    """A copy of `schema` with `f` applied to each of its direct subschemas (never to `const`, `enum`, ...)."""
+    out = dict(schema)
+    for key, value in schema.items():
+        if key in _SCHEMA_MAPS and isinstance(value, dict):
+            out[key] = {k: f(v) for k, v in value.items()}
+        elif key in _SCHEMA_LISTS and isinstance(value, list):
+            out[key] = [f(v) for v in value]
+        elif key in _SCHEMA_ONES and isinstance(value, dict):
+            out[key] = f(value)
+    return out
+
+
+def closed_objects(schema):
+    """`schema` with `additionalProperties: false` on every object schema that names properties and says
+    nothing of other keys. Not in a schema where subschemas intersect (`allOf`, a `$ref` or `anyOf` beside
+    other keywords, ...): a closed part would forbid the keys the other part adds. A copy."""
+    intersecting = False
+
+    def scan(s):
+        nonlocal intersecting
+        if isinstance(s, dict):
+            intersecting |= (any(k in s for k in _INTERSECTING) or "$ref" in s and not set(s) <= _NOTES
+                             or "properties" in s and ("anyOf" in s or "oneOf" in s))
+            _rebuilt(s, scan)
+        return s
+
+    def close(s):
+        if not isinstance(s, dict):
+            return s
+        out = _rebuilt(s, close)
+        if out.get("properties") and not any(k in out for k in _OPEN):
+            out["additionalProperties"] = False
+        return out
+
+    scan(schema)
+    return schema if intersecting else close(schema)
+
+
+class _ByteTokens:
+    """A vocabulary of the 256 bytes and an end token: a grammar checked on it needs no model."""
+
+    eos_token_id = 256
+    bos_token_id = None
+    tokens = [bytes([i]) for i in range(256)] + [b"<end>"]
+    special_token_ids = [256]
+
+    def __call__(self, text) -> list[int]:
+        return list(text if isinstance(text, bytes) else text.encode("utf-8"))
+
+
+_byte_tokenizer = None
+
+
+def _no_answer(grammar: str) -> str | None:
+    """Why `grammar` allows no finite text (None: it may allow some), on a byte-level vocabulary: the
+    matcher stops before any byte (nothing can start), or the text it forces runs into the parser's
+    limits (a `$ref` or rule that only recurses, a repeat too large to build). A grammar naming a model's
+    special tokens cannot be read on bytes: the model's own vocabulary checks it once loaded."""
+    import llguidance
+
+    global _byte_tokenizer
+    if _byte_tokenizer is None:
+        _byte_tokenizer = llguidance.LLTokenizer(llguidance.TokenizerWrapper(_ByteTokens()), slices=[])
+    matcher = llguidance.LLMatcher(_byte_tokenizer, grammar, log_level=0, limits=_limits())
+    if matcher.is_error():
+        return None
+    matcher.compute_logit_bias()  # (the first mask: where the matcher finds that nothing can start)
+    if matcher.is_stopped() and not matcher.is_accepting():
+        return "no text satisfies it (an unsatisfiable schema, a regex that matches nothing, a $ref or rule that only recurses)"
+    followed = 0
+    while followed < FORCED_CHECK_BYTES and not matcher.is_stopped():
+        forced = matcher.compute_ff_bytes()
+        if not forced or not matcher.consume_tokens(list(forced)) or matcher.is_error():
+            break
+        followed += len(forced)
+    if matcher.is_error():
+        error = matcher.get_error().strip().splitlines()[0].split("; try ")[0]  # (llguidance's tip is for grammar authors)
+        return (f"no finite text satisfies it: the text it alone determines runs past the parser's limits ({error}); "
+                "a $ref or rule that only recurses, or a repeat too large?")
+    return None
 
 
 def check_format(response_format: dict | None) -> tuple[str, object]:
@@ -77,8 +183,11 @@ def check_format(response_format: dict | None) -> tuple[str, object]:
         return kind, None
     if kind == "json_schema":
         spec = response_format.get("json_schema")
-        if not isinstance(spec, dict) or not isinstance(spec.get("schema", {}), (dict, bool)):
+        if not isinstance(spec, dict):
             raise InvalidArgumentError("response_format json_schema must be {'name': ..., 'schema': {...}, 'strict': bool}")
+        if not isinstance(spec.get("schema", {}), (dict, bool)):
+            raise InvalidArgumentError(f"response_format json_schema's schema must be a JSON object or a boolean, "
+                                       f"got {spec['schema']!r:.100}")
         body = spec.get("schema", {})
         text = json.dumps(body)
     else:
@@ -137,6 +246,10 @@ class Constraint:
         # matcher then refuses: the request's grammar is at fault, so a usage error, not a crash
         if not ok or self.matcher.is_error():
             error = (self.matcher.get_error() or "the matcher refused a token its mask allowed").splitlines()[0]
+            if _LIMITS_HIT in error or "too many" in error:  # the grammar outgrew the parser, whatever the tokens
+                raise InvalidArgumentError(f"response_format: the grammar cannot follow the model's tokens: "
+                                           f"{error.split('; try ')[0]}: its answers nest or repeat past the parser's "
+                                           "limits (a $ref or rule that only recurses?)")
             raise InvalidArgumentError(f"response_format: the grammar cannot follow the model's tokens: {error} "
                                        "(a special token's text in a grammar? name the token instead)")
 
@@ -211,6 +324,14 @@ class Constraint:
             return tokens[: self.matcher.validate_tokens(tokens)]
         finally:
             self._rollback(len(ahead))
+
+    def complete(self, end_ids) -> bool:
+        """Whether the grammar allows nothing but an end token after the committed tokens (an answer
+        that reached its budget there is whole, not cut)."""
+        if self._after_stop or self.matcher.is_stopped():
+            return True
+        allowed = self.allowed().nonzero().flatten().tolist()
+        return bool(allowed) and set(allowed) <= set(end_ids)
 
     def commit(self, tokens: list[int]) -> None:
         self._consume(list(tokens))

@@ -320,9 +320,13 @@ class DecodeResult:
     config: dict = field(default_factory=dict)  # the request's settings, echoed for records
     sources: list[Source] = field(default_factory=list)  # [len(token_ids)] who settled each token
     logprobs: list[TokenLogprob] | None = None  # [len(token_ids)] with the `logprobs` setting
+    # "length": max_new_tokens cut the answer (a constrained one: where its grammar allowed more than the
+    # end); "stop": an end token, a complete grammar, or the caller ended it
+    finish_reason: str = "stop"
 
     def to_dict(self) -> dict:
-        out = {"text": self.text, "token_ids": self.token_ids, "stats": self.stats.to_dict(), "config": self.config}
+        out = {"text": self.text, "token_ids": self.token_ids, "finish_reason": self.finish_reason,
+               "stats": self.stats.to_dict(), "config": self.config}
         if self.logprobs is not None:
             out["logprobs"] = [{"logprob": lp.logprob, "top": [list(t) for t in lp.top]} for lp in self.logprobs]
         return out

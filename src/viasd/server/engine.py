@@ -334,15 +334,11 @@ class Worker:
                 job.first_text = time.perf_counter()
             job.post("text", rest, last)
         job.text, job.tokens = text, log.tokens[: log.out]
-        job.finish_reason = self._finish_reason(job, result.token_ids, cut is not None or stop.hit is not None)
+        # OpenAI's finish_reason: "length" when the token budget cut the answer (not where its grammar
+        # was complete), else "stop" (a stop string, an end token, a complete grammar)
+        stopped = cut is not None or stop.hit is not None
+        job.finish_reason = "stop" if stopped else result.finish_reason
         job.post("done")
-
-    def _finish_reason(self, job: Job, ids: list[int], stopped: bool) -> str:
-        """OpenAI's `finish_reason`: "length" when the token budget ended the answer, else "stop" (a
-        stop string, an end token, or the model's context)."""
-        if not stopped and not (ids and ids[-1] in self.model.eos_token_ids) and len(ids) >= job.settings.get("max_new_tokens", 0):
-            return "length"
-        return "stop"
 
     def shutdown(self) -> None:
         self.cancel_all()

@@ -21,7 +21,7 @@ import json
 import uuid
 from dataclasses import dataclass, field
 
-from viasd.decoding.grammar import grammar_of
+from viasd.decoding.grammar import closed_objects, grammar_of
 from viasd.errors import UsageError
 from viasd.server.errors import APIError
 
@@ -132,7 +132,8 @@ def tag_tokens(tokenizer) -> tuple[int, int] | None:
 
 
 def parameters(function: dict) -> dict:
-    return function.get("parameters") or {"type": "object", "properties": {}, "additionalProperties": False}
+    """A function's arguments schema, its objects closed as a json_schema's are (no free keys to repeat)."""
+    return closed_objects(function.get("parameters")) or {"type": "object", "properties": {}, "additionalProperties": False}
 
 
 def grammar(plan: ToolPlan) -> str:
