@@ -86,7 +86,9 @@ class Decoder:
             raise ValueError("native weights run on the CPU with float32 activations")
         w = _Weights(config, state, dtype, device, pack, native)
         layers = [_layer(w, i) for i in range(config.n_layers)]
-        head = "model.embed_tokens.weight" if config.tied_embeddings or "lm_head.weight" not in w.state else "lm_head.weight"
+        # an untied model's own head, whether it loaded as float weights or as the file's native blocks
+        own_head = not config.tied_embeddings and ("lm_head.weight" in w.state or "lm_head.weight" in native)
+        head = "lm_head.weight" if own_head else "model.embed_tokens.weight"
         if "model.embed_tokens.weight" in native:
             embed = QuantEmbedding(native["model.embed_tokens.weight"])
         else:
