@@ -22,6 +22,7 @@ from viasd.server.errors import error_body
 
 MAX_HEAD = 64 * 1024  # bytes of a request line and headers
 HEADER_TIMEOUT = 20.0  # seconds a request's head may take to arrive
+LINGER = 2.0  # seconds of a refused client's further bytes dropped before the close (bytes unread: a reset, the answer lost)
 _CONTENT_LENGTH = re.compile(rb"(?im)^content-length[ \t]*:[ \t]*[0-9]+[ \t]*\r?$")
 _HEAD_END = re.compile(rb"\n\r?\n")  # (h11 takes a bare \n as a line's end too)
 
@@ -50,6 +51,7 @@ class GuardedH11Protocol(H11Protocol):
         self.head = bytearray()  # the bytes of the head being read (up to MAX_HEAD + 1), for its size and error
         self.head_read = False  # its end seen (h11 takes a head of any size that arrives whole)
         self.head_timer = None
+        self.refused = False  # answered by _refuse: what still comes is dropped
 
     def connection_made(self, transport) -> None:
         super().connection_made(transport)
@@ -60,6 +62,8 @@ class GuardedH11Protocol(H11Protocol):
         super().connection_lost(exc)
 
     def data_received(self, data: bytes) -> None:
+        if self.refused:
+            return
         if self.conn.their_state is h11.IDLE and not self.head_read:
             start = max(0, len(self.head) - 2)  # (a blank line split between two reads)
             self.head += data[:MAX_HEAD + 1 - len(self.head)]
@@ -73,6 +77,12 @@ class GuardedH11Protocol(H11Protocol):
             self._disarm()
             self.head.clear()
             self.head_read = False
+
+    def shutdown(self) -> None:
+        if self.refused:
+            self.transport.close()
+        else:
+            super().shutdown()
 
     def on_response_complete(self) -> None:
         super().on_response_complete()
@@ -110,13 +120,18 @@ class GuardedH11Protocol(H11Protocol):
             self.transport.close()
 
     def _refuse(self, status: int, message: str, code: str) -> None:
-        """An error response written as it is (h11 has no request to answer) and the connection closed."""
+        """An error response written as it is (h11 has no request to answer), then the connection closed
+        once LINGER s of what the client still sends are dropped."""
         body = json.dumps(error_body(message, code=code)).encode()
         reason = {400: "Bad Request", 408: "Request Timeout", 413: "Content Too Large",
                   431: "Request Header Fields Too Large"}[status]
         self.transport.write(f"HTTP/1.1 {status} {reason}\r\ncontent-type: application/json\r\ncontent-length: {len(body)}\r\n"
                              "connection: close\r\n\r\n".encode() + body)
-        self.transport.close()
+        self.refused = True
+        self._disarm()
+        if self.transport.can_write_eof():
+            self.transport.write_eof()
+        self.loop.call_later(LINGER, self.transport.close)
 
 
 def protocol(header_timeout: float = HEADER_TIMEOUT) -> type[GuardedH11Protocol]:
