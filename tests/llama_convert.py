@@ -70,10 +70,12 @@ def convert(model_dir: Path, outs: dict[str, Path]) -> dict[str, Path]:
     return outs
 
 
-def quantize_gguf(src: Path, out: Path, qtype: str, head_qtype: str) -> Path:
+def rewrite_gguf(src: Path, out: Path, qtype: str | None = None, head_qtype: str | None = None,
+                 fields: dict | None = None, tensors: dict | None = None) -> Path:
     """`src` with every 2-D weight quantized to `qtype` and `output.weight` to `head_qtype` by ggml's own
-    quantizer (`ggml_quantize_chunk`, what llama-quantize calls; Q4_K_M keeps the head in Q6_K); a
-    weight whose rows are not whole blocks of the type stays as it is, as llama-quantize leaves it."""
+    quantizer (`ggml_quantize_chunk`, what llama-quantize calls; Q4_K_M keeps the head in Q6_K; a
+    weight whose rows are not whole blocks of the type stays as it is, as llama-quantize leaves it),
+    `fields` ({key: (value, GGUFValueType)}) set and `tensors` ({name: float32 array}) added."""
     import gguf
     import torch
 
@@ -87,17 +89,21 @@ def quantize_gguf(src: Path, out: Path, qtype: str, head_qtype: str) -> Path:
             continue
         sub = field.types[-1] if field.types[0] == gguf.GGUFValueType.ARRAY else None
         writer.add_key_value(field.name, field.contents(), field.types[0], sub_type=sub)
+    for key, (value, kind) in (fields or {}).items():
+        writer.add_key_value(key, value, kind)
     for t in reader.tensors:
         data = t.data
-        want = gguf.GGMLQuantizationType[head_qtype if t.name == "output.weight" else qtype]
-        block = gguf.GGML_QUANT_SIZES[want][0]
-        if len(t.shape) == 2 and t.tensor_type in (gguf.GGMLQuantizationType.F32, gguf.GGMLQuantizationType.F16) \
-                and data.shape[-1] % block == 0:
+        name = head_qtype if t.name == "output.weight" else qtype
+        want = gguf.GGMLQuantizationType[name] if name else None
+        if want is not None and len(t.shape) == 2 and t.tensor_type in (gguf.GGMLQuantizationType.F32, gguf.GGMLQuantizationType.F16) \
+                and data.shape[-1] % gguf.GGML_QUANT_SIZES[want][0] == 0:
             w = torch.from_numpy(data.astype("float32"))  # [rows, cols]
             q = quantize({"w": w}, None, int(want), names=["w"])["w"].data.numpy()
             writer.add_tensor(t.name, q, raw_shape=q.shape, raw_dtype=want)
         else:
             writer.add_tensor(t.name, data, raw_dtype=t.tensor_type)
+    for name, data in (tensors or {}).items():
+        writer.add_tensor(name, data)
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()

@@ -5,11 +5,17 @@ float32 path (the same file dequantized) and of transformers reading the same fi
 
 from __future__ import annotations
 
+import subprocess
+import sys
+
+import numpy as np
 import pytest
 import torch
+from gguf import GGUFValueType
 
-from llama_convert import convert, quantize_gguf
+from llama_convert import convert, rewrite_gguf
 from support import bpe_tokenizer, run_ar
+from viasd.errors import UnsupportedArchitectureError
 from viasd.models.loading import load_model
 
 CORPUS = ["def add(a, b):\n    return a + b\n", "the quick brown fox jumps over the lazy dog\n",
@@ -50,7 +56,7 @@ def files(tmp_path_factory):
         types = ("f32", "f16", "q8_0") if shape_name == "untied" else ("f32",)
         made = convert(hf, {t: root / f"{shape_name}-{t}.gguf" for t in types})
         out.update({(shape_name, t): f for t, f in made.items()})
-        out[shape_name, "q4_k"] = quantize_gguf(out[shape_name, "f32"], root / f"{shape_name}-q4_k.gguf", "Q4_K", "Q6_K")
+        out[shape_name, "q4_k"] = rewrite_gguf(out[shape_name, "f32"], root / f"{shape_name}-q4_k.gguf", "Q4_K", "Q6_K")
         out[shape_name, "hf"] = hf
     return out
 
@@ -119,3 +125,17 @@ def test_converted_float_file_decodes_as_the_transformers_model_it_came_from(fil
     for text in PROMPTS:
         prompt = native.tokenizer.encode(text)
         assert run_ar(native, prompt, N) == _transformers_greedy(hf, prompt, N)
+
+
+@pytest.mark.parametrize("extra,why", [
+    (dict(tensors={"rope_freqs.weight": np.ones(16, dtype=np.float32)}), "Llama 3.1+ RoPE frequencies (rope_freqs) not supported yet"),
+    (dict(fields={"llama.rope.scaling.type": ("yarn", GGUFValueType.STRING)}), "RoPE scaling 'yarn' not supported yet"),
+])
+def test_rope_scaling_transformers_would_drop_is_refused_in_one_line(files, tmp_path, extra, why):
+    """transformers' GGUF reader keeps neither, so the model would decode with plain RoPE, silently wrong."""
+    path = rewrite_gguf(files["untied", "f32"], tmp_path / "scaled.gguf", **extra)
+    with pytest.raises(UnsupportedArchitectureError) as e:
+        load_model(str(path), progress=False)
+    assert str(e.value) == f"scaled.gguf: {why}"
+    got = subprocess.run([sys.executable, "-m", "viasd", "generate", "-m", str(path), "-n", "2"], capture_output=True, text=True)
+    assert got.returncode == 2 and got.stderr.strip().splitlines()[-1].endswith(why), got.stderr

@@ -36,10 +36,19 @@ def gguf_architecture(path: Path) -> str:
     try:
         from gguf import GGUFReader
 
-        field_ = GGUFReader(path).fields["general.architecture"]
-        return bytes(field_.parts[field_.data[0]]).decode()
+        reader = GGUFReader(path)
+        field_ = reader.fields["general.architecture"]
+        arch = bytes(field_.parts[field_.data[0]]).decode()
+        scaling = reader.fields.get(f"{arch}.rope.scaling.type")
+        scaling = bytes(scaling.parts[scaling.data[0]]).decode() if scaling is not None else "none"
+        rope_freqs = any(t.name == "rope_freqs.weight" for t in reader.tensors)
     except Exception as e:  # gguf raises assorted errors on truncated files
         raise CorruptFileError(f"{path}: corrupt or truncated GGUF file ({type(e).__name__}: {e})") from None
+    # transformers' GGUF reader drops these, and the model would decode with plain RoPE, silently wrong
+    if rope_freqs or scaling not in ("none", "linear"):
+        what = "Llama 3.1+ RoPE frequencies (rope_freqs)" if rope_freqs else f"RoPE scaling {scaling!r}"
+        raise UnsupportedArchitectureError(f"{path.name}: {what} not supported yet")
+    return arch
 
 
 def convert_gguf(gguf: Path, out_dir: Path, meta: dict, progress: bool = True) -> Path:
