@@ -247,3 +247,27 @@ def fine(other: Own):
         "module-level _known keyed by addresses", "module-level _known keyed by addresses", "writes into an object's __dict__",
         "writes into an object's __dict__", "setattr of private _cache on another object",
         "sets private _times of an object another module defines"]
+
+
+_CLOCKS = {"monotonic", "perf_counter", "time", "monotonic_ns", "perf_counter_ns", "time_ns"}
+
+
+def _duration_asserts(source: str) -> list[int]:
+    """Lines of `assert`s on a clock reading minus another (a duration, which flakes on a busy machine;
+    a bounded wait's give-up deadline, `monotonic() < deadline`, is no duration)."""
+    def reads_clock(x):
+        return any(isinstance(c, ast.Call) and isinstance(c.func, ast.Attribute) and c.func.attr in _CLOCKS for c in ast.walk(x))
+
+    return sorted({node.lineno for node in ast.walk(ast.parse(source)) if isinstance(node, ast.Assert)
+                   for sub in ast.walk(node.test) if isinstance(sub, ast.BinOp) and isinstance(sub.op, ast.Sub)
+                   and reads_clock(sub)})
+
+
+def test_no_test_asserts_a_duration():
+    """What a time limit would guard is checked another way (a process that must be killed is checked
+    as killed, not as fast)."""
+    tests = Path(__file__).parent
+    found = [f"{p.relative_to(tests)}:{n}" for p in sorted(tests.rglob("*.py")) for n in _duration_asserts(p.read_text())]
+    assert not found, "tests asserting durations:\n" + "\n".join(found)
+    assert _duration_asserts("import time\nt = time.monotonic()\nassert time.monotonic() - t < 4\n"
+                             "assert time.monotonic() < t + 60, 'gave up'\n") == [3]
