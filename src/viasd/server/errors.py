@@ -21,8 +21,14 @@ def error_body(message: str, type_: str = "invalid_request_error", param: str | 
     return {"error": {"message": message, "type": type_, "param": param, "code": code}}
 
 
-def error_response(e: APIError) -> JSONResponse:
-    return JSONResponse(error_body(e.message, e.type, e.param, e.code), status_code=e.status, headers=e.headers)
+# the error body of another dialect's routes, by path prefix (routes_ollama.py, routes_infill.py register theirs)
+DIALECT_ERRORS: dict[str, object] = {}
+
+
+def error_response(e: APIError, path: str = "") -> JSONResponse:
+    shape = next((f for prefix, f in DIALECT_ERRORS.items() if path.startswith(prefix)), None)
+    body = shape(e) if shape is not None else error_body(e.message, e.type, e.param, e.code)
+    return JSONResponse(body, status_code=e.status, headers=e.headers)
 
 
 def ended_by_server(job: Job) -> APIError:

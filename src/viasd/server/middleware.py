@@ -15,7 +15,8 @@ from viasd.server.errors import APIError, engine_error, error_response
 from viasd.server.metrics import Metrics
 
 ENDPOINTS = {"/v1/completions": "completions", "/v1/chat/completions": "chat", "/v1/models": "models",
-             "/metrics": "metrics", "/health": "health"}
+             "/metrics": "metrics", "/health": "health", "/api/chat": "ollama_chat", "/api/generate": "ollama_generate",
+             "/infill": "infill"}
 
 
 def endpoint_of(path: str) -> str:
@@ -73,7 +74,7 @@ class BrowserGuard:
             problem = self.problem(scope)
             if problem is not None:
                 self.metrics.requests.labels(endpoint_of(scope["path"]), str(problem.status)).inc()
-                await error_response(problem)(scope, receive, send)
+                await error_response(problem, scope["path"])(scope, receive, send)
                 return
         await self.app(scope, receive, send)
 
@@ -106,7 +107,7 @@ class AuthAndSize:
             problem = self.problem(scope)
             if problem is not None:
                 self.metrics.requests.labels(endpoint_of(scope["path"]), str(problem.status)).inc()
-                await error_response(problem)(scope, receive, send)
+                await error_response(problem, scope["path"])(scope, receive, send)
                 return
         await self.app(scope, receive, send)
 
@@ -137,18 +138,18 @@ def count(request: Request, status: int) -> None:
 
 async def on_api_error(request: Request, e: APIError):
     count(request, e.status)
-    return error_response(e)
+    return error_response(e, request.url.path)
 
 
 async def on_http_error(request: Request, e: StarletteHTTPException):
     count(request, e.status_code)
     code = {404: "not_found", 405: "method_not_allowed"}.get(e.status_code)
-    return error_response(APIError(e.status_code, f"{request.method} {request.url.path}: {e.detail}", code=code))
+    return error_response(APIError(e.status_code, f"{request.method} {request.url.path}: {e.detail}", code=code), request.url.path)
 
 
 async def on_internal_error(request: Request, e: Exception):
     count(request, 500)
-    return error_response(engine_error(e))
+    return error_response(engine_error(e), request.url.path)
 
 
 def install(app: FastAPI, settings) -> None:
