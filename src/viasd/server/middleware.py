@@ -1,5 +1,5 @@
 """What answers around the routes: the Host and Origin a browser sends (BrowserGuard), the bearer token
-and declared body size (AuthAndSize), the exception handlers that turn every failure into an
+(or x-api-key) and declared body size (AuthAndSize), the exception handlers that turn every failure into an
 OpenAI-style error body, and the per-endpoint request counter they share."""
 
 from __future__ import annotations
@@ -16,7 +16,8 @@ from viasd.server.metrics import Metrics
 
 ENDPOINTS = {"/v1/completions": "completions", "/v1/chat/completions": "chat", "/v1/models": "models",
              "/metrics": "metrics", "/health": "health", "/api/chat": "ollama_chat", "/api/generate": "ollama_generate",
-             "/infill": "infill"}
+             "/infill": "infill", "/v1/responses": "responses", "/v1/messages": "messages",
+             "/v1/messages/count_tokens": "count_tokens"}
 
 
 def endpoint_of(path: str) -> str:
@@ -115,10 +116,11 @@ class AuthAndSize:
         """The error for a request without the token or with a declared body over the limit, else None."""
         headers = dict(scope.get("headers") or [])
         if self.key is not None and not public(scope["path"]):
-            auth = headers.get(b"authorization", b"")
-            scheme, _, token = auth.partition(b" ")
-            if not (scheme.lower() == b"bearer" and hmac.compare_digest(token.strip(), self.key)):
-                return APIError(401, "missing or invalid API key: send 'Authorization: Bearer <key>'",
+            scheme, _, token = headers.get(b"authorization", b"").partition(b" ")
+            bearer = scheme.lower() == b"bearer" and hmac.compare_digest(token.strip(), self.key)
+            # (Anthropic's clients send the key as x-api-key)
+            if not (bearer or hmac.compare_digest(headers.get(b"x-api-key", b"").strip(), self.key)):
+                return APIError(401, "missing or invalid API key: send 'Authorization: Bearer <key>' or 'x-api-key: <key>'",
                                 code="invalid_api_key", headers={"WWW-Authenticate": "Bearer"})
         length = headers.get(b"content-length")
         if length is None:
@@ -161,7 +163,7 @@ def install(app: FastAPI, settings) -> None:
     origins = frozenset(settings.allowed_origins)
     if origins:
         app.add_middleware(CORSMiddleware, allow_origins=sorted(origins), allow_methods=["GET", "POST"],
-                           allow_headers=["Authorization", "Content-Type"])
+                           allow_headers=["Authorization", "Content-Type", "X-Api-Key", "Anthropic-Version"])
     hosts = None if settings.allowed_hosts is None or "*" in settings.allowed_hosts else frozenset(settings.allowed_hosts)
     app.add_middleware(BrowserGuard, hosts=hosts, origins=origins, metrics=app.state.metrics)
     app.add_exception_handler(APIError, on_api_error)

@@ -18,16 +18,24 @@ def sse(data: dict | str) -> bytes:
     return f"data: {data if isinstance(data, str) else json.dumps(data, ensure_ascii=False)}\n\n".encode()
 
 
-async def answer_stream(reply: Reply, include_usage: bool) -> Response:
-    """Wait for the first event, so that errors before any text get a status code; then stream."""
+async def answer_stream(reply: Reply, include_usage: bool, render=None) -> Response:
+    """Wait for the first event, so that errors before any text get a status code; then stream.
+    `render`: the stream's bytes from its chunks (another dialect's events; default OpenAI's)."""
     first = await reply.job.next_event()
     ended = reply.ended_early(first)
     if ended is not None:
         return ended
-    return StreamingResponse(events(reply, first, include_usage), media_type="text/event-stream", headers=_HEADERS)
+    body = (render or events)(chunks(reply, first, include_usage))
+    return StreamingResponse(body, media_type="text/event-stream", headers=_HEADERS)
 
 
-async def events(reply: Reply, event: tuple, include_usage: bool):
+async def events(chunks):
+    async for data in chunks:
+        yield sse(data)
+
+
+async def chunks(reply: Reply, event: tuple, include_usage: bool):
+    """The chat chunks of a streamed answer (dicts), then `[DONE]` (or nothing, when the client left)."""
     done = False
     plan = reply.tools
     calls = ToolStream(plan.family) if plan is not None else None  # text and tool-call fragments
@@ -35,7 +43,7 @@ async def events(reply: Reply, event: tuple, include_usage: bool):
     extras = reply.logprobs is not None or reply.provenance
     try:
         if reply.chat:
-            yield sse(reply.chunk("", first_chunk=True))
+            yield reply.chunk("", first_chunk=True)
         while True:
             kind = event[0]
             if kind == "text":
@@ -43,18 +51,18 @@ async def events(reply: Reply, event: tuple, include_usage: bool):
             if kind == "text" and calls is not None:
                 # (tags that decoding drops are not in the text: such an answer is sent at its end)
                 for delta in calls.feed(event[1]) if not plan.dropped else []:
-                    yield sse(reply.delta_chunk(delta, tokens))
+                    yield reply.delta_chunk(delta, tokens)
                     tokens = []
             elif kind == "text" and (event[1] or tokens):
-                yield sse(reply.chunk(event[1], tokens=tokens))
+                yield reply.chunk(event[1], tokens=tokens)
                 tokens = []
             elif kind in ("done", "error", "cancelled"):
                 done = True
                 for delta in final_deltas(reply, calls) if calls is not None and kind == "done" else []:
-                    yield sse(reply.delta_chunk(delta, tokens))
+                    yield reply.delta_chunk(delta, tokens)
                     tokens = []
                 for data in last_events(reply, event, include_usage, bool(calls and calls.sent), tokens):
-                    yield sse(data)
+                    yield data
                 return
             event = await reply.job.next_event()
     finally:
