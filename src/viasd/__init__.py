@@ -16,6 +16,7 @@ __all__ = [
     "LoadedModel",
     "UsageError",
     "ViasdError",
+    "__version__",
     "generate",
     "load_drafter",
     "load_model",

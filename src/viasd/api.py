@@ -153,7 +153,8 @@ def _cross_drafter(verifier: LoadedModel, draft_model: LoadedModel, config: Gene
                                       "across vocabularies needs decoder-only models")
     # built once per pair (a dictionary over the larger vocabulary: a tenth of a second), kept on the drafter
     bridges = draft_model.bridges
-    bridge = bridges.get(id(verifier.vocabulary)) or bridges.setdefault(id(verifier.vocabulary), VocabBridge(verifier.vocabulary, draft_model.vocabulary))
+    bridge = bridges.get(id(verifier.vocabulary)) or bridges.setdefault(
+        id(verifier.vocabulary), VocabBridge(verifier.vocabulary, draft_model.vocabulary))
     if not bridge.shared:
         raise VocabularyMismatchError(f"drafter {draft_model.name} and verifier {verifier.name} share no token")
     conversion = draft_conversion(config)

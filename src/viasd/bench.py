@@ -63,7 +63,8 @@ def parse_methods(spec: str) -> list[tuple[str, dict]]:
                              "and +adapt or +fixed, +correct for viasd-tiered, +SETTING=VALUE, and @DRAFTER)")
         settings = dict(METHODS[base])
         if kind:
-            if kind not in (DraftKind.PLD, DraftKind.SELF, DraftKind.MODEL) or STRATEGIES[settings["strategy"]].drafter is not DraftKind.AUTO:
+            if (kind not in (DraftKind.PLD, DraftKind.SELF, DraftKind.MODEL)
+                    or STRATEGIES[settings["strategy"]].drafter is not DraftKind.AUTO):
                 raise UsageError(f"method {name!r}: a drafter suffix (:pld, :self, :model) applies to cascade and viasd-* only")
             settings["draft"] = kind
             STRATEGIES[settings["strategy"]].draft_kind(kind, True)  # a kind the strategy cannot draft with: refused here
@@ -192,7 +193,8 @@ def _file_prompts(path: Path, task: str, limit: int | None, metric: str | None =
             raise UsageError(f"{path}:{n}: unknown metric {row_metric!r}: choose from {', '.join(METRICS)}")
         pid = str(row.get("id", n))
         if pid in lines:  # resuming keys records by id: the second prompt would be skipped as done
-            raise UsageError(f"{path}:{n}: duplicate id {pid!r} (line {lines[pid]} has it too): every prompt of a task file needs its own id")
+            raise UsageError(f"{path}:{n}: duplicate id {pid!r} (line {lines[pid]} has it too): "
+                             "every prompt of a task file needs its own id")
         lines[pid] = n
         out.append(Prompt(task, pid, row["prompt"], None, row.get("reference"), metric=row_metric))
     return out[:limit]
@@ -407,7 +409,8 @@ def _run_bench(model, drafter, methods, prompts, out, base, progress) -> int:
     with open(out, "a") as f:
         for prompt, (name, _) in todo:
             settings, drafter = settings_of[name], chosen[name]
-            bar.set_postfix_str(f"{name} on {prompt.task}/{prompt.id}" + (f", speed-up {sorted(speedups)[len(speedups) // 2]:.2f}x" if speedups else ""))
+            median = f", speed-up {sorted(speedups)[len(speedups) // 2]:.2f}x" if speedups else ""
+            bar.set_postfix_str(f"{name} on {prompt.task}/{prompt.id}" + median)
             record = {"task": prompt.task, "prompt_id": prompt.id, "method": name, "time": time.strftime("%Y-%m-%dT%H:%M:%S"),
                       "run_id": run_id, "weights": {"model": model.weights, "drafter": drafter.weights if drafter else None},
                       "kernels": {"model": model.kernels, "drafter": drafter.kernels if drafter else None},

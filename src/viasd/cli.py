@@ -217,7 +217,8 @@ def _add_search(p: argparse.ArgumentParser) -> None:
     p.add_argument("--budget-unit", choices=("layers", "bytes"), default="layers",
                    help="layers: --budget is the share of layers kept; bytes: the share of a full pass' weight bytes "
                         "the slim pass reads, its LM head included (the reduced one with --head-vocab) (default: %(default)s)")
-    p.add_argument("--trials", type=int, default=100, help="the study's total trials; a rerun runs only the missing ones (default: %(default)s)")
+    p.add_argument("--trials", type=int, default=100,
+                   help="the study's total trials; a rerun runs only the missing ones (default: %(default)s)")
     p.add_argument("--random-trials", type=int, default=20, help="random-search warm start before TPE (default: %(default)s)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--cost", default="kl", choices=COSTS + RESCUE_COSTS,
@@ -226,7 +227,8 @@ def _add_search(p: argparse.ArgumentParser) -> None:
     p.add_argument("--rescue-drafter", metavar="MODEL",
                    help="a drafter model (any vocabulary): the route's metrics also count the positions where its "
                         "greedy token is wrong, the ones a slim verifier must rescue")
-    p.add_argument("--pin-ends", action=argparse.BooleanOptionalAction, default=True, help="always keep the first and last layer (default: on)")
+    p.add_argument("--pin-ends", action=argparse.BooleanOptionalAction, default=True,
+                   help="always keep the first and last layer (default: on)")
     p.add_argument("--prefix", type=int, default=0, metavar="M",
                    help="keep layers 0..M-1 whole: full passes then resume at layer M after slim passes (default: %(default)s)")
     p.add_argument("--head-vocab", type=int, metavar="N",
@@ -346,7 +348,8 @@ def _add_bench(p: argparse.ArgumentParser) -> None:
                    help="MT-bench: 1 = first question; 2 = a two-turn conversation (the second question follows the model's "
                         "own first answer; statistics cover both turns) (default: %(default)s)")
     add_arguments(p, only=("max_new_tokens", "k", "seed", "slim_route"))  # every method's, unless it sets its own
-    p.add_argument("--out", "-o", default="results.jsonl", help="JSONL results; rerunning skips records already there (default: %(default)s)")
+    p.add_argument("--out", "-o", default="results.jsonl",
+                   help="JSONL results; rerunning skips records already there (default: %(default)s)")
     _add_drafter_weights(p, "native weights re-quantized to")
     p.add_argument("--quiet", "-q", action="store_true")
 
@@ -371,7 +374,8 @@ def _add_model_flags(p: argparse.ArgumentParser) -> None:
     """The models a command runs and how they load (generate's and serve's)."""
     from viasd.models.zoo import DEFAULT_MODEL
 
-    p.add_argument("--model", "-m", default=DEFAULT_MODEL, help="zoo alias, GGUF file, transformers directory or hub id (default: %(default)s)")
+    p.add_argument("--model", "-m", default=DEFAULT_MODEL,
+                   help="zoo alias, GGUF file, transformers directory or hub id (default: %(default)s)")
     p.add_argument("--drafter", "-d", help="drafter model for sd / cascade / viasd --draft model: any zoo model, GGUF or "
                    "directory; one with another tokenizer drafts through text or the tokens both share (--draft-conversion)")
     p.add_argument("--device", default="cpu", help="torch device (default: %(default)s)")

@@ -87,7 +87,8 @@ def summarize(records: list[dict]) -> dict[tuple[str, str], dict]:
     ar = {(r["task"], r["prompt_id"]): r["stats"]["tokens_per_s"] for r in records if r["method"] == BASELINE and "stats" in r}
     ar = {k: v for k, v in ar.items() if v > 0}
     # decode-only (the tokens after the first over the time after it; records since native weights)
-    ar_decode = {(r["task"], r["prompt_id"]): r["stats"].get("decode_tokens_per_s") for r in records if r["method"] == BASELINE and "stats" in r}
+    ar_decode = {(r["task"], r["prompt_id"]): r["stats"].get("decode_tokens_per_s")
+                 for r in records if r["method"] == BASELINE and "stats" in r}
     ar_decode = {k: v for k, v in ar_decode.items() if v}
     groups: dict[tuple[str, str], list[dict]] = defaultdict(list)
     for r in records:
@@ -125,7 +126,8 @@ def summarize(records: list[dict]) -> dict[tuple[str, str], dict]:
             # share of the proposed tokens the full verifier judged that it rejected (None: nothing judged)
             "full_rejection_rate": (checked - sum(c[1] for c in checks)) / checked if checked else None,
             "full_calls_per_token": sum(r["stats"]["calls"].get("full", 0) for r in ok) / max(tokens, 1),
-            "layer_passes_per_token": sum(r["stats"]["verifier_layer_passes_per_token"] * r["stats"]["new_tokens"] for r in ok) / max(tokens, 1),
+            "layer_passes_per_token":
+                sum(r["stats"]["verifier_layer_passes_per_token"] * r["stats"]["new_tokens"] for r in ok) / max(tokens, 1),
             # weights read per token in full verifier passes (records before this field: None)
             "full_pass_bytes_per_token": (sum(r["stats"]["bytes_read"] / r["stats"]["full_pass_bytes"] for r in ok) / max(tokens, 1)
                                           if all(r["stats"].get("full_pass_bytes") for r in ok) else None),
@@ -198,7 +200,8 @@ def cost_model_markdown(model: dict[str, dict]) -> str:
              "Each decoding pass priced by the measured time of a pass of as many rows of the model that ran it "
              "(`pass_costs` in the records), scaled by the share of that model's weight bytes it reads, plus the decode's "
              "host time (outside model passes: sampling, acceptance, draft conversion; measured); medians over prompts.", "",
-             "| method | predicted decode speed-up vs ar | measured | predicted / measured | model time / measured time | host share of decode time |",
+             "| method | predicted decode speed-up vs ar | measured | predicted / measured | model time / measured time "
+             "| host share of decode time |",
              "|---|---|---|---|---|---|"]
     for method, m in model.items():
         lines.append(f"| {method} | {m['predicted']:.2f}x | {m['measured']:.2f}x | {m['predicted'] / m['measured']:.2f} | "
@@ -209,7 +212,8 @@ def cost_model_markdown(model: dict[str, dict]) -> str:
 def markdown(summary: dict[tuple[str, str], dict]) -> str:
     tasks = sorted({t for t, _ in summary if t != "overall"}) + ["overall"]
     methods = list(dict.fromkeys(m for _, m in summary))
-    lines = ["| task | method | speed-up vs ar | decode-only speed-up | tok/s | mean acc. len | rejection | full-model rejection | full calls/tok | layer-passes/tok | cost/tok (full passes by bytes) | tiers (accept/slim/full) | quality |",
+    lines = ["| task | method | speed-up vs ar | decode-only speed-up | tok/s | mean acc. len | rejection | full-model rejection "
+             "| full calls/tok | layer-passes/tok | cost/tok (full passes by bytes) | tiers (accept/slim/full) | quality |",
              "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for task in tasks:
         for method in methods:

@@ -292,7 +292,8 @@ class GenerateConfig:
 @dataclass(frozen=True)
 class Declared:
     """One setting as the front ends read it: `kind` is "int", "float", "bool", "choice", "layers", "file",
-    "format" (response_format) or "bias" (logit_bias: token id -> number); `optional`: None is accepted (and means the default behaviour)."""
+    "format" (response_format) or "bias" (logit_bias: token id -> number); `optional`: None is accepted (and means the default
+    behaviour)."""
 
     name: str
     kind: str

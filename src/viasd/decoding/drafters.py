@@ -40,7 +40,7 @@ class Draft:
     def __len__(self) -> int:
         return len(self.tokens)
 
-    def cut(self, n: int) -> "Draft":
+    def cut(self, n: int) -> Draft:
         """The first n proposals."""
         if n >= len(self.tokens):
             return self

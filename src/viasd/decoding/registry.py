@@ -44,7 +44,8 @@ class LoopArgs:
     slim: LayerMask | None = None
     thresholds: TierThresholds | None = None
     cascade: tuple[DeferralRule, float] | None = None  # (rule, alpha), used by the cascade loop
-    adaptive: bool = False  # loops with a drafter (not cascades by default): draft lengths from measured pass costs (decoding/draft_length.py)
+    # loops with a drafter (not cascades by default): draft lengths from measured pass costs (decoding/draft_length.py)
+    adaptive: bool = False
     resume: bool = True  # viasd: full passes resume where the slim route's whole lower layers end
     slim_head: ReducedHead | None = None  # viasd: the slim verifier's reduced LM head (None: the full one)
     correct: bool = False  # tiered viasd, greedy: full passes correct the tokens settled without them (multitier._recheck)

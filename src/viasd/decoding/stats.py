@@ -204,7 +204,7 @@ class DecodeStats:
             self._pass_mark = self.pass_seconds() if self.pass_seconds is not None else None
         self.new_tokens += n
 
-    def merge(self, other: "DecodeStats") -> "DecodeStats":
+    def merge(self, other: DecodeStats) -> DecodeStats:
         """The statistics of two decodes in sequence (e.g. the turns of a conversation): counters
         and times add up, the first token is this decode's."""
         pad = lambda xs, n: xs + [0] * (n - len(xs))  # noqa: E731

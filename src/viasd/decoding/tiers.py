@@ -2,7 +2,7 @@
 
 | tier | rule (per draft position, in order) | who settles it |
 |---|---|---|
-| `Tier.ACCEPT` (1) | slim prob of the draft >= `accept`, drafter prob >= `accept_draft`, TV(drafter, slim) <= `accept_tv` | nobody: the draft is kept |
+| `Tier.ACCEPT` (1) | slim p(draft) >= `accept`, drafter p(draft) >= `accept_draft`, TV(drafter, slim) <= `accept_tv` | nobody: draft kept |
 | `Tier.SLIM` (2) | slim top prob >= `slim` and slim entropy <= `slim_entropy` | the slim verifier keeps or replaces the draft |
 | `Tier.FULL` (3) | everything else | the full verifier |
 

@@ -187,8 +187,8 @@ class Verifier:
         first = self.cache.resume_layer if resume else 0
         share = (1.0 if route is None else route.fraction) - (first / self.decoder.config.n_layers)
         full = route is None and not first and head is None  # (its bytes, known since the request began)
-        self.stats.observe_call(kind, verifier_share=share, bytes_read=self.full_bytes if full else pass_bytes(self.decoder, route, first, head),
-                                rows=rows)
+        self.stats.observe_call(kind, verifier_share=share,
+                                bytes_read=self.full_bytes if full else pass_bytes(self.decoder, route, first, head), rows=rows)
         return self._masked(out if n_rows == rows else out[rows - n_rows :], ahead)  # (a slice costs ~20 us right after a pass)
 
     def _masked(self, out: PassOutput, ahead: list[int]) -> PassOutput:

@@ -1,1 +1,2 @@
-"""How decoding runs model passes: directly, or batched with other requests on the compute thread, through a prefix cache, timed (`Passes`)."""
+"""How decoding runs model passes: directly, or batched with other requests on the compute thread, through a prefix cache,
+timed (`Passes`)."""

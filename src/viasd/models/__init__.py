@@ -6,4 +6,5 @@ from viasd.models.decoder import Decoder
 from viasd.models.kvcache import KVCache, LayerMask
 from viasd.models.zoo import DEFAULT_MODEL, ZOO
 
-__all__ = ["DEFAULT_MODEL", "ZOO", "Decoder", "KVCache", "LayerMask", "LoadedModel", "ModelConfig", "cache_dir", "load_drafter", "load_model"]
+__all__ = ["DEFAULT_MODEL", "ZOO", "Decoder", "KVCache", "LayerMask", "LoadedModel", "ModelConfig", "cache_dir", "load_drafter",
+           "load_model"]

@@ -78,7 +78,7 @@ class ModelConfig:
     rope_factor: float = 1.0  # linear RoPE scaling of the global layers
 
     @classmethod
-    def from_hf(cls, hf) -> "ModelConfig":
+    def from_hf(cls, hf) -> ModelConfig:
         """From a transformers `PretrainedConfig`."""
         arch = hf.model_type
         if arch not in SUPPORTED_ARCHITECTURES:
@@ -108,7 +108,7 @@ class ModelConfig:
         )
 
     @classmethod
-    def _gemma_from_hf(cls, hf) -> "ModelConfig":
+    def _gemma_from_hf(cls, hf) -> ModelConfig:
         arch = hf.model_type
         if getattr(hf, "use_bidirectional_attention", False):
             raise UnsupportedArchitectureError(f"{arch} with bidirectional attention is not a decoder")
@@ -116,7 +116,8 @@ class ModelConfig:
         if act not in ("gelu_pytorch_tanh", "gelu_tanh"):
             raise UnsupportedArchitectureError(f"unsupported {arch} activation {act!r}")
         n_layers = hf.num_hidden_layers
-        types = list(getattr(hf, "layer_types", None) or ["sliding_attention" if (i + 1) % 2 else "full_attention" for i in range(n_layers)])
+        types = list(getattr(hf, "layer_types", None)
+                     or ["sliding_attention" if (i + 1) % 2 else "full_attention" for i in range(n_layers)])
         sliding = tuple(t == "sliding_attention" for t in types)
         rope = getattr(hf, "rope_parameters", None) or {}
         if "full_attention" in rope or "sliding_attention" in rope:  # gemma3: one per layer kind

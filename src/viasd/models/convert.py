@@ -75,6 +75,7 @@ def convert_gguf(gguf: Path, out_dir: Path, meta: dict, progress: bool = True) -
                                        f"damaged; replace it{_replace_hint(gguf)}")
         if model.config.tie_word_embeddings:
             state.pop("lm_head.weight", None)
+        _refuse_dropped(gguf, arch, state, model.config.tie_word_embeddings)
         save_file(state, tmp / "model.safetensors", metadata={"format": "pt"})
         config = model.config
         if hasattr(config, "quantization_config"):
@@ -91,6 +92,27 @@ def convert_gguf(gguf: Path, out_dir: Path, meta: dict, progress: bool = True) -
         shutil.rmtree(tmp, ignore_errors=True)
         raise
     return out_dir
+
+
+def _refuse_dropped(gguf: Path, arch: str, state: dict, tied: bool) -> None:
+    """transformers' GGUF reader keeps only the tensors its model class has (a Llama's attention biases
+    are dropped): a file tensor with no place in the converted model would decode silently wrong."""
+    from gguf import MODEL_ARCH_NAMES, get_tensor_name_map
+
+    from viasd.models.native import NATIVE_GGUF_ARCHITECTURES, tensor_index
+
+    if arch not in NATIVE_GGUF_ARCHITECTURES:
+        return
+    kind = next(k for k, v in MODEL_ARCH_NAMES.items() if v == arch)
+    n_layers = 1 + max((int(k.split(".")[2]) for k in state if k.startswith("model.layers.")), default=-1)
+    names = get_tensor_name_map(kind, n_layers)
+    kept = {f"{names.get_name(base)}.{suffix}" for base, _, suffix in (k.rpartition(".") for k in state)}
+    unused = {"rope_freqs.weight"} | ({"output.weight"} if tied else set())  # rope_freqs: refused before
+    dropped = sorted(n for n in tensor_index(gguf) if n not in kept and n not in unused)
+    if dropped:
+        raise UnsupportedArchitectureError(
+            f"{gguf.name}: tensors {', '.join(dropped[:3])}{' ...' if len(dropped) > 3 else ''} have no place in "
+            f"transformers' {arch} model: not supported yet")
 
 
 def _read_gguf(gguf: Path, progress: bool):

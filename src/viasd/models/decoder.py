@@ -57,7 +57,7 @@ class Decoder:
     device: torch.device
     _cos: torch.Tensor = field(repr=False)  # [n_tables, max_positions, head_dim]: global, then local RoPE
     _sin: torch.Tensor = field(repr=False)
-    _graph: "ggml_forward.NativeForward | None" = field(default=None, repr=False)  # native weights: the pass as a ggml graph
+    _graph: ggml_forward.NativeForward | None = field(default=None, repr=False)  # native weights: the pass as a ggml graph
     _head_weight: torch.Tensor | None = field(default=None, repr=False)  # float weights: the head unpacked (reduced heads)
     _weight_bytes: dict[tuple, int] = field(default_factory=dict, repr=False)  # `weight_bytes`, by its arguments
     _reduced_heads: dict[tuple, ReducedHead] = field(default_factory=dict, repr=False)  # `reduced_head`, by its ids
@@ -73,7 +73,7 @@ class Decoder:
         device: str | torch.device = "cpu",
         pack: bool | str = True,
         native: dict[str, NativeTensor] | None = None,
-    ) -> "Decoder":
+    ) -> Decoder:
         """Build from transformers-named weights (`model.layers.{i}.self_attn.q_proj.weight`, ...).
 
         `pack=False` keeps plain `F.linear` (MKL) products: slower here, bit-closer to transformers.
@@ -110,7 +110,7 @@ class Decoder:
             decoder._graph = ggml_forward.NativeForward(decoder, pack=pack)  # the whole pass as one ggml graph
         return decoder
 
-    def weight_bytes(self, route: LayerMask | None = None, from_layer: int = 0, head: "bool | ReducedHead" = True) -> int:
+    def weight_bytes(self, route: LayerMask | None = None, from_layer: int = 0, head: bool | ReducedHead = True) -> int:
         """Bytes of weights a pass along `route` reads (None: the full model): each kept sub-layer's
         products from layer `from_layer` on (a resumed pass) and the LM head (`head`: True the full
         one, a `ReducedHead`, or False: none); norms and the embedding rows of a pass are negligible.

@@ -16,8 +16,9 @@ inputs, so one graph serves every step.
 
 Batch invariance: every op computes each row on its own (the products on row-exact kernels), and
 attention in decoding passes (viasd's row-exact op, `rowexact.attention_op_address`, else ggml's
-reference flash attention) runs each query row over exactly the keys its mask leaves visible, in order. A row's result is therefore the same whether it is decoded
-alone or inside a block of drafts, which is what lets every lossless strategy equal `ar` token for token.
+reference flash attention) runs each query row over exactly the keys its mask leaves visible, in order. A row's result is
+therefore the same whether it is decoded alone or inside a block of drafts, which is what lets every lossless strategy equal
+`ar` token for token.
 """
 
 from __future__ import annotations

@@ -129,7 +129,8 @@ class _Lib:
             base = ctypes.CDLL(str(libdir / "libggml-base.so"), mode=ctypes.RTLD_GLOBAL)
             cpu = ctypes.CDLL(str(libdir / "libggml-cpu.so"), mode=ctypes.RTLD_GLOBAL)
         except OSError as e:
-            raise NativeWeightsUnavailable(f"the ggml library could not be loaded ({e}); reinstall ggml-py or use --weights float32") from None
+            raise NativeWeightsUnavailable(
+                f"the ggml library could not be loaded ({e}); reinstall ggml-py or use --weights float32") from None
 
         self._libs = (base, cpu)
         self.tensor_overhead = self.fn("ggml_tensor_overhead", ctypes.c_size_t)
@@ -407,11 +408,11 @@ class NativeTensor:
     def nbytes(self) -> int:
         return self.data.numel()
 
-    def rows_at(self, index: torch.Tensor) -> "NativeTensor":
+    def rows_at(self, index: torch.Tensor) -> NativeTensor:
         return NativeTensor(self.data.index_select(0, index), self.ggml_type, self.cols)
 
     @staticmethod
-    def cat(parts: "list[NativeTensor]") -> "NativeTensor":
+    def cat(parts: list[NativeTensor]) -> NativeTensor:
         return NativeTensor(torch.cat([p.data for p in parts]), parts[0].ggml_type, parts[0].cols)
 
     def dequantize(self) -> torch.Tensor:
@@ -501,7 +502,7 @@ Q4_K, Q6_K = 12, 14
 _rows_checks: dict[int, bool] = {}  # kind -> whether the several-row kernel gave ggml's products here
 
 
-def _rows_op(w: "NativeTensor", kind: int, data_ptr: int) -> "rowexact.GgmlRowsOp | None":
+def _rows_op(w: NativeTensor, kind: int, data_ptr: int) -> rowexact.GgmlRowsOp | None:
     """The several-row kernel for a weight in one of ggml's layouts (`rowexact.GgmlRowsOp`: every row
     what ggml's one-row kernel gives it, each extra row at a fraction of a one-row pass), or None
     where it cannot run or, checked on the first such weight of the process, does not give ggml's
@@ -517,7 +518,7 @@ def _rows_op(w: "NativeTensor", kind: int, data_ptr: int) -> "rowexact.GgmlRowsO
     return op if _rows_checks[kind] else None
 
 
-def ggml_product(w: "NativeTensor", x: torch.Tensor) -> torch.Tensor:
+def ggml_product(w: NativeTensor, x: torch.Tensor) -> torch.Tensor:
     """x [T, cols] through `w` as it is packed now (`matmul`, as the forward graph multiplies it), in a
     graph of its own (checks, tests)."""
     graph = _Graph(8)

@@ -30,7 +30,7 @@ class LayerMask:
     mlp: tuple[bool, ...]
 
     @classmethod
-    def from_layers(cls, n_layers: int, kept: "list[int] | tuple[int, ...]") -> "LayerMask":
+    def from_layers(cls, n_layers: int, kept: list[int] | tuple[int, ...]) -> LayerMask:
         keep = tuple(i in set(kept) for i in range(n_layers))
         return cls(attn=keep, mlp=keep)
 
@@ -55,7 +55,7 @@ class LayerMask:
         return next((i for i, (a, m) in enumerate(zip(self.attn, self.mlp)) if not (a and m)), self.n_layers)
 
     @classmethod
-    def lower(cls, n_layers: int, m: int) -> "LayerMask":
+    def lower(cls, n_layers: int, m: int) -> LayerMask:
         """The route of layers 0 .. m-1 only."""
         return cls.from_layers(n_layers, range(m))
 

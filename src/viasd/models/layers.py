@@ -28,7 +28,8 @@ class PackedLinear:
         self.bias = bias
         self.weight = weight
         self.packed = None
-        if pack and weight.device.type == "cpu" and weight.dtype in (torch.float32, torch.bfloat16) and hasattr(torch.ops.mkldnn, "_linear_pointwise"):
+        if (pack and weight.device.type == "cpu" and weight.dtype in (torch.float32, torch.bfloat16)
+                and hasattr(torch.ops.mkldnn, "_linear_pointwise")):
             try:
                 self.packed = torch.ops.mkldnn._reorder_linear_weight(weight, 8)
                 self.weight = None  # the packed copy replaces it

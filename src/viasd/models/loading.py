@@ -61,7 +61,8 @@ class LoadedModel:
     decoder: Decoder  # or models.t5.EncoderDecoder (same forward and cache interface, plus encode)
     tokenizer: object = field(repr=False)
     source_sha256: str | None = None  # of the GGUF for zoo / GGUF sources
-    weights: str = "float32"  # the weight format it runs: "native" (the GGUF's own blocks), one it was re-quantized to ("q4_0") or a float type
+    # the weight format it runs: "native" (the GGUF's own blocks), one it was re-quantized to ("q4_0") or a float type
+    weights: str = "float32"
     # built once per model, by the API: drafting bridges to other models' vocabularies (by the vocabulary's
     # id), the grammar tokenizer of constrained decoding (`api.constraint_for`)
     bridges: dict = field(default_factory=dict, repr=False, compare=False)
@@ -206,7 +207,7 @@ def _from_hub(repo_id: str) -> Path:
         raise ModelNotFoundError(f"could not load hub model {repo_id!r}: {hint} ({type(e).__name__})") from None
 
 
-def load_state_dict(path: Path, skip: "set[str] | frozenset[str]" = frozenset()) -> dict[str, torch.Tensor]:
+def load_state_dict(path: Path, skip: set[str] | frozenset[str] = frozenset()) -> dict[str, torch.Tensor]:
     """Every tensor of the directory's safetensors files, except those named in `skip` (not read)."""
     from safetensors import safe_open
 

@@ -33,6 +33,7 @@ from viasd.validation import atomic_write_text, read_json_bounded
 # the GGUF architecture name of each transformers model_type the runtime reads natively
 _GGUF_ARCH = {"llama": "llama", "mistral": "llama", "qwen2": "qwen2", "gemma2": "gemma2", "gemma3": "gemma3", "gemma3_text": "gemma3"}
 NATIVE_ARCHITECTURES = tuple(_GGUF_ARCH)
+NATIVE_GGUF_ARCHITECTURES = frozenset(_GGUF_ARCH.values())
 _PROJECTIONS = ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj",
                 "mlp.gate_proj", "mlp.up_proj", "mlp.down_proj")
 # types ggml multiplies on the CPU (every GGUF weight type llama.cpp writes for these models)
@@ -216,10 +217,10 @@ def _nonfinite(ggml_type: int, data: np.ndarray) -> str | None:
         return None
     block_bytes = _gguf_types()[ggml_type][1]
     if block_bytes % 2 or data.ctypes.data % 2:
-        halves = lambda at: np.ascontiguousarray(data.reshape(-1, block_bytes)[:, at : at + 2]).view(np.uint16)[:, 0]
+        halves = lambda at: np.ascontiguousarray(data.reshape(-1, block_bytes)[:, at : at + 2]).view(np.uint16)[:, 0]  # noqa: E731
     else:  # every block size with f16 fields is even: strided views, no copies
         u16 = data.reshape(-1).view(np.uint16).reshape(-1, block_bytes // 2)
-        halves = lambda at: u16[:, at // 2]
+        halves = lambda at: u16[:, at // 2]  # noqa: E731
     for at in fields:
         if (np.bitwise_and(halves(at), 0x7C00) == 0x7C00).any():  # exponent bits all set: inf or NaN
             return "block scales that are NaN or infinite"

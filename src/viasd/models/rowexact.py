@@ -98,7 +98,7 @@ class RowMaxima:
         index, value = self.index[:nth].T.tolist(), self.value[:nth].T.tolist()  # [row][thread]
         out = []
         for ii, vv in zip(index[: self.rows], value[: self.rows]):
-            best = -1
+            best, top = -1, 0.0
             for i, v in zip(ii, vv):
                 if i == -2:
                     return None
@@ -278,7 +278,7 @@ class AttentionParams(ctypes.Structure):  # struct rx_attn_params
     _fields_ = [("scale", ctypes.c_float), ("softcap", ctypes.c_float)]
 
     @classmethod
-    def of(cls, scale: float, softcap: float | None) -> "AttentionParams":
+    def of(cls, scale: float, softcap: float | None) -> AttentionParams:
         """As ggml's flash attention applies them: softcap * tanh(scale / softcap * q.k) with a softcap."""
         return cls(scale / softcap if softcap else scale, softcap or 0.0)
 
@@ -415,7 +415,8 @@ class RowExactWeight:
                 h = bits - 4
                 shift = (h * np.arange(blk // 4, dtype=np.uint8)).reshape(1, 1, 1, -1, 1)
                 high = (t >> 4).reshape(tiles, nblk, 16, blk // 4, 4) << shift
-                packed = np.concatenate([packed.reshape(tiles, nblk, -1), high.sum(axis=3, dtype=np.uint8).reshape(tiles, nblk, -1)], axis=2)
+                highs = high.sum(axis=3, dtype=np.uint8).reshape(tiles, nblk, -1)
+                packed = np.concatenate([packed.reshape(tiles, nblk, -1), highs], axis=2)
         self.q = torch.from_numpy(np.ascontiguousarray(packed).reshape(-1))
 
         def lanes(a: np.ndarray, dtype) -> torch.Tensor:  # [rows, n] -> [tile, n, 16]

@@ -98,7 +98,7 @@ class EncoderDecoder:
 
     @classmethod
     def from_pretrained(cls, path, hf_config, state: dict[str, torch.Tensor], dtype: torch.dtype = torch.float32,
-                        device: str | torch.device = "cpu", pack: bool = True) -> "EncoderDecoder":
+                        device: str | torch.device = "cpu", pack: bool = True) -> EncoderDecoder:
         from transformers import T5EncoderModel
 
         config = t5_config(hf_config)

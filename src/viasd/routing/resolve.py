@@ -60,7 +60,7 @@ def draft_route(model: LoadedModel, layers: Sequence[int] | None, route_file: st
     return resolve_route(model, "draft", layers, route_file).mask
 
 
-def route_head(model: LoadedModel, resolved: Resolved) -> "ReducedHead | None":
+def route_head(model: LoadedModel, resolved: Resolved) -> ReducedHead | None:
     """The reduced LM head of the vocabulary a resolved route stores, on `model`'s decoder (None: it
     stores none, or the decoder has no reduced heads: T5)."""
     vocab = resolved.vocab
@@ -77,7 +77,7 @@ def slim_vocab(verifier: LoadedModel) -> tuple[int, ...] | None:
     return route.vocab if route is not None else None
 
 
-def drafter_head(verifier: LoadedModel, drafter: LoadedModel) -> "ReducedHead | None":
+def drafter_head(verifier: LoadedModel, drafter: LoadedModel) -> ReducedHead | None:
     """A drafter model's reduced LM head(for drafting passes): the vocabulary of
     the verifier's shipped slim route, the calibration corpus' most frequent tokens, which a drafter
     with the same tokenizer shares (None: no shipped route with a vocabulary, or a drafter without

@@ -32,11 +32,11 @@ class ModelFingerprint:
     sha256: str | None = None  # of the source GGUF (zoo / GGUF); None for transformers directories
 
     @classmethod
-    def of(cls, model) -> "ModelFingerprint":
+    def of(cls, model) -> ModelFingerprint:
         """From a `LoadedModel`."""
         return cls(model.name, model.config.architecture, model.config.n_layers, model.source_sha256)
 
-    def mismatch(self, other: "ModelFingerprint") -> str | None:
+    def mismatch(self, other: ModelFingerprint) -> str | None:
         """Why `other` is not this model, or None."""
         if self.architecture != other.architecture or self.n_layers != other.n_layers:
             return f"{other.architecture} with {other.n_layers} layers, not {self.architecture} with {self.n_layers}"
@@ -68,7 +68,7 @@ class Route:
             raise RouteError("route skips every layer: it must keep at least one")
 
     @classmethod
-    def from_layers(cls, model: ModelFingerprint, kept, **kw) -> "Route":
+    def from_layers(cls, model: ModelFingerprint, kept, **kw) -> Route:
         mask = LayerMask.from_layers(model.n_layers, list(kept))
         return cls(model, mask.attn, mask.mlp, **kw)
 
@@ -103,7 +103,7 @@ class Route:
         return d
 
     @classmethod
-    def from_dict(cls, d: dict) -> "Route":
+    def from_dict(cls, d: dict) -> Route:
         """Every field checked for shape and type: a mask entry is true/false or 1/0, never a
         string (bool("0") is True)."""
         if not isinstance(d, dict):
@@ -111,7 +111,8 @@ class Route:
         if d.get("format") != FORMAT:
             raise RouteError(f"not a viasd route (format {d.get('format')!r}, expected {FORMAT!r})")
         m = d.get("model")
-        if not isinstance(m, dict) or not {"source", "architecture", "n_layers"} <= set(m) or set(m) - {"source", "architecture", "n_layers", "sha256"}:
+        if (not isinstance(m, dict) or not {"source", "architecture", "n_layers"} <= set(m)
+                or set(m) - {"source", "architecture", "n_layers", "sha256"}):
             raise RouteError("malformed route: 'model' must be an object with source, architecture, n_layers (and sha256)")
         if not isinstance(m["source"], str) or not isinstance(m["architecture"], str):
             raise RouteError("malformed route: model.source and model.architecture must be strings")
@@ -152,7 +153,7 @@ class Route:
         return atomic_write_text(path, text + "\n")
 
     @classmethod
-    def load(cls, path: str | Path, model: ModelFingerprint | None = None) -> "Route":
+    def load(cls, path: str | Path, model: ModelFingerprint | None = None) -> Route:
         path = Path(path)
         data = read_json(path, "route", RouteError)
         try:
@@ -168,13 +169,13 @@ ROLES = ("slim", "draft")
 
 
 @functools.cache
-def _shipped(role: str) -> tuple[tuple[Path, "Route"], ...]:
+def _shipped(role: str) -> tuple[tuple[Path, Route], ...]:
     """Every route shipped for `role`, read once per process (package data: they never change)."""
     return tuple((path, Route.from_dict(json.loads(path.read_text())))
                  for path in sorted((Path(__file__).parent / "shipped").glob(f"*.{role}.json")))
 
 
-def _shipped_match(model: ModelFingerprint, role: str) -> tuple[Path, "Route"] | None:
+def _shipped_match(model: ModelFingerprint, role: str) -> tuple[Path, Route] | None:
     if role not in ROLES:
         raise ValueError(f"unknown route role {role!r}: {', '.join(ROLES)}")
     return next(((path, route) for path, route in _shipped(role) if route.model.mismatch(model) is None), None)

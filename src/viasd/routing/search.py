@@ -356,7 +356,7 @@ def _run_study(model: LoadedModel, calib: Calibration, name: str, storage, trial
         t0 = time.perf_counter()
         bar = tqdm(total=trials, initial=done, desc=desc, disable=not progress, file=sys.stderr)
 
-        def objective(trial: "optuna.Trial") -> float:
+        def objective(trial: optuna.Trial) -> float:
             scores = {i: trial.suggest_float(f"layer_{i}", 0.0, 1.0) for i in free}
             kept = select(scores)
             key = tuple(kept)
@@ -366,7 +366,7 @@ def _run_study(model: LoadedModel, calib: Calibration, name: str, storage, trial
             trial.set_user_attr("metrics", memo[key])
             return memo[key][cost]
 
-        def report(study: "optuna.Study", trial) -> None:
+        def report(study: optuna.Study, trial) -> None:
             bar.update(1)
             bar.set_postfix(best=f"{study.best_value:.4f}")
 
