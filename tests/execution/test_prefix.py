@@ -95,7 +95,7 @@ def test_a_pass_that_wants_every_rows_logits_is_not_served_from_the_cache(tiny):
     passes.forward(tiny.decoder, ids, 0, c1, last_only=True)
     c2 = tiny.decoder.new_cache(64)
     full = passes.forward(tiny.decoder, ids, 0, c2)  # every row's logits: computed, not looked up
-    assert kept.lookups == 1 and full.shape[0] == ids.shape[0]
+    assert kept.lookups == 1 and full.logits.shape[0] == ids.shape[0]
     tiny.decoder.forward(ids, 0, tiny.decoder.new_cache(64), last_only=True)  # the decoder alone: no cache
     assert kept.lookups == 1
 
