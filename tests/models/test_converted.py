@@ -28,14 +28,14 @@ SHAPES = {"untied": dict(hidden_size=256, intermediate_size=512, num_attention_h
           "head-dim": dict(hidden_size=256, intermediate_size=384, num_attention_heads=4, num_key_value_heads=2, head_dim=32)}
 
 
-def _save_llama(path, shape: dict, seed: int = 0):
+def _save_llama(path, shape: dict, seed: int = 0, **extra):
     from transformers import AutoConfig, AutoModelForCausalLM
 
     tok = bpe_tokenizer(300, CORPUS)
     torch.manual_seed(seed)
     config = AutoConfig.for_model("llama", vocab_size=len(tok), num_hidden_layers=2, max_position_embeddings=512,
                                   rms_norm_eps=1e-5, tie_word_embeddings=False, eos_token_id=tok.eos_token_id,
-                                  bos_token_id=None, **shape)
+                                  bos_token_id=None, **shape, **extra)
     model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
     with torch.no_grad():
         for name, p in model.named_parameters():  # spread the weights so greedy paths are not degenerate
@@ -139,3 +139,15 @@ def test_rope_scaling_transformers_would_drop_is_refused_in_one_line(files, tmp_
     assert str(e.value) == f"scaled.gguf: {why}"
     got = subprocess.run([sys.executable, "-m", "viasd", "generate", "-m", str(path), "-n", "2"], capture_output=True, text=True)
     assert got.returncode == 2 and got.stderr.strip().splitlines()[-1].endswith(why), got.stderr
+
+
+def test_a_file_tensor_transformers_would_drop_is_refused_in_one_line(tmp_path):
+    """A Llama with attention biases: llama.cpp writes them, transformers' GGUF reader has no place for
+    them, and the model would decode silently wrong without them."""
+    hf = _save_llama(tmp_path / "hf", dict(hidden_size=64, intermediate_size=128, num_attention_heads=4, num_key_value_heads=2),
+                     attention_bias=True)
+    path = convert(hf, {"f32": tmp_path / "biased.gguf"})["f32"]
+    with pytest.raises(UnsupportedArchitectureError) as e:
+        load_model(str(path), progress=False)
+    assert str(e.value) == ("biased.gguf: tensors blk.0.attn_k.bias, blk.0.attn_output.bias, blk.0.attn_q.bias ... "
+                            "have no place in transformers' llama model: not supported yet")
