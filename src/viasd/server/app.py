@@ -30,7 +30,7 @@ from viasd.server.middleware import ENDPOINTS, AuthAndSize, endpoint_of, install
 from viasd.server.responses import finite  # noqa: F401 (re-exported)
 from viasd.server.routes_completions import router as completions_router
 from viasd.server.routes_info import router as info_router
-from viasd.server import routes_responses
+from viasd.server import routes_messages, routes_responses
 from viasd.server.routes_page import install_page
 
 DEFAULT_MAX_BODY = 1 << 20  # 1 MiB
@@ -87,6 +87,7 @@ def create_app(model, drafter=None, settings: ServeSettings | None = None, worke
     app.include_router(info_router)
     app.include_router(completions_router)
     app.include_router(routes_responses.router)  # OpenAI's /v1/responses
+    app.include_router(routes_messages.router)  # Anthropic's /v1/messages
     install_page(app)  # GET / (the chat page) and /static/...
     return app
 
