@@ -23,3 +23,12 @@ def live(smollm2):
 @pytest.fixture(scope="module")
 def client(live):
     return live.client()
+
+
+@pytest.fixture(scope="session")
+def coder(tmp_path_factory):
+    """A tiny random model whose byte-level BPE tokenizer has Qwen2.5-Coder's FIM and repository tokens
+    and Qwen2.5's chat template (tools in <tool_call> tags), and a drafter over the same vocabulary."""
+    from helpers import save_coder
+
+    return save_coder(tmp_path_factory.mktemp("coder"), seed=5), save_coder(tmp_path_factory.mktemp("coder-drafter"), seed=6, n_layers=2)

@@ -51,3 +51,22 @@ def gated_app(model, max_queue: int):
     (served as "tiny")."""
     worker = GatedWorker(model, max_queue=max_queue, max_batch=1)
     return worker, create_app(model, settings=ServeSettings(served_name="tiny", max_queue=max_queue), worker=worker)
+
+
+FIM_NAMES = ["<|fim_prefix|>", "<|fim_suffix|>", "<|fim_middle|>", "<|repo_name|>", "<|file_sep|>"]
+CODE = ["def add(a, b):\n    return a + b\n", "def mul(a, b):\n    return a * b\n", "print(add(1, 2))\n",
+        '{"name": "get_weather", "arguments": {"city": "Paris"}}', '{"ok": true, "n": 3}', "yes no maybe hello world"]
+
+
+def save_coder(path, seed: int, n_layers: int = 4):
+    """A tiny random model with FIM tokens (FIM_NAMES, special) and Qwen2.5's chat template, loaded."""
+    from pathlib import Path
+
+    from support import bpe_tokenizer, save_tiny
+    from viasd.models.loading import load_model
+
+    template = (Path(__file__).parent / "qwen_template.jinja").read_text()
+    tok = bpe_tokenizer(600, (CODE + [template]) * 10)
+    tok.add_special_tokens({"additional_special_tokens": FIM_NAMES})
+    tok.chat_template = template
+    return load_model(str(save_tiny(path, seed=seed, n_layers=n_layers, tokenizer=tok)), progress=False)

@@ -31,6 +31,7 @@ from viasd.server.responses import finite  # noqa: F401 (re-exported)
 from viasd.server.routes_completions import router as completions_router
 from viasd.server.routes_info import router as info_router
 from viasd.server import routes_messages, routes_responses
+from viasd.server import routes_infill, routes_ollama
 from viasd.server.routes_page import install_page
 
 DEFAULT_MAX_BODY = 1 << 20  # 1 MiB
@@ -88,6 +89,8 @@ def create_app(model, drafter=None, settings: ServeSettings | None = None, worke
     app.include_router(completions_router)
     app.include_router(routes_responses.router)  # OpenAI's /v1/responses
     app.include_router(routes_messages.router)  # Anthropic's /v1/messages
+    app.include_router(routes_ollama.router)  # Ollama's /api/...
+    app.include_router(routes_infill.router)  # llama.cpp's /infill
     install_page(app)  # GET / (the chat page) and /static/...
     return app
 

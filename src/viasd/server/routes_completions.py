@@ -7,6 +7,7 @@ import asyncio
 
 from fastapi import APIRouter, Request
 
+from viasd.server import fim
 from viasd.server.engine import Draining, Job, QueueFull
 from viasd.server.errors import APIError
 from viasd.server.parsing import config_for, parse, read_json
@@ -22,7 +23,17 @@ router = APIRouter()
 async def completions(request: Request):
     state = request.app.state
     req = parse(CompletionRequest, await read_json(request, state.settings.max_body_bytes), state.served)
+    return await run(request, "completions", req, completion_prompt(state, req), req.max_tokens, chat=False)
+
+
+def completion_prompt(state, req: CompletionRequest):
+    """What a completion request decodes: its prompt, or with a `suffix` the model's FIM layout around the gap."""
     prompt, vocab_size = req.prompt, state.model.config.vocab_size
+    if req.suffix is not None:
+        if not isinstance(prompt, str):
+            raise APIError(400, "suffix needs the prompt as text (the code before the gap), not token ids", param="prompt",
+                           code="invalid_value")
+        return fim.plain(state.model, fim.require_fim(state.model, state.served, "suffix"), prompt, req.suffix)
     if isinstance(prompt, list):
         bad = [t for t in prompt if t >= vocab_size]
         if bad:
@@ -30,7 +41,7 @@ async def completions(request: Request):
                            param="prompt", code="invalid_value")
     elif not prompt.strip():
         raise APIError(400, "the prompt is empty", param="prompt", code="invalid_value")
-    return await run(request, "completions", req, prompt, req.max_tokens, chat=False)
+    return prompt
 
 
 @router.post("/v1/chat/completions")

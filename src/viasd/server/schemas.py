@@ -179,6 +179,9 @@ class CompletionRequest(_Common):
         list[str], Field(min_length=1, max_length=1)] | Annotated[list[Annotated[list[Annotated[int, Field(ge=0)]], Field(min_length=1)]], Field(min_length=1, max_length=1)]
     max_tokens: MaxTokens = None
     logprobs: Logprobs = None  # the chosen token's and this many alternatives' (OpenAI: at most 5; here 20)
+    suffix: Annotated[str, Field(max_length=1_000_000)] | None = None  # the text after the gap (fim.py); the prompt is before it
+
+    _SUPPORTED: ClassVar = ("suffix",)
 
     def logprobs_setting(self) -> int | None:
         return self.logprobs
