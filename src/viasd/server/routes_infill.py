@@ -30,8 +30,8 @@ from viasd.settings import MAX_NEW_TOKENS, SETTINGS
 router = APIRouter()
 _TYPES = {400: "invalid_request_error", 401: "authentication_error", 403: "permission_error", 404: "not_found_error",
           503: "unavailable_error"}
-DIALECT_ERRORS["/infill"] = lambda e: {"error": {"code": e.status, "message": e.message,
-                                                 "type": _TYPES.get(e.status, "server_error" if e.status >= 500 else "invalid_request_error")}}
+DIALECT_ERRORS["/infill"] = lambda e: {"error": {"code": e.status, "message": e.message, "type": _TYPES.get(
+    e.status, "server_error" if e.status >= 500 else "invalid_request_error")}}
 
 # llama.cpp's sampling fields that are decode settings: field -> setting (settings.py)
 SAMPLING = {"temperature": "temperature", "top_k": "top_k", "top_p": "top_p", "min_p": "min_p", "seed": "seed",

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import hashlib
 import json
-from datetime import datetime, timezone
+from datetime import datetime, UTC
 from typing import Annotated, Literal
 
 from fastapi import APIRouter, Request
@@ -100,7 +100,7 @@ class GenerateBody(_Request):
 
 
 def now() -> str:
-    return datetime.now(timezone.utc).isoformat().replace("+00:00", "Z")
+    return datetime.now(UTC).isoformat().replace("+00:00", "Z")
 
 
 def checked_model(state, name: str) -> str:
@@ -310,7 +310,7 @@ async def tags(request: Request):
     state = request.app.state
     info, size = details(state)
     digest = hashlib.sha256(state.served.encode()).hexdigest()
-    modified = datetime.fromtimestamp(state.created, timezone.utc).isoformat().replace("+00:00", "Z")
+    modified = datetime.fromtimestamp(state.created, UTC).isoformat().replace("+00:00", "Z")
     return {"models": [{"name": state.served, "model": state.served, "modified_at": modified, "size": size, "digest": digest,
                         "details": info}]}
 
@@ -335,7 +335,7 @@ async def show(request: Request):
     template = getattr(model.tokenizer, "chat_template", None)
     capabilities = ["completion"] + (["tools"] if model.has_chat_template else []) + \
         (["insert"] if fim_tokens(model.tokenizer) is not None else [])
-    modified = datetime.fromtimestamp(state.created, timezone.utc).isoformat().replace("+00:00", "Z")
+    modified = datetime.fromtimestamp(state.created, UTC).isoformat().replace("+00:00", "Z")
     return {"modelfile": f"FROM {state.served}\n", "parameters": "", "template": template if isinstance(template, str) else "",
             "details": info, "capabilities": capabilities, "modified_at": modified,
             "model_info": {"general.architecture": c.architecture, f"{c.family}.context_length": c.max_positions,
