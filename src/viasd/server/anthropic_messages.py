@@ -8,7 +8,7 @@ from __future__ import annotations
 import json
 import uuid
 from contextlib import aclosing
-from typing import Annotated, Literal, Union, get_args
+from typing import Annotated, Any, Literal, get_args
 
 from pydantic import Field, ValidationError, create_model
 
@@ -45,7 +45,7 @@ class ToolResultBlock(Strict):
     cache_control: dict | None = None
 
 
-Block = Annotated[Union[TextBlock, ToolUseBlock, ToolResultBlock], Field(discriminator="type")]
+Block = Annotated[TextBlock | ToolUseBlock | ToolResultBlock, Field(discriminator="type")]
 
 
 class InputMessage(Strict):
@@ -84,11 +84,11 @@ class OutputConfig(Strict):
 
 
 # Anthropic's sampling fields, declared by settings.py (their bounds the server's)
-_Sampling = create_model("_AnthropicSampling", __base__=Strict,
+_Sampling = create_model("_AnthropicSampling", __base__=Strict,  # type: ignore[call-overload]
                          **{n: (field_of(SETTINGS[n]), None) for n in ("temperature", "top_p", "top_k")})
 
 
-class CountTokensRequest(_Sampling):
+class CountTokensRequest(_Sampling):  # type: ignore[valid-type, misc]  # (a model made from settings.py)
     model: Annotated[str, Field(min_length=1, max_length=512)]
     messages: Annotated[list[InputMessage], Field(min_length=1, max_length=10_000)]
     system: Text | list[TextBlock] | None = None
@@ -111,7 +111,7 @@ class CountTokensRequest(_Sampling):
 
 
 class MessagesRequest(CountTokensRequest):
-    max_tokens: get_args(MaxTokens)[0]  # (required, as Anthropic's)
+    max_tokens: get_args(MaxTokens)[0]  # type: ignore[valid-type]  # (required and not null, as Anthropic's)
     stop_sequences: Annotated[list[Annotated[str, Field(min_length=1, max_length=256)]], Field(max_length=16)] | None = None
     stream: bool = False
 
@@ -134,7 +134,7 @@ def _text(content) -> str:
 def chat_messages(req: CountTokensRequest) -> list[dict]:
     """The conversation as chat messages: the system prompt first, tool_use blocks as an assistant's tool calls,
     tool_result blocks as tool messages (before the user's text that comes with them)."""
-    out = [{"role": "system", "content": _text(req.system)}] if req.system else []
+    out: list[dict[str, Any]] = [{"role": "system", "content": _text(req.system)}] if req.system else []
     for i, m in enumerate(req.messages):
         blocks = [TextBlock(type="text", text=m.content)] if isinstance(m.content, str) else m.content
         if m.role != "user" and any(isinstance(b, ToolResultBlock) for b in blocks):
@@ -158,7 +158,7 @@ def chat_messages(req: CountTokensRequest) -> list[dict]:
 
 def chat_request(req: CountTokensRequest) -> ChatCompletionRequest:
     """The chat completions request that decodes what `req` asks."""
-    body: dict = {"model": req.model, "messages": chat_messages(req),
+    body: dict[str, Any] = {"model": req.model, "messages": chat_messages(req),
                   **{n: getattr(req, n) for n in ("temperature", "top_p", "top_k") if getattr(req, n) is not None}}
     if isinstance(req, MessagesRequest):
         body.update(max_completion_tokens=req.max_tokens, stream=req.stream, stop=req.stop_sequences)

@@ -8,7 +8,7 @@ import json
 import time
 import uuid
 from contextlib import aclosing
-from typing import Annotated, Literal, Union
+from typing import Annotated, Any, Literal
 
 from pydantic import Discriminator, Field, Tag, ValidationError
 
@@ -63,9 +63,9 @@ def _item_kind(v) -> str | None:
     return v.get("type", "message") if isinstance(v, dict) else getattr(v, "type", None)
 
 
-InputItem = Annotated[Union[Annotated[MessageItem, Tag("message")], Annotated[FunctionCallItem, Tag("function_call")],
-                            Annotated[FunctionCallOutputItem, Tag("function_call_output")],
-                            Annotated[ItemReference, Tag("item_reference")]], Discriminator(_item_kind)]
+InputItem = Annotated[Annotated[MessageItem, Tag("message")] | Annotated[FunctionCallItem, Tag("function_call")]
+                      | Annotated[FunctionCallOutputItem, Tag("function_call_output")] | Annotated[ItemReference, Tag("item_reference")],
+                      Discriminator(_item_kind)]
 
 
 class FunctionTool(Strict):
@@ -90,7 +90,7 @@ class JSONSchemaText(Strict):
 
 
 class TextConfig(Strict):
-    format: Annotated[Union[TextFormat, JSONObjectFormat, JSONSchemaText], Field(discriminator="type")] | None = None
+    format: Annotated[TextFormat | JSONObjectFormat | JSONSchemaText, Field(discriminator="type")] | None = None
     verbosity: Literal["low", "medium", "high"] | None = None
 
 
@@ -147,7 +147,7 @@ class ResponsesRequest(_Sampling):  # (its sampling fields: settings.py's, as ch
 
 def chat_request(req: ResponsesRequest) -> ChatCompletionRequest:
     """The chat completions request that decodes what `req` asks."""
-    messages = [{"role": "system", "content": req.instructions}] if req.instructions is not None else []
+    messages: list[dict[str, Any]] = [{"role": "system", "content": req.instructions}] if req.instructions is not None else []
     for item in [MessageItem(role="user", content=req.input)] if isinstance(req.input, str) else req.input:
         if isinstance(item, MessageItem):
             text = item.content if isinstance(item.content, str) else "".join(p.text for p in item.content)
@@ -159,7 +159,7 @@ def chat_request(req: ResponsesRequest) -> ChatCompletionRequest:
                 last.setdefault("tool_calls", []).append(call)
             else:
                 messages.append({"role": "assistant", "content": None, "tool_calls": [call]})
-        else:
+        elif isinstance(item, FunctionCallOutputItem):
             out = item.output if isinstance(item.output, str) else "".join(p.text for p in item.output)
             messages.append({"role": "tool", "tool_call_id": item.call_id, "content": out})
     body = {"model": req.model, "messages": messages, "max_completion_tokens": req.max_output_tokens, "stream": req.stream,
@@ -250,9 +250,10 @@ class ResponseEvents:
 
     def __init__(self, shape: ResponseShape, reply):
         self.shape, self.reply, self.seq = shape, reply, 0
+        self.logprobs: list[dict] = []
         self.output: list[dict] = []  # the items so far (the last one open while `self.open`)
         self.open: str | None = None  # "message" or "call": the kind of the open item
-        self.text, self.logprobs = "", []  # the open message's
+        self.text, self.logprobs = "", []  # the open message's text and logprobs
 
     def event(self, kind: str, **fields) -> bytes:
         data = {"type": kind, "sequence_number": self.seq, **fields}
