@@ -5,10 +5,12 @@ the server over them (`sd` by default, so that every strategy runs on it)."""
 from __future__ import annotations
 
 import json
+import threading
 from pathlib import Path
 
 from viasd.models.loading import load_model
 from viasd.server import ServeSettings, create_app
+from viasd.server.engine import Worker
 from live_server import LiveServer
 from support import bpe_tokenizer, save_tiny
 
@@ -44,3 +46,36 @@ def serve(model, drafter) -> LiveServer:
     settings = ServeSettings(defaults={"strategy": "sd", "k": 3, "max_new_tokens": 24}, served_name=SERVED, api_key=KEY,
                              max_body_bytes=64 * 1024)
     return LiveServer(create_app(model, drafter, settings=settings))
+
+
+class PausingWorker(Worker):
+    """Sends one piece of text (a chunk the client reads), then waits for the test before decoding."""
+
+    def __init__(self, *a, **kw):
+        super().__init__(*a, **kw)
+        self.gate = threading.Event()
+
+    def _decode(self, job):
+        job.post("text", " ", [])
+        self.gate.wait(120)
+        super()._decode(job)
+
+
+def drained_stream(model, path: str, body: dict) -> list[tuple[str, dict]]:
+    """The (event, data) pairs of a stream the drain cuts after its first text: what a client reads."""
+    import httpx
+
+    worker = PausingWorker(model)
+    with LiveServer(create_app(model, settings=ServeSettings(served_name=SERVED), worker=worker)) as live:
+        with httpx.Client(timeout=120) as c, c.stream("POST", live.url + path, json=body) as r:
+            lines = r.iter_lines()
+            seen = []
+            for line in lines:
+                seen.append(line)
+                if line.startswith("data: ") and '"delta"' in line:  # the first text: the drain's time is up
+                    worker.cancel_all()
+                    worker.gate.set()
+                    break
+            seen += list(lines)
+    blocks = "\n".join(seen).strip().split("\n\n")
+    return [(b.split("\n")[0].removeprefix("event: "), json.loads(b.split("\n")[1].removeprefix("data: "))) for b in blocks]

@@ -13,7 +13,7 @@ httpx = pytest.importorskip("httpx")
 anthropic = pytest.importorskip("anthropic")
 jsonschema = pytest.importorskip("jsonschema")
 pytest.importorskip("fastapi")
-from dialects import CHAT_TOOLS, FUNCTIONS, KEY, SCHEMA, SERVED, STRATEGIES, serve, tiny_pair  # noqa: E402
+from dialects import CHAT_TOOLS, FUNCTIONS, KEY, SCHEMA, SERVED, STRATEGIES, drained_stream, serve, tiny_pair  # noqa: E402
 
 TOOLS = [{"name": f["name"], "input_schema": f["parameters"], **({"description": f["description"]} if "description" in f else {})}
          for f in FUNCTIONS]
@@ -21,8 +21,13 @@ HI = [{"role": "user", "content": "hi"}]
 
 
 @pytest.fixture(scope="module")
-def live(tmp_path_factory):
-    with serve(*tiny_pair(tmp_path_factory)) as server:
+def pair(tmp_path_factory):
+    return tiny_pair(tmp_path_factory)
+
+
+@pytest.fixture(scope="module")
+def live(pair):
+    with serve(*pair) as server:
         yield server
 
 
@@ -200,3 +205,10 @@ def test_other_failures_take_anthropics_shape_too(live):
     check_error(httpx.post(live.url + "/v1/messages", content=b"{", headers={"x-api-key": KEY, "content-type": "application/json"}),
                 400, "invalid_request_error")
     check_error(post(live, {"model": SERVED}, path="/v1/messages/count_tokens"), 400, "invalid_request_error")
+
+
+def test_a_stream_the_drain_cuts_ends_with_an_error_event(pair):
+    events = drained_stream(pair[0], "/v1/messages", {"model": SERVED, "messages": HI, "max_tokens": 40, "stream": True})
+    assert [k for k, _ in events] == ["message_start", "content_block_start", "ping", "content_block_delta", "content_block_stop", "error"]
+    assert events[-1][1] == {"type": "error", "error": {"type": "overloaded_error", "message": events[-1][1]["error"]["message"]}}
+    assert "shutting down" in events[-1][1]["error"]["message"]

@@ -12,7 +12,7 @@ httpx = pytest.importorskip("httpx")
 openai = pytest.importorskip("openai")
 jsonschema = pytest.importorskip("jsonschema")
 pytest.importorskip("fastapi")
-from dialects import FUNCTIONS, KEY, SCHEMA, SERVED, STRATEGIES, serve, tiny_pair  # noqa: E402
+from dialects import FUNCTIONS, KEY, SCHEMA, SERVED, STRATEGIES, drained_stream, serve, tiny_pair  # noqa: E402
 from helpers import check_error  # noqa: E402
 
 TOOLS = [{"type": "function", **f} for f in FUNCTIONS]
@@ -20,8 +20,13 @@ HI = "hi"
 
 
 @pytest.fixture(scope="module")
-def live(tmp_path_factory):
-    with serve(*tiny_pair(tmp_path_factory)) as server:
+def pair(tmp_path_factory):
+    return tiny_pair(tmp_path_factory)
+
+
+@pytest.fixture(scope="module")
+def live(pair):
+    with serve(*pair) as server:
         yield server
 
 
@@ -142,3 +147,12 @@ def test_the_api_key_is_checked(live, oc):
     check_error(post(live, {"model": SERVED, "input": HI}, key="wrong"), 401, "invalid_api_key")
     with pytest.raises(openai.AuthenticationError):
         live.client("wrong").responses.create(model=SERVED, input=HI)
+
+
+def test_a_stream_the_drain_cuts_ends_with_response_failed(pair):
+    events = drained_stream(pair[0], "/v1/responses", {"model": SERVED, "input": HI, "max_output_tokens": 40, "stream": True})
+    kinds = [k for k, _ in events]
+    assert kinds[:3] == ["response.created", "response.in_progress", "response.output_item.added"]
+    assert kinds[-4:] == ["response.output_text.done", "response.content_part.done", "response.output_item.done", "response.failed"]
+    failed = events[-1][1]["response"]
+    assert failed["status"] == "failed" and failed["error"]["code"] == "shutting_down" and failed["output"][0]["content"][0]["text"] == " "
