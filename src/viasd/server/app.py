@@ -24,6 +24,7 @@ from fastapi import FastAPI
 
 from viasd.api import GenerateConfig, drafts_with_model, generate
 from viasd.server.engine import Worker
+from viasd.server.fim import fim_tokens
 from viasd.server.errors import APIError, ended_by_server, engine_error, error_body, error_response  # noqa: F401 (re-exported)
 from viasd.server.metrics import Metrics
 from viasd.server.middleware import ENDPOINTS, AuthAndSize, endpoint_of, install  # noqa: F401 (re-exported)
@@ -68,7 +69,8 @@ def create_app(model, drafter=None, settings: ServeSettings | None = None, worke
     """The app for one loaded model (and optional drafter). `worker` may be given (tests wrap it).
 
     app.state: worker, metrics, model, settings, defaults (the request defaults, `chat` left out),
-    served (the model id clients use) and created (when the app was made, for /v1/models)."""
+    served (the model id clients use), created (when the app was made, for /v1/models) and fim (the
+    model's fill-in-the-middle tokens, or None)."""
     settings = settings or ServeSettings()
     metrics = Metrics()
     worker = worker or Worker(model, drafter, settings.max_queue, max_batch=settings.max_batch, kv_budget=settings.kv_budget,
@@ -84,6 +86,7 @@ def create_app(model, drafter=None, settings: ServeSettings | None = None, worke
     state = app.state
     state.worker, state.metrics, state.model, state.settings, state.defaults = worker, metrics, model, settings, defaults
     state.served, state.created = settings.served_name or model.name, int(time.time())
+    state.fim = fim_tokens(model.tokenizer)  # the model's fill-in-the-middle tokens, or None
     install(app, settings)  # the token and size checks, the exception handlers
     app.include_router(info_router)
     app.include_router(completions_router)

@@ -36,22 +36,19 @@ class FimTokens:
 
 
 def fim_tokens(tokenizer) -> FimTokens | None:
-    """The FIM tokens of `tokenizer`'s vocabulary (None: it has none), found once per tokenizer."""
-    found = getattr(tokenizer, "_viasd_fim", False)
-    if found is False:
-        vocab = tokenizer.get_vocab()
-        found = None
-        for names in SPELLINGS:
-            if all(n in vocab for n in names[:3]):
-                found = FimTokens(*(vocab.get(n) for n in names), names=names)
-                break
-        tokenizer._viasd_fim = found
-    return found
+    """The FIM tokens of `tokenizer`'s vocabulary (None: it has none); the app finds them once
+    (`app.state.fim`)."""
+    vocab = tokenizer.get_vocab()
+    for names in SPELLINGS:
+        if all(n in vocab for n in names[:3]):
+            return FimTokens(*(vocab.get(n) for n in names), names=names)
+    return None
 
 
-def require_fim(model, served: str, param: str) -> FimTokens:
-    """The model's FIM tokens, or the 400 saying it has none (raised as an APIError for each dialect to shape)."""
-    fim = fim_tokens(model.tokenizer)
+def require_fim(state, param: str) -> FimTokens:
+    """The served model's FIM tokens (`app.state.fim`), or the 400 saying it has none (raised as an
+    APIError for each dialect to shape)."""
+    fim, served = state.fim, state.served
     if fim is None:
         raise APIError(400, f"{served} has no fill-in-the-middle tokens ({', '.join(SPELLINGS[0][:3])} or "
                             f"{', '.join(SPELLINGS[1][:3])}): it cannot complete between a prefix and a suffix; use a "

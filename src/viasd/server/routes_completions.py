@@ -33,7 +33,7 @@ def completion_prompt(state, req: CompletionRequest):
         if not isinstance(prompt, str):
             raise APIError(400, "suffix needs the prompt as text (the code before the gap), not token ids", param="prompt",
                            code="invalid_value")
-        return fim.plain(state.model, fim.require_fim(state.model, state.served, "suffix"), prompt, req.suffix)
+        return fim.plain(state.model, fim.require_fim(state, "suffix"), prompt, req.suffix)
     if isinstance(prompt, list):
         bad = [t for t in prompt if t >= vocab_size]
         if bad:

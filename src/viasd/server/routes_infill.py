@@ -124,7 +124,7 @@ def sse(data: dict) -> bytes:
 async def infill(request: Request):
     state = request.app.state
     req = await dialect.body_of(request, InfillRequest)
-    tokens = fim.require_fim(state.model, state.served, "input_prefix")
+    tokens = fim.require_fim(state, "input_prefix")
     fields = {"model": state.served, "prompt": req.input_prefix, "stream": req.stream,
               **{s: getattr(req, f) for f, s in SAMPLING.items() if getattr(req, f) is not None}}
     if req.n_predict is not None and req.n_predict > 0:

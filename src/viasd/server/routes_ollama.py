@@ -323,8 +323,6 @@ class ShowBody(Lenient):
 
 @router.post("/api/show")
 async def show(request: Request):
-    from viasd.server.fim import fim_tokens
-
     state = request.app.state
     body = await dialect.body_of(request, ShowBody)
     if body.model is None and body.name is None:
@@ -334,7 +332,7 @@ async def show(request: Request):
     info, _ = details(state)
     template = getattr(model.tokenizer, "chat_template", None)
     capabilities = ["completion"] + (["tools"] if model.has_chat_template else []) + \
-        (["insert"] if fim_tokens(model.tokenizer) is not None else [])
+        (["insert"] if state.fim is not None else [])
     modified = datetime.fromtimestamp(state.created, UTC).isoformat().replace("+00:00", "Z")
     return {"modelfile": f"FROM {state.served}\n", "parameters": "", "template": template if isinstance(template, str) else "",
             "details": info, "capabilities": capabilities, "modified_at": modified,
