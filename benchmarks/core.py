@@ -123,7 +123,8 @@ def part_c(rec: Records, n_prompts: int, max_new: int, k: int) -> list[str]:
             rows[name].append(s)
             rec.write(bench="core", part="c", method=name, config={"verifier": "qwen2.5-coder-1.5b", "drafter": "qwen2.5-coder-0.5b",
                       "k": k, "max_new_tokens": max_new, "prompt_id": p["task_id"]}, stats=s)
-        print(f"  {p['task_id']}: ar {rows['viasd-ar'][-1]['tokens_per_s']:.2f} tok/s, sd {rows['viasd-sd'][-1]['tokens_per_s']:.2f} tok/s, "
+        print(f"  {p['task_id']}: ar {rows['viasd-ar'][-1]['tokens_per_s']:.2f} tok/s, "
+              f"sd {rows['viasd-sd'][-1]['tokens_per_s']:.2f} tok/s, "
               f"mean accepted length {rows['viasd-sd'][-1]['mean_accepted_length']:.2f}", flush=True)
     # transformers on the same pair (loaded after ours are freed of work; same prompts)
     verifier.decoder = drafter.decoder = None  # free ~8 GB before transformers loads its copies

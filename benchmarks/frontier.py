@@ -93,7 +93,8 @@ def main() -> int:
                                 decode_tokens_per_s=s["decode_tokens_per_s"], tokens_per_s=s["tokens_per_s"],
                                 agreement=greedy_agreement(model, ids, r.token_ids) / max(len(r.token_ids), 1),
                                 same_as_ar=round(same, 4), settled_without_full=s["settled_without_full"],
-                                recheck_disagreement=s["recheck_disagreement"], full_pass_equivalents_per_token=s["full_pass_equivalents_per_token"],
+                                recheck_disagreement=s["recheck_disagreement"],
+                                full_pass_equivalents_per_token=s["full_pass_equivalents_per_token"],
                                 quality=score(prompt.task, r.text, prompt.reference, prompt.problem, prompt.metric))
             rows[name].append(row)
         print(f"{prompt.task}/{prompt.id} done", flush=True)
@@ -106,7 +107,8 @@ def main() -> int:
         same = statistics.mean(r["same_as_ar"] for r in rs)
         summary.append((name, decode, wall, agreement, same))
         print(f"{name:38s} decode {decode:.2f}x wall {wall:.2f}x  agreement {agreement:.3f}  same as ar {same:.3f}")
-    plot(summary, out.with_suffix(".png"), f"{args.model}" + (f" <- {args.drafter}" if args.drafter else " (pld drafts)") + f", run {run_id}")
+    title = f"{args.model}" + (f" <- {args.drafter}" if args.drafter else " (pld drafts)") + f", run {run_id}"
+    plot(summary, out.with_suffix(".png"), title)
     print(f"run {run_id}: {out}")
     return 0
 

@@ -105,11 +105,19 @@ static uint64_t walk_tiles(const rx_weight *w, int64_t t0, int64_t t1, int varia
             }
             if (variant >= 2) {
                 const int64_t i = (tile * nblk + b) * 16;
-                if (w->scale_mode == 1) acc = _mm512_xor_si512(acc, _mm512_castsi256_si512(_mm256_loadu_si256((const __m256i *)((const uint16_t *)w->scale + i))));
-                if (w->scale_mode == 2) acc = _mm512_xor_si512(acc, _mm512_castsi128_si512(_mm_loadu_si128((const __m128i *)((const int8_t *)w->scale + i))));
-                if (w->min_mode == 2) acc = _mm512_xor_si512(acc, _mm512_castsi128_si512(_mm_loadu_si128((const __m128i *)((const int8_t *)w->min + i))));
-                if (w->scale_mode == 2 && !(b % w->sup_blocks)) acc = _mm512_xor_si512(acc, _mm512_castsi256_si512(_mm256_loadu_si256((const __m256i *)(w->scale_sup + (tile * (nblk / w->sup_blocks) + b / w->sup_blocks) * 16))));
-                if (w->min_mode == 2 && !(b % w->sup_blocks)) acc = _mm512_xor_si512(acc, _mm512_castsi256_si512(_mm256_loadu_si256((const __m256i *)(w->min_sup + (tile * (nblk / w->sup_blocks) + b / w->sup_blocks) * 16))));
+                if (w->scale_mode == 1)
+                    acc = _mm512_xor_si512(acc, _mm512_castsi256_si512(
+                        _mm256_loadu_si256((const __m256i *)((const uint16_t *)w->scale + i))));
+                if (w->scale_mode == 2)
+                    acc = _mm512_xor_si512(acc, _mm512_castsi128_si512(_mm_loadu_si128((const __m128i *)((const int8_t *)w->scale + i))));
+                if (w->min_mode == 2)
+                    acc = _mm512_xor_si512(acc, _mm512_castsi128_si512(_mm_loadu_si128((const __m128i *)((const int8_t *)w->min + i))));
+                if (w->scale_mode == 2 && !(b % w->sup_blocks))
+                    acc = _mm512_xor_si512(acc, _mm512_castsi256_si512(_mm256_loadu_si256(
+                        (const __m256i *)(w->scale_sup + (tile * (nblk / w->sup_blocks) + b / w->sup_blocks) * 16))));
+                if (w->min_mode == 2 && !(b % w->sup_blocks))
+                    acc = _mm512_xor_si512(acc, _mm512_castsi256_si512(_mm256_loadu_si256(
+                        (const __m256i *)(w->min_sup + (tile * (nblk / w->sup_blocks) + b / w->sup_blocks) * 16))));
             }
         }
     return (uint64_t)_mm512_reduce_add_epi64(acc);
@@ -132,7 +140,8 @@ static inline void tile2_vnni(const rx_weight *w, int64_t tile, const int BLK, c
             __m512i wv[8];
             block_weights(p, BLK, BITS, wv);
             if (!(b & (sh.sup_blocks - 1)))
-                sup_sc[u] = sup_vector(w, 0, sh.scale_mode, nsup, sh.sup_shift, tl, b), sup_mn[u] = sup_vector(w, 1, sh.min_mode, nsup, sh.sup_shift, tl, b);
+                sup_sc[u] = sup_vector(w, 0, sh.scale_mode, nsup, sh.sup_shift, tl, b),
+                sup_mn[u] = sup_vector(w, 1, sh.min_mode, nsup, sh.sup_shift, tl, b);
             const __m512 sc = block_vector(w, 0, sh.scale_mode, nblk, tl, b, sup_sc[u]);
             const __m512 mn = mult ? _mm512_setzero_ps() : block_vector(w, 1, sh.min_mode, nblk, tl, b, sup_mn[u]);
             const int32_t *xa = (const int32_t *)(xq + b * BLK);
@@ -240,7 +249,8 @@ def main(argv=None) -> int:
     p.add_argument("--rows", type=int, default=4864, help="each weight's rows (a multiple of 16; default %(default)s)")
     p.add_argument("--mb", type=float, default=640, help="megabytes of weights per type (default %(default)s)")
     p.add_argument("--reps", type=int, default=6, help="walks per variant, interleaved; the first dropped (default %(default)s)")
-    p.add_argument("--models", default=MODELS, help="zoo models whose products to time against their passes ('' for none; default %(default)s)")
+    p.add_argument("--models", default=MODELS,
+                   help="zoo models whose products to time against their passes ('' for none; default %(default)s)")
     p.add_argument("--threads", type=int, default=os.cpu_count() or 1)
     p.add_argument("--out", type=Path, required=True)
     args = p.parse_args(argv)

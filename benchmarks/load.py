@@ -324,7 +324,8 @@ def parse_args(argv=None) -> argparse.Namespace:
                    help="comma-separated: process (one process), ray2 (two Ray Serve replicas), llama-server (plain), "
                         "llama-server-md (with --drafter's GGUF as its draft model) (default: %(default)s)")
     p.add_argument("--duration", type=float, default=60.0, help="seconds each cell issues requests (default: %(default)s)")
-    p.add_argument("--grace", type=float, default=60.0, help="seconds running requests may take to finish after that (default: %(default)s)")
+    p.add_argument("--grace", type=float, default=60.0,
+                   help="seconds running requests may take to finish after that (default: %(default)s)")
     p.add_argument("--max-tokens", type=int, default=64, help="max_tokens of each request (default: %(default)s)")
     p.add_argument("--url", help="use this already running server (loopback) instead of starting one; --deployments names it")
     p.add_argument("--startup-timeout", type=float, default=600.0, help="seconds to wait for a started server (default: %(default)s)")

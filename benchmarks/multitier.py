@@ -98,7 +98,8 @@ def check_targets(summary: dict, setting: str) -> list[dict]:
         check["decode_vs"] = {b: round(v["decode_speedup"] / bv["decode_speedup"], 3) for b, bv in baselines.items()
                               if v.get("decode_speedup") and bv.get("decode_speedup")}
         check["met"] = {"rejection (drafter tokens)": bool(sd) and check["rejection_drop"] >= 0.15,
-                        "rejection (full model)": bool(sd) and check["full_rejection_drop"] is not None and check["full_rejection_drop"] >= 0.15,
+                        "rejection (full model)":
+                            bool(sd) and check["full_rejection_drop"] is not None and check["full_rejection_drop"] >= 0.15,
                         "cost >= 1.25x lower": check["cost_ratio"] >= 1.25,
                         "tok/s >= 1.25x": check["speed_ratio"] >= 1.25}
         if "tiered" in method:
@@ -147,7 +148,8 @@ def main() -> int:
               f"layer-passes/tok {check['layer_passes_per_token']:.3f} vs {check['best_cost_baseline']} {check['best_cost']:.3f} "
               f"({check['cost_ratio']:.2f}x); speed-up {check['speedup']:.2f}x vs {check['best_speed_baseline']} "
               f"{check['best_speedup']:.2f}x ({check['speed_ratio']:.2f}x); "
-              + (f"quality delta (points) mean {check['quality_mean_delta_points']}, per metric {check['quality_delta_points']}; " if "quality_delta_points" in check else "") + met)
+              + (f"quality delta (points) mean {check['quality_mean_delta_points']}, per metric {check['quality_delta_points']}; "
+                 if "quality_delta_points" in check else "") + met)
     return 0
 
 

@@ -30,7 +30,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import resource
 import statistics
 import subprocess
 import sys
@@ -79,7 +78,6 @@ def float_weight(linear) -> torch.Tensor:
 
 def _ort_session(weights: list[torch.Tensor]):
     """One onnxruntime session per product: MatMulNBits with random 4-bit blocks of the right shape."""
-    import onnx
     import onnxruntime as ort
     from onnx import TensorProto, helper, numpy_helper
 

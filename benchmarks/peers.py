@@ -129,7 +129,8 @@ def table(path: Path, run: str | None = None) -> str:
         by_prompt.setdefault((r["task"], r["prompt_id"]), {})[r["method"]] = r
     methods = list(dict.fromkeys(r["method"] for r in records))
     med = statistics.median
-    lines = ["| method | decode tok/s | decode x llama.cpp | wall x llama.cpp | decode x `ar` | TTFT ms | same tokens as `ar` | as llama.cpp |",
+    lines = ["| method | decode tok/s | decode x llama.cpp | wall x llama.cpp | decode x `ar` | TTFT ms | same tokens as `ar` "
+             "| as llama.cpp |",
              "|---|---|---|---|---|---|---|---|"]
     for m in methods:
         rows = [(p, p[m]) for p in by_prompt.values() if m in p]
@@ -219,7 +220,8 @@ def main() -> int:
                 results[name] = {"token_ids": r.token_ids, "wall_s": s["wall_s"], "first_token_s": s["first_token_s"], "stats": s}
             for name, r in results.items():
                 rec = {"run_id": run_id, "task": p.task, "prompt_id": p.id, "method": name, "prompt_tokens": len(ids),
-                       "new_tokens": len(r["token_ids"]), "wall_s": round(r["wall_s"], 4), "first_token_s": round(r["first_token_s"] or 0, 4),
+                       "new_tokens": len(r["token_ids"]), "wall_s": round(r["wall_s"], 4),
+                       "first_token_s": round(r["first_token_s"] or 0, 4),
                        "decode_tokens_per_s": round(decode_rate(r), 3), "token_ids": r["token_ids"],
                        "equals_llama_cpp": r["token_ids"] == results["llama.cpp"]["token_ids"],
                        "config": {"model": args.model, "drafter": args.drafter, "max_new_tokens": args.max_new_tokens,
@@ -236,7 +238,8 @@ def main() -> int:
                     ratios[name]["wall"].append((len(r["token_ids"]) / r["wall_s"]) / (len(base["token_ids"]) / base["wall_s"]))
                 same.setdefault(name, []).append(r["token_ids"] == base["token_ids"])
             print(f"{p.task}/{p.id}: " + ", ".join(f"{n} {decode_rate(r):.1f}" for n, r in results.items()) + " decode tok/s", flush=True)
-    print(f"\nrun {run_id}: {len(same.get('llama.cpp', []))} prompts, {args.model}, weights {model.weights}, CPU {env['cpu']} {env['cpu_flags']}")
+    print(f"\nrun {run_id}: {len(same.get('llama.cpp', []))} prompts, {args.model}, weights {model.weights}, "
+          f"CPU {env['cpu']} {env['cpu_flags']}")
     print(f"llama.cpp {peer.info['version']}: {peer.info['system_info']}")
     print(f"{'method':28s} {'decode x llama.cpp':>19s} {'wall x llama.cpp':>17s} {'same tokens':>12s}")
     for name in ratios:

@@ -111,7 +111,8 @@ def main() -> int:
         print(rows[-1], flush=True)
     for name, rec in rows:
         records.write(run_id=run_id, route=name, config=config, **rec)
-    print(f"\n| route | slim bytes | resumed full bytes | KL | top-1 | top-1 where the drafter is wrong ({int(wrong.sum())} of {truth.numel()}) |")
+    print(f"\n| route | slim bytes | resumed full bytes | KL | top-1 "
+          f"| top-1 where the drafter is wrong ({int(wrong.sum())} of {truth.numel()}) |")
     print("|---|---|---|---|---|---|")
     for name, r in rows:
         print(f"| {name} (prefix {r['prefix']}, {len(r['kept_layers'])} layers, head {r['vocab_size'] or 'full'}) | "

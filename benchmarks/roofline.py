@@ -156,23 +156,26 @@ def main(argv=None) -> int:
                 f.write(json.dumps(rec) + "\n")
                 print(f"{name:<20} {label:<14} {nbytes / 1e6:>7.0f} {seconds * 1e3:>8.2f} {gbs:>7.1f} {limit:>10.1f} "
                       f"{gbs / limit:>6.0%} {seconds / cases[0][2]:>7.2f}")
-        print(f"{'':<20} bandwidth before / after: one core {before[0]:.1f} / {after[0]:.1f}, all cores {before[1]:.1f} / {after[1]:.1f} GB/s")
+        print(f"{'':<20} bandwidth before / after: one core {before[0]:.1f} / {after[0]:.1f}, "
+              f"all cores {before[1]:.1f} / {after[1]:.1f} GB/s")
 
     for name in args.models.split(","):
         model = load_model(name, progress=False)
         dec = model.decoder
 
-        def passes():
+        def passes(dec=dec):
             verify = pass_times(dec, ROWS, reps=args.reps, keep=False)  # [ROWS] seconds, every row's logits
             draft = pass_times(dec, 1, reps=args.reps, last_only=True, keep=False)[0]
             return [("verify x1", 1, verify[0]), ("draft x1", 1, draft)] + [(f"verify x{r}", r, verify[r - 1]) for r in (2, 4, 8)]
         measure(name, getattr(model, "weights", "native"), dec.weight_bytes(None, 0, True), passes)
-        del model, dec
+        del model, dec, passes
     for name, of in pairs:  # a drafter model's drafting pass as sd runs it: its format, the head it drafts with
         verifier, drafter = load_model(of, progress=False), load_drafter(name, progress=False)
-        head = compute.run(lambda: drafter_head(verifier, drafter))  # (built on the compute thread, as generate does)
+        # (built on the compute thread, as generate does)
+        head = compute.run(lambda verifier=verifier, drafter=drafter: drafter_head(verifier, drafter))
         measure(name, drafter.weights, drafter.decoder.weight_bytes(None, 0, head if head is not None else True),
-                lambda: [("drafter x1", 1, pass_times(drafter.decoder, 1, reps=args.reps, last_only=True, keep=False, head=head)[0])],
+                lambda dec=drafter.decoder, head=head:
+                    [("drafter x1", 1, pass_times(dec, 1, reps=args.reps, last_only=True, keep=False, head=head)[0])],
                 {"drafter_of": of, "head_vocab": len(head) if head is not None else None})
         del verifier, drafter, head
     return 0

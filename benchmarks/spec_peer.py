@@ -117,7 +117,8 @@ def same_tokens(r: dict, base: dict) -> bool:
     returns text). At the -n cut llama-server with a draft model returns up to a round's tokens fewer
     than it decoded and counts: there the shorter is compared with the longer one's start, where both
     decoded as many tokens."""
-    a, b = (r["token_ids"], base["token_ids"]) if r["token_ids"] is not None and base["token_ids"] is not None else (r["text"], base["text"])
+    ids = r["token_ids"] is not None and base["token_ids"] is not None
+    a, b = (r["token_ids"], base["token_ids"]) if ids else (r["text"], base["text"])
     n = min(len(a), len(b))
     return a[:n] == b[:n] and (len(a) == len(b) or decoded(r) == decoded(base))
 
@@ -217,7 +218,8 @@ def record(run_id: str, p, side: tuple[str, str, dict | None], order: list[str],
             "prompt_tokens": len(ids), "new_tokens": decoded({**r, "new_tokens": len(r["token_ids"] or [])}), "text": r["text"],
             "wall_s": round(r["wall_s"], 4), "first_token_s": round(r["first_token_s"] or 0, 4),
             "decode_tokens_per_s": round(r["decode_tokens_per_s"], 3), "drafted": r["drafted"], "accepted": r["accepted"],
-            "token_ids": r["token_ids"], "returned_tokens": None if r["token_ids"] is None else len(r["token_ids"]), "config": {**config, "settings": settings, "draft_max": draft_max},
+            "token_ids": r["token_ids"], "returned_tokens": None if r["token_ids"] is None else len(r["token_ids"]),
+            "config": {**config, "settings": settings, "draft_max": draft_max},
             "stats": r.get("stats"), "timings": r.get("timings"), "env": env}
 
 
@@ -253,7 +255,9 @@ def main(argv=None) -> int:
             name, way, settings = side
             if way == "generate":
                 return viasd_complete(ids, model, drafter_of(settings, {args.drafter: drafter})[0], settings, n)
-            return served_complete(servers[SERVE], args.model, ids, settings, n) if way == "serve" else llama_complete(servers[name], ids, n)
+            if way == "serve":
+                return served_complete(servers[SERVE], args.model, ids, settings, n)
+            return llama_complete(servers[name], ids, n)
 
         warm = model.encode("Hello")  # (not recorded: first calls build graphs, caches and pass costs)
         for side in sides:

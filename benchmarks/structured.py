@@ -234,7 +234,7 @@ def read_records(out: Path) -> list[dict]:
             records.append(json.loads(line))
         except ValueError:
             if i != len(lines) - 1:
-                raise SystemExit(f"[structured] {out}: line {i + 1} is not JSON; not resuming over it")
+                raise SystemExit(f"[structured] {out}: line {i + 1} is not JSON; not resuming over it") from None
             out.write_text("".join(lines[:i]))
             log(f"[structured] cut a torn last line off {out}")
     return records
@@ -388,7 +388,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--viasd-url", help="a running `viasd serve` on loopback to use instead of starting one")
     p.add_argument("--llama-url", help="a running llama-server (--jinja) on loopback to use instead of starting one")
     p.add_argument("--llama-server", help="a llama-server binary (default: build one into --llama-server-build)")
-    p.add_argument("--llama-server-build", default=str(HERE / "out" / "llama.cpp"), help="where load.py's build lives (default: %(default)s)")
+    p.add_argument("--llama-server-build", default=str(HERE / "out" / "llama.cpp"),
+                   help="where load.py's build lives (default: %(default)s)")
     p.add_argument("--threads", type=int, default=os.cpu_count() or 2, help="llama-server's threads (default: the cores)")
     p.add_argument("--ctx", type=int, default=4096, help="llama-server's context (default: %(default)s)")
     p.add_argument("--server-args", default="--prefix-cache-mb 0",

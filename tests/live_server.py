@@ -29,7 +29,7 @@ class LiveServer:
         self.server = uvicorn.Server(uvicorn.Config(app, log_level="warning", lifespan="off", timeout_graceful_shutdown=2))
         self.thread = threading.Thread(target=self.server.run, kwargs={"sockets": [self.sock]}, daemon=True)
 
-    def __enter__(self) -> "LiveServer":
+    def __enter__(self) -> LiveServer:
         self.thread.start()
         deadline = time.monotonic() + 60
         while not self.server.started:
@@ -43,7 +43,7 @@ class LiveServer:
         self.thread.join(30)
         self.sock.close()
 
-    def client(self, api_key: str = "unused") -> "openai.OpenAI":
+    def client(self, api_key: str = "unused") -> openai.OpenAI:
         return openai.OpenAI(base_url=self.url + "/v1", api_key=api_key, max_retries=0, timeout=300)
 
     def metrics(self, headers: dict | None = None) -> dict[tuple, float]:

@@ -116,7 +116,8 @@ CLI_CASES = [
     ("full-block-huge", ["generate", "hi", "--full-block", "5000"], 2, "full_block must be <= 1024"),
     ("draft-layers-negative", ["generate", "hi", "--draft-layers", "-1"], 2, "draft_layers entry must be >= 0"),
     ("k-too-big", ["generate", "hi", "--k", "65"], 2, "k must be <= 64, got "),
-    ("search-random-trials-negative", ["search", "--budget", "0.5", "--random-trials", "-1", "-o", "r.json"], 2, "--random-trials must be >= 0"),
+    ("search-random-trials-negative", ["search", "--budget", "0.5", "--random-trials", "-1", "-o", "r.json"], 2,
+      "--random-trials must be >= 0"),
     ("search-budget-nan", ["search", "--budget", "nan", "-o", "r.json"], 2, "--budget must be a number, got NaN"),
     ("search-budget-zero", ["search", "--budget", "0", "-o", "r.json"], 2, "--budget must be > 0.0"),
     ("cascade-pld", ["generate", "x", "-s", "cascade", "--draft", "pld"], 2, "reads the drafter's probabilities"),
@@ -158,7 +159,8 @@ CLI_CASES = [
     ("search-out-proc", ["search", "--budget", "0.5", "-o", "/proc/viasd/r.json"], 2, "cannot create directory /proc/viasd"),
     ("search-out-under-file", ["search", "--budget", "0.5", "-o", "afile/r.json"], 2, "afile is a file, not a directory"),
     ("search-out-directory", ["search", "--budget", "0.5", "-o", "adir"], 2, "route file adir is a directory, not a file"),
-    ("search-storage-proc", ["search", "--budget", "0.5", "-o", "r.json", "--storage", "sqlite:////proc/x.sqlite"], 2, "Optuna database /proc/x.sqlite: cannot write in /proc"),
+    ("search-storage-proc", ["search", "--budget", "0.5", "-o", "r.json", "--storage", "sqlite:////proc/x.sqlite"], 2,
+      "Optuna database /proc/x.sqlite: cannot write in /proc"),
     ("calibrate-out-proc", ["calibrate", "-o", "/proc/t.json"], 2, "thresholds file /proc/t.json: cannot write in /proc"),
     ("calibrate-out-under-file", ["calibrate", "-o", "afile/t.json"], 2, "afile is a file, not a directory"),
     ("calibrate-out-directory", ["calibrate", "-o", "adir"], 2, "thresholds file adir is a directory, not a file"),
@@ -220,8 +222,8 @@ def test_model_route_shapes_after_loading(work, tiny_dir, monkeypatch, capsys):
     """A well-formed route for another model still fails cleanly (after the model loads)."""
     other = {**ROUTE, "model": {**ROUTE["model"], "n_layers": 30}, "attn": [1] * 30, "mlp": [1] * 30}
     (work / "other.json").write_text(json.dumps(other))
-    code, out, err = run_cli(["generate", "w1 w2", "--model", str(tiny_dir), "--no-chat", "-s", "viasd", "--slim-route", "other.json", "-q"],
-                             monkeypatch=monkeypatch, capsys=capsys)
+    code, out, err = run_cli(["generate", "w1 w2", "--model", str(tiny_dir), "--no-chat", "-s", "viasd", "--slim-route", "other.json",
+                              "-q"], monkeypatch=monkeypatch, capsys=capsys)
     assert code == 2 and "cannot be used with" in err and "Traceback" not in err
 
 
@@ -243,30 +245,40 @@ API_CASES = [
     ("ids-float", lambda m: generate([1.0, 2.5], m), errors.InvalidPromptError, "token id 0 is not an integer: 1.0"),
     ("ids-bool", lambda m: generate([True, 2], m), errors.InvalidPromptError, "token id 0 is not an integer: True"),
     ("ids-str", lambda m: generate(["1", "2"], m), errors.InvalidPromptError, "token id 0 is not an integer: '1'"),
-    ("ids-negative", lambda m: generate([3, -1], m), errors.InvalidPromptError, "token id 1 (-1) is outside the vocabulary: ids must be >= 0"),
+    ("ids-negative", lambda m: generate([3, -1], m), errors.InvalidPromptError,
+      "token id 1 (-1) is outside the vocabulary: ids must be >= 0"),
     ("ids-past-vocab", lambda m: generate([1, 2, 64], m), errors.InvalidPromptError, "token id 2 (64) is outside the vocabulary"),
     ("ids-huge", lambda m: generate([2**70], m), errors.InvalidPromptError, "outside the vocabulary"),
     ("ids-empty", lambda m: generate([], m), errors.InvalidPromptError, "the prompt is empty"),
     ("text-surrogate", lambda m: generate("w1 \ud800", m), errors.InvalidPromptError, "the prompt is not valid UTF-8 text"),
-    ("message-surrogate", lambda m: generate([{"role": "user", "content": "\udcff"}], m), errors.InvalidPromptError, "message 0 content is not valid UTF-8"),
+    ("message-surrogate", lambda m: generate([{"role": "user", "content": "\udcff"}], m), errors.InvalidPromptError,
+      "message 0 content is not valid UTF-8"),
     ("message-not-dict", lambda m: generate([{"role": "user", "content": "w1"}, "w2"], m), errors.UsageError, "message 1: expected"),
-    ("max-new-tokens-str", lambda m: generate("w1", m, max_new_tokens="4"), errors.InvalidArgumentError, "max_new_tokens must be an integer, got '4'"),
-    ("max-new-tokens-float", lambda m: generate("w1", m, max_new_tokens=4.0), errors.InvalidArgumentError, "max_new_tokens must be an integer, got 4.0"),
+    ("max-new-tokens-str", lambda m: generate("w1", m, max_new_tokens="4"), errors.InvalidArgumentError,
+      "max_new_tokens must be an integer, got '4'"),
+    ("max-new-tokens-float", lambda m: generate("w1", m, max_new_tokens=4.0), errors.InvalidArgumentError,
+      "max_new_tokens must be an integer, got 4.0"),
     ("k-bool", lambda m: generate("w1", m, k=True), errors.InvalidArgumentError, "k must be an integer, got True"),
     ("k-none", lambda m: generate("w1", m, k=None), errors.InvalidArgumentError, "k must be an integer, got None"),
-    ("temperature-str", lambda m: generate("w1", m, temperature="0.7"), errors.InvalidArgumentError, "temperature must be a number, got '0.7'"),
-    ("temperature-nan", lambda m: generate("w1", m, temperature=math.nan), errors.InvalidArgumentError, "temperature must be a number, got NaN"),
+    ("temperature-str", lambda m: generate("w1", m, temperature="0.7"), errors.InvalidArgumentError,
+      "temperature must be a number, got '0.7'"),
+    ("temperature-nan", lambda m: generate("w1", m, temperature=math.nan), errors.InvalidArgumentError,
+      "temperature must be a number, got NaN"),
     ("temperature-inf", lambda m: generate("w1", m, temperature=math.inf), errors.InvalidArgumentError, "temperature must be finite"),
     ("top-p-inf", lambda m: generate("w1", m, top_p=math.inf), errors.InvalidArgumentError, "top_p must be finite"),
     ("seed-65-bits", lambda m: generate("w1", m, seed=2**64), errors.InvalidArgumentError, "seed must be <="),
     ("seed-negative", lambda m: generate("w1", m, seed=-5), errors.InvalidArgumentError, "seed must be >= 0"),
     ("seed-float", lambda m: generate("w1", m, seed=1.5), errors.InvalidArgumentError, "seed must be an integer"),
-    ("alpha-nan", lambda m: generate("w1", m, strategy="cascade", alpha=math.nan), errors.InvalidArgumentError, "alpha must be a number, got NaN"),
-    ("slim-entropy-nan", lambda m: generate("w1", m, slim_entropy=math.nan), errors.InvalidArgumentError, "slim_entropy must be a number, got NaN"),
+    ("alpha-nan", lambda m: generate("w1", m, strategy="cascade", alpha=math.nan), errors.InvalidArgumentError,
+      "alpha must be a number, got NaN"),
+    ("slim-entropy-nan", lambda m: generate("w1", m, slim_entropy=math.nan), errors.InvalidArgumentError,
+      "slim_entropy must be a number, got NaN"),
     ("strategy-int", lambda m: generate("w1", m, strategy=3), errors.InvalidArgumentError, "unknown strategy 3"),
     ("chat-str", lambda m: generate("w1", m, chat="yes"), errors.InvalidArgumentError, "chat must be True, False or None"),
-    ("layers-str", lambda m: generate("w1", m, strategy="self-sd", draft_layers="0,1"), errors.InvalidArgumentError, "draft_layers must be a list"),
-    ("layers-float", lambda m: generate("w1", m, strategy="self-sd", draft_layers=(0.5,)), errors.InvalidArgumentError, "draft_layers entry must be an integer"),
+    ("layers-str", lambda m: generate("w1", m, strategy="self-sd", draft_layers="0,1"), errors.InvalidArgumentError,
+      "draft_layers must be a list"),
+    ("layers-float", lambda m: generate("w1", m, strategy="self-sd", draft_layers=(0.5,)), errors.InvalidArgumentError,
+      "draft_layers entry must be an integer"),
     ("route-int", lambda m: generate("w1", m, slim_route=5), errors.InvalidArgumentError, "slim_route must be a file path"),
     ("on-text-not-callable", lambda m: generate("w1", m, on_text=5), errors.UsageError, "on_text must be callable"),
     ("config-wrong-type", lambda m: generate("w1", m, config={"k": 3}), errors.UsageError, "config must be a GenerateConfig"),
@@ -279,8 +291,10 @@ API_CASES = [
     ("load-model-surrogate", lambda m: load_model("m\udcff"), errors.InvalidPromptError, "model is not valid UTF-8"),
     ("load-model-device", lambda m: load_model(str(m.path), device="nonsense"), errors.InvalidArgumentError, "unknown device 'nonsense'"),
     ("load-model-dtype", lambda m: load_model(str(m.path), dtype="float32"), errors.UsageError, "dtype must be torch.float32"),
-    ("validate-alpha-inf", lambda m: GenerateConfig.from_settings(alpha=math.inf).validate(), errors.InvalidArgumentError, "alpha must be finite"),
-    ("validate-full-block-str", lambda m: GenerateConfig.from_settings(full_block="8").validate(), errors.InvalidArgumentError, "full_block must be an integer"),
+    ("validate-alpha-inf", lambda m: GenerateConfig.from_settings(alpha=math.inf).validate(), errors.InvalidArgumentError,
+      "alpha must be finite"),
+    ("validate-full-block-str", lambda m: GenerateConfig.from_settings(full_block="8").validate(), errors.InvalidArgumentError,
+      "full_block must be an integer"),
 ]
 
 
@@ -361,7 +375,8 @@ def test_bench_resume_leaves_a_file_report_reads(tiny, tmp_path, capsys):
                   GenerateConfig(max_new_tokens=4), progress=False)
     assert n == 1
     lines = out.read_bytes().split(b"\n")
-    assert lines[-1] == b"" and not any(line.startswith(b'{"task": "file:x", "prompt_id": "1", "meth') and not line.endswith(b"}") for line in lines)
+    assert lines[-1] == b"" and not any(line.startswith(b'{"task": "file:x", "prompt_id": "1", "meth') and not line.endswith(b"}")
+                                        for line in lines)
     from viasd.report import load_records
 
     with pytest.raises(errors.UsageError, match="holds 2 bench runs"):  # the resumed part is a run of its own
@@ -394,7 +409,8 @@ def test_a_fifo_as_an_input_file_is_one_line_not_a_wait(tmp_path):
     for option, _ in cases:
         os.mkfifo(tmp_path / option.strip("-"))
         argv += [option, str(tmp_path / option.strip("-"))]
-    child = "import sys\nfrom viasd.cli import main\nfor o, p in zip(sys.argv[1::2], sys.argv[2::2]):\n    print(main(['generate', 'hi', o, p]), flush=True)"
+    child = ("import sys\nfrom viasd.cli import main\nfor o, p in zip(sys.argv[1::2], sys.argv[2::2]):\n"
+             "    print(main(['generate', 'hi', o, p]), flush=True)")
     env = {**os.environ, "VIASD_CACHE": str(tmp_path / "cache"),
            "PYTHONPATH": str(Path(__file__).resolve().parents[1] / "src") + os.pathsep + os.environ.get("PYTHONPATH", "")}
     r = subprocess.run([sys.executable, "-c", child, *argv], env=env, capture_output=True, text=True, timeout=120)

@@ -29,7 +29,8 @@ def test_bad_methods_tasks_and_files(tmp_path):
     for bad in ("viasd-lossless+correct", "pld+correct"):
         with pytest.raises(UsageError, match=r"\+correct applies to viasd-tiered only"):
             parse_methods(bad)
-    assert parse_methods("viasd-lossless:model+fixed")[0][1] == {"strategy": "viasd", "mode": "lossless", "draft": "model", "adapt_k": False}
+    assert parse_methods("viasd-lossless:model+fixed")[0][1] == {"strategy": "viasd", "mode": "lossless", "draft": "model",
+                                                                 "adapt_k": False}
     for bad in ("ar+adapt", "pld+fast"):
         with pytest.raises(UsageError, match=r"the modifiers are \+adapt and \+fixed"):
             parse_methods(bad)
@@ -60,7 +61,8 @@ def test_file_tasks_name_their_metric(tiny, tmp_path):
     quality = [sorted(r["quality"]) for r in load_records_tolerant(out)]
     assert quality == [["exact_match"], ["rougeL"], ["answer_match"], ["exact_match"], ["bleu", "chrf"], ["answer_match"]]
     (tmp_path / "bad.jsonl").write_text('{"prompt": "p", "reference": "r", "metric": "accuracy"}\n')
-    with pytest.raises(UsageError, match="bad.jsonl:1: unknown metric 'accuracy': choose from rougeL, bleu, chrf, exact_match, answer_match"):
+    with pytest.raises(UsageError,
+                       match="bad.jsonl:1: unknown metric 'accuracy': choose from rougeL, bleu, chrf, exact_match, answer_match"):
         load_tasks(f"file:{tmp_path / 'bad.jsonl'}", None)
     with pytest.raises(UsageError, match="no such file"):  # an unknown suffix is part of the path
         load_tasks(f"file:{data}:accuracy", None)

@@ -184,11 +184,13 @@ def random_argv(rng: random.Random, w: Path) -> list[str]:
         argv = ["generate", rng.choice(TEXTS)]
         options = {"--k": num, "--temperature": num, "--top-p": num, "--seed": num, "--alpha": num, "--accept": num,
                    "--accept-draft": num, "--accept-tv": num, "--slim": num, "--slim-entropy": num, "--draft-threshold": num,
-                   "--full-block": num, "-n": num, "--device": lambda: rng.choice(["cpu", "nonsense", "cuda", "", "cpu:0", "meta", "cuda:7"]),
+                   "--full-block": num, "-n": num,
+                   "--device": lambda: rng.choice(["cpu", "nonsense", "cuda", "", "cpu:0", "meta", "cuda:7"]),
                    "--strategy": lambda: rng.choice(["ar", "sd", "pld", "self-sd", "cascade", "viasd", "nope"]),
                    "--mode": lambda: rng.choice(["lossless", "tiered", "x"]), "--slim-route": path, "--draft-route": path,
                    "--thresholds": path, "--model": lambda: rng.choice(["smollm2-135m", "/nonexistent", "", "\udcff", "afile", "adir"]),
-                   "--rule": lambda: rng.choice(["chow", "diff", "opt", "z"]), "--draft": lambda: rng.choice(["auto", "pld", "self", "model"])}
+                   "--rule": lambda: rng.choice(["chow", "diff", "opt", "z"]),
+                   "--draft": lambda: rng.choice(["auto", "pld", "self", "model"])}
         flags = ["--json", "-q", "--chat", "--no-chat"]
     elif cmd == "search":
         argv = ["search"]
@@ -206,7 +208,8 @@ def random_argv(rng: random.Random, w: Path) -> list[str]:
     elif cmd == "bench":
         argv = ["bench"]
         options = {"--limit": num, "--k": num, "-n": num, "--seed": num, "--out": path,
-                   "--tasks": lambda: rng.choice(["spec_bench", "human_eval", "file:prompts.jsonl", "file:afile", "nope", "", "spec_bench:poetry", f"file:{path()}"]),
+                   "--tasks": lambda: rng.choice(["spec_bench", "human_eval", "file:prompts.jsonl", "file:afile", "nope", "",
+                                                  "spec_bench:poetry", f"file:{path()}"]),
                    "--methods": lambda: rng.choice(["ar,pld", "viasd-tiered:self", "x", "", "ar:pld", "cascade:model"]),
                    "--turns": lambda: rng.choice(["1", "2", "3"])}
         flags = ["-q"]
@@ -231,7 +234,7 @@ def test_cli_fuzz(fuzz_dir, capsys):
 
     rng = random.Random(SEED)
     failures, outcomes = [], {"error": 0, "usage": 0, "reached": 0, "ok": 0}
-    for i in range(N_CLI):
+    for _ in range(N_CLI):
         argv = random_argv(rng, fuzz_dir)
         try:
             code = main(argv)

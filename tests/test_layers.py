@@ -202,7 +202,8 @@ def _state_problems(source: str) -> list[str]:
             if isinstance(f.value, ast.Name) and f.value.id in module_names and f.attr in ("get", "setdefault", "pop") \
                     and node.args and _addresses(node.args[0]):
                 found.append(f"{line}: module-level {f.value.id} keyed by addresses")
-            if isinstance(f.value, ast.Attribute) and f.value.attr == "__dict__" and f.attr in ("setdefault", "update", "pop", "__setitem__"):
+            if (isinstance(f.value, ast.Attribute) and f.value.attr == "__dict__"
+                    and f.attr in ("setdefault", "update", "pop", "__setitem__")):
                 found.append(f"{line}: writes into an object's __dict__")
         elif isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and node.func.id == "setattr" and len(node.args) >= 2:
             obj, name = node.args[:2]

@@ -6,7 +6,8 @@
 Selection (deterministic; see README.md here): from BFCL v4's `live_simple` (JSON-schema extraction
 prompts), `simple_python` and `multiple` (tool-call prompts), the entries with one user turn, one
 reference call whose acceptable values are scalars or lists of scalars, each argument with an acceptable
-value its parameter's schema admits, and parameter types that map to JSON Schema; then --per-category of them evenly spaced over each file (file order).
+value its parameter's schema admits, and parameter types that map to JSON Schema; then --per-category of them evenly
+spaced over each file (file order).
 """
 
 from __future__ import annotations

@@ -66,7 +66,8 @@ def test_rows_of_one_pass_see_the_tokens_before_each():
 def test_neutral_values_leave_the_default_path_alone(tiny):
     assert not LogitProcessors().active and not LogitProcessors(logit_bias={}).active
     req = DecodeRequest(prompt=[1, 2, 3], max_new_tokens=4, params=GREEDY, eos=NO_EOS, processors=LogitProcessors())
-    assert autoregressive_decode(tiny.decoder, req) == autoregressive_decode(tiny.decoder, DecodeRequest(prompt=[1, 2, 3], max_new_tokens=4, params=GREEDY))
+    plain = DecodeRequest(prompt=[1, 2, 3], max_new_tokens=4, params=GREEDY)
+    assert autoregressive_decode(tiny.decoder, req) == autoregressive_decode(tiny.decoder, plain)
 
 
 def test_penalised_lossless_strategies_equal_penalised_ar(tiny, tiny_drafter):
@@ -195,7 +196,8 @@ def test_sampled_speculative_decoding_follows_the_processed_distribution(small_v
     drafted = accepted = 0
     for _ in range(n):
         drafter = ModelDrafter(drafter_model.decoder, SamplingParams(1.0), g, None)
-        req = DecodeRequest(prompt=prompt, max_new_tokens=3, params=params, eos=NO_EOS, generator=g, processors=procs if procs.active else None)
+        req = DecodeRequest(prompt=prompt, max_new_tokens=3, params=params, eos=NO_EOS, generator=g,
+                            processors=procs if procs.active else None)
         for i, t in enumerate(speculative_decode(verifier.decoder, drafter, req, k=2)):
             counts[i, t] += 1
         drafted, accepted = drafted + req.stats.drafted, accepted + req.stats.accepted

@@ -348,7 +348,8 @@ def test_pass_times_are_kept_for_the_next_processes_of_a_boot(tiny_q8, tmp_path,
     decoder = tiny_q8.decoder
     calls = []
     own = decoder.forward
-    monkeypatch.setitem(decoder.__dict__, "forward", lambda tokens, *a, **kw: (calls.append(int(tokens.shape[0])), own(tokens, *a, **kw))[1])
+    monkeypatch.setitem(decoder.__dict__, "forward",
+                        lambda tokens, *a, **kw: (calls.append(int(tokens.shape[0])), own(tokens, *a, **kw))[1])
 
     def measure(rows=3, last_only=False, keep=True):
         decoder.pass_times.clear()  # a new process: nothing kept in memory

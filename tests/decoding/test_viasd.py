@@ -124,7 +124,9 @@ def tiered_reference(model, kind, slim_layers, prompt, n_new, k, thr):
         new, i = [], 0
         while tiers[i] != 3:
             if tiers[i] == 1:
-                new.append(drafts[i]); i += 1; continue
+                new.append(drafts[i])
+                i += 1
+                continue
             token = int(slim[i].argmax())
             new.append(token)
             if i == kd or token != drafts[i]:
@@ -243,7 +245,8 @@ def test_lossless_sampling_follows_the_verifier_distribution(tmp_path):
     n = 1500
     for _ in range(n):
         drafter = SelfDrafter(model.decoder, LayerMask.from_layers(4, DRAFT), params, g, None)
-        out = viasd_lossless_decode(model.decoder, drafter, slim, DecodeRequest(prompt=prompt, max_new_tokens=5, params=params, generator=g), 2, 2)
+        req = DecodeRequest(prompt=prompt, max_new_tokens=5, params=params, generator=g)
+        out = viasd_lossless_decode(model.decoder, drafter, slim, req, 2, 2)
         for i, t in enumerate(out[:3]):
             counts[i, t] += 1
     for i, p in enumerate(marginals):
@@ -328,7 +331,8 @@ def test_resumed_full_passes_change_no_token_and_read_fewer_bytes(tiny, kind):
     for prompt in prompts(2):
         runs = {}
         for resume in (True, False):
-            req_t, req_l = DecodeRequest(prompt=prompt, max_new_tokens=30, params=GREEDY), DecodeRequest(prompt=prompt, max_new_tokens=30, params=GREEDY)
+            req_t, req_l = (DecodeRequest(prompt=prompt, max_new_tokens=30, params=GREEDY),
+                            DecodeRequest(prompt=prompt, max_new_tokens=30, params=GREEDY))
             runs[resume] = (viasd_tiered_decode(tiny.decoder, drafters(tiny, None)[kind](), slim, req_t, 4, thr, resume), req_t.stats,
                             viasd_lossless_decode(tiny.decoder, drafters(tiny, None)[kind](), slim, req_l, 4, 8, resume), req_l.stats)
         assert runs[True][0] == runs[False][0] and runs[True][2] == runs[False][2] == run_ar(tiny, prompt, 30)
@@ -372,7 +376,8 @@ def test_reduced_head_scores_its_vocabulary_only(tiny):
         out = viasd_tiered_decode(dec, NgramDrafter(), slim, req, 4, thr, head=head)
         # tiers 1 and 2 commit only tokens the head holds (judged drafts, the slim verifier's own)
         assert sum(t % 2 for t in out) <= req.stats.tiers[Tier.FULL] and sum(req.stats.tiers.values()) == 24
-        plain, same = DecodeRequest(prompt=prompt, max_new_tokens=24, params=GREEDY), DecodeRequest(prompt=prompt, max_new_tokens=24, params=GREEDY)
+        plain, same = (DecodeRequest(prompt=prompt, max_new_tokens=24, params=GREEDY),
+                       DecodeRequest(prompt=prompt, max_new_tokens=24, params=GREEDY))
         assert (viasd_tiered_decode(dec, NgramDrafter(), slim, plain, 4, thr)
                 == viasd_tiered_decode(dec, NgramDrafter(), slim, same, 4, thr, head=everything))
         req = DecodeRequest(prompt=prompt, max_new_tokens=24, params=GREEDY)
@@ -390,7 +395,8 @@ def test_drafter_confident_rounds_skip_the_slim_pass(tiny, tiny_drafter):
         assert "slim" not in req.stats.calls and req.stats.tiers[Tier.ACCEPT] >= 15
         drafted = run_ar(tiny_drafter, prompt + out[:1], 19)  # after the prefill's token, the drafter's own greedy text
         assert out[1:-1] == drafted[: len(out) - 2]  # (the last token may be the full model's: one token of budget left)
-        off, default = DecodeRequest(prompt=prompt, max_new_tokens=20, params=GREEDY), DecodeRequest(prompt=prompt, max_new_tokens=20, params=GREEDY)
+        off, default = (DecodeRequest(prompt=prompt, max_new_tokens=20, params=GREEDY),
+                        DecodeRequest(prompt=prompt, max_new_tokens=20, params=GREEDY))
         assert (viasd_tiered_decode(tiny.decoder, ModelDrafter(tiny_drafter.decoder, GREEDY, None, None), slim, off, 4,
                                     TierThresholds(draft_confident=2.0))
                 == viasd_tiered_decode(tiny.decoder, ModelDrafter(tiny_drafter.decoder, GREEDY, None, None), slim, default, 4,
@@ -431,7 +437,8 @@ def test_tiered_correction_equals_ar_and_streams_only_checked_tokens(tiny, tiny_
         changed += viasd_tiered_decode(tiny.decoder, drafters(tiny, tiny_drafter)[kind](), slim, plain, 4, thr) != expected
         streamed: list[int] = []
         sources: list = []
-        req = DecodeRequest(prompt=prompt, max_new_tokens=30, params=GREEDY, on_tokens=lambda ids, by, _: (streamed.extend(ids), sources.extend(by)))
+        req = DecodeRequest(prompt=prompt, max_new_tokens=30, params=GREEDY,
+                            on_tokens=lambda ids, by, _: (streamed.extend(ids), sources.extend(by)))
         out = viasd_tiered_decode(tiny.decoder, drafters(tiny, tiny_drafter)[kind](), slim, req, 4, thr, correct=True)
         assert out == expected and streamed == out
         s = req.stats
@@ -457,8 +464,8 @@ def test_tiered_correction_checks_the_budget_s_last_tokens(tiny):
             assert viasd_tiered_decode(tiny.decoder, NgramDrafter(), slim, req, 4, thr, correct=True) == run_ar(tiny, prompt, n)
             assert req.stats.accepted <= n - 1 - req.stats.corrected  # (taken-back drafts uncounted)
     with pytest.raises(ValueError, match="greedy"):
-        viasd_tiered_decode(tiny.decoder, NgramDrafter(), slim, DecodeRequest(prompt=prompts(1)[0], max_new_tokens=4, params=SamplingParams(0.7)), 4, thr,
-                            correct=True)
+        viasd_tiered_decode(tiny.decoder, NgramDrafter(), slim,
+                            DecodeRequest(prompt=prompts(1)[0], max_new_tokens=4, params=SamplingParams(0.7)), 4, thr, correct=True)
 
 
 def test_tiered_correction_stops_at_the_end_token_ar_stops_at(tiny):
@@ -473,7 +480,8 @@ def test_tiered_correction_stops_at_the_end_token_ar_stops_at(tiny):
         for eos in ({free[6]}, {free[11], free[17]}):
             expected = run_ar(tiny, prompt, 30, frozenset(eos))
             streamed: list[int] = []
-            req = DecodeRequest(prompt=prompt, max_new_tokens=30, params=GREEDY, eos=frozenset(eos), on_tokens=lambda ids, *_: streamed.extend(ids))
+            req = DecodeRequest(prompt=prompt, max_new_tokens=30, params=GREEDY, eos=frozenset(eos),
+                                on_tokens=lambda ids, *_: streamed.extend(ids))
             out = viasd_tiered_decode(tiny.decoder, NgramDrafter(), slim, req, 4, thr, correct=True)
             assert out == expected == streamed
             ended += len(out) < 30
@@ -489,7 +497,8 @@ def test_adaptive_tiered_with_every_token_to_full_equals_ar(tiny, tiny_drafter, 
     off = TierThresholds(accept=2.0, slim=2.0)
     for prompt in prompts(2):
         make = drafters(tiny, tiny_drafter)[kind]
-        fixed, adaptive = DecodeRequest(prompt=prompt, max_new_tokens=30, params=GREEDY), DecodeRequest(prompt=prompt, max_new_tokens=30, params=GREEDY)
+        fixed, adaptive = (DecodeRequest(prompt=prompt, max_new_tokens=30, params=GREEDY),
+                           DecodeRequest(prompt=prompt, max_new_tokens=30, params=GREEDY))
         assert viasd_tiered_decode(tiny.decoder, make(), slim, fixed, 4, off) == run_ar(tiny, prompt, 30)
         assert viasd_tiered_decode(tiny.decoder, make(), slim, adaptive, 4, off, adaptive=True) == run_ar(tiny, prompt, 30)
         assert adaptive.stats.drafted < fixed.stats.drafted

@@ -5,23 +5,32 @@ VIASD_CACHE, so the shared cache is never touched."""
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import shutil
+import stat
+import subprocess
+import sys
 import time
+import zipfile
+from pathlib import Path
+from types import SimpleNamespace
 
+import numpy as np
 import pytest
 import torch
 
 from viasd import generate
 from viasd.cli import main
-from viasd.errors import CorruptCacheError, NotWritableError
-from viasd.models import cache, convert, download, loading
+from viasd.errors import CorruptCacheError, CorruptGGUFError, NotWritableError
+from viasd.models import cache, convert, download, loading, native, rowexact
 from viasd.models.loading import cached_models, load_model, sampled_hash, verify_cache, verify_converted
+from viasd.models.zoo import ZOO, ZooEntry
 
 
 
-def converted_dir(gguf) -> "os.PathLike":
+def converted_dir(gguf) -> os.PathLike:
     (d,) = [p for p in (loading.cache_dir() / "models").iterdir() if not p.name.startswith(".")]
     return d
 
@@ -196,17 +205,6 @@ def test_damaged_optuna_database_is_moved_aside(tmp_path, capsys):
 # ------------------------------------------------------------------------------------------------
 # Issue 26: no damage to anything a load trusts (a zoo GGUF, a conversion, the GGUF tensor index, a
 # compiled kernel) may give output; each is found, repaired or named in one line.
-
-import hashlib
-import zipfile
-from pathlib import Path
-from types import SimpleNamespace
-
-import numpy as np
-
-from viasd.errors import CorruptGGUFError
-from viasd.models import native, rowexact
-from viasd.models.zoo import ZOO, ZooEntry
 
 
 def sparse_sampling(monkeypatch):
@@ -482,10 +480,6 @@ def test_models_verify_checks_index_kernels_and_downloads(zoo_tiny, fake_cc, mon
 # without blocking, with a cap and without a traceback on any content; a damaged store is ignored
 # (one line) and rewritten, and the output is the same tokens. `viasd models` refuses a cache path
 # that is a file as `generate` does.
-
-import stat
-import subprocess
-import sys
 
 SRC = str(Path(__file__).resolve().parents[2] / "src")
 

@@ -89,24 +89,23 @@ def test_routed_passes_keep_the_cache_invariant(gemma):
 def test_lossless_strategies_equal_ar(gemma, gemma_dir, tmp_path, k, seed):
     drafter = load_model(str(save_tiny_gemma(tmp_path / "drafter", arch=gemma.config.architecture, seed=1, n_layers=2)), progress=False)
     n = gemma.config.n_layers
-    for seed in [seed]:
-        g = torch.Generator().manual_seed(seed)
-        prompt = torch.randint(0, 61, (6 + 3 * seed,), generator=g).tolist()
-        expected = run_ar(gemma, prompt, 24, gemma.eos_token_ids)  # up to 24 new tokens: past the window of 8
-        drafters = {
-            "same-model": ModelDrafter(gemma.decoder, GREEDY, None, None),
-            "other-model": ModelDrafter(drafter.decoder, GREEDY, None, None),
-            "pld": NgramDrafter(),
-            "self route": SelfDrafter(gemma.decoder, LayerMask.from_layers(n, [0, 3]), GREEDY, None, None),
-        }
-        for name, d in drafters.items():
-            out, _ = run_sd(gemma, d, prompt, 24, k=k, eos=gemma.eos_token_ids)
-            assert out == expected, (name, seed)
-        for strategy, extra in [("viasd", dict(mode="lossless", draft="pld")), ("viasd", dict(mode="lossless", draft="self")),
-                                ("sd", dict(drafter=drafter)), ("self-sd", {})]:
-            res = generate(prompt, gemma, strategy=strategy, max_new_tokens=24, chat=False, k=k,
-                           slim_layers=(0, 1, 3), draft_layers=(0, 3), **extra)
-            assert res.token_ids == expected, (strategy, extra.get("draft"), seed)
+    g = torch.Generator().manual_seed(seed)
+    prompt = torch.randint(0, 61, (6 + 3 * seed,), generator=g).tolist()
+    expected = run_ar(gemma, prompt, 24, gemma.eos_token_ids)  # up to 24 new tokens: past the window of 8
+    drafters = {
+        "same-model": ModelDrafter(gemma.decoder, GREEDY, None, None),
+        "other-model": ModelDrafter(drafter.decoder, GREEDY, None, None),
+        "pld": NgramDrafter(),
+        "self route": SelfDrafter(gemma.decoder, LayerMask.from_layers(n, [0, 3]), GREEDY, None, None),
+    }
+    for name, d in drafters.items():
+        out, _ = run_sd(gemma, d, prompt, 24, k=k, eos=gemma.eos_token_ids)
+        assert out == expected, (name, seed)
+    for strategy, extra in [("viasd", dict(mode="lossless", draft="pld")), ("viasd", dict(mode="lossless", draft="self")),
+                            ("sd", dict(drafter=drafter)), ("self-sd", {})]:
+        res = generate(prompt, gemma, strategy=strategy, max_new_tokens=24, chat=False, k=k,
+                       slim_layers=(0, 1, 3), draft_layers=(0, 3), **extra)
+        assert res.token_ids == expected, (strategy, extra.get("draft"), seed)
 
 
 def test_unsupported_architecture_has_a_one_line_error():

@@ -227,7 +227,8 @@ def test_row_exact_attention_is_softmax_attention_and_keeps_each_rows_result(hea
         pytest.skip(rowexact.attention_unavailable_reason(head_dim))
     g = torch.Generator().manual_seed(head_dim)
     T, H, Hkv, N = 6, 6, 2, 75
-    q, k, v = torch.randn(T, H, head_dim, generator=g), torch.randn(Hkv, N, head_dim, generator=g), torch.randn(Hkv, N, head_dim, generator=g)
+    q, k, v = (torch.randn(T, H, head_dim, generator=g), torch.randn(Hkv, N, head_dim, generator=g),
+               torch.randn(Hkv, N, head_dim, generator=g))
     seen = torch.zeros(T, N, dtype=torch.bool)
     for t, (lo, hi) in enumerate([(0, 1), (0, 17), (0, 33), (20, 64), (0, 75), (0, 0)]):  # the last row sees no key
         seen[t, lo:hi] = True
@@ -667,7 +668,8 @@ def test_a_long_pending_run_is_checked_on_the_logits_ar_computes(tiny_native):
     cache = dec.new_cache(256)
     dec.forward(torch.tensor(prompt), 0, cache, last_only=True)
     one_by_one = [dec.forward(torch.tensor(seq[p : p + 1]), p, cache)[0] for p in range(L, len(seq))]  # as `ar` runs
-    v = Verifier.start(dec, None, DecodeRequest(prompt=prompt, max_new_tokens=n + 1, params=SamplingParams(), eos=frozenset(), stats=DecodeStats()), 256)
+    req = DecodeRequest(prompt=prompt, max_new_tokens=n + 1, params=SamplingParams(), eos=frozenset(), stats=DecodeStats())
+    v = Verifier.start(dec, None, req, 256)
     assert v.tokens == seq[: L + 1]
     logits = v.full(seq[L + 1 :]).logits  # every later token checked in one pass, as a long pending run is
     assert len(logits) == len(one_by_one)

@@ -55,7 +55,8 @@ def t5(t5_dir):
 def t5_drafter(t5_dir, tmp_path_factory):
     """A smaller T5 (2 decoder layers, 1 encoder layer) with the same vocabulary."""
     ff = "gated-gelu" if "gated" in t5_dir.name else "relu"
-    return load_model(str(save_tiny_t5(tmp_path_factory.mktemp("t5-drafter"), ff=ff, seed=1, n_decoder_layers=2, n_encoder_layers=1)), progress=False)
+    path = save_tiny_t5(tmp_path_factory.mktemp("t5-drafter"), ff=ff, seed=1, n_decoder_layers=2, n_encoder_layers=1)
+    return load_model(str(path), progress=False)
 
 
 def hf_model(path):
@@ -134,19 +135,18 @@ LOSSLESS = [("ar", {}), ("pld", {}), ("self-sd", dict(draft_layers=(0, 3))), ("s
 
 @pytest.mark.parametrize("k,seed", [(1, 0), (4, 1)])
 def test_every_lossless_strategy_equals_transformers_greedy(t5, t5_dir, t5_drafter, k, seed):
-    for seed in [seed]:
-        g = torch.Generator().manual_seed(seed)
-        # a source with repeats, so n-gram lookup over it has something to find
-        half = torch.randint(0, 61, (6,), generator=g).tolist()
-        source = half + half[:4] + [EOS]
-        expected = hf_greedy(t5_dir, source, 24)
-        assert len(expected) >= 8
-        for strategy, extra in LOSSLESS:
-            kw = dict(drafter=t5_drafter) if extra == "drafter" else dict(extra)
-            if kw.get("draft") == "model":
-                kw["drafter"] = t5_drafter
-            res = generate(source, t5, strategy=strategy, max_new_tokens=24, k=k, chat=False, **kw)
-            assert res.token_ids == expected, (strategy, kw.get("draft"), seed)
+    g = torch.Generator().manual_seed(seed)
+    # a source with repeats, so n-gram lookup over it has something to find
+    half = torch.randint(0, 61, (6,), generator=g).tolist()
+    source = half + half[:4] + [EOS]
+    expected = hf_greedy(t5_dir, source, 24)
+    assert len(expected) >= 8
+    for strategy, extra in LOSSLESS:
+        kw = dict(drafter=t5_drafter) if extra == "drafter" else dict(extra)
+        if kw.get("draft") == "model":
+            kw["drafter"] = t5_drafter
+        res = generate(source, t5, strategy=strategy, max_new_tokens=24, k=k, chat=False, **kw)
+        assert res.token_ids == expected, (strategy, kw.get("draft"), seed)
 
 
 def test_tiered_viasd_and_cascade_run_on_t5(t5, t5_drafter):

@@ -60,7 +60,8 @@ def test_nothing_outlives_the_program(how):
     marker = f"{secrets.randbelow(10**6)}.{secrets.randbelow(10**6)}"  # a unique `sleep` argument
     program = {
         "setsid": f"import os\nif os.fork() == 0:\n    os.setsid()\n    os.execv('/bin/sleep', ['sleep', '{marker}'])\n",
-        "double-fork": f"import os\nif os.fork() == 0:\n    if os.fork() == 0:\n        os.execv('/bin/sleep', ['sleep', '{marker}'])\n    os._exit(0)\nos.wait()\n",
+        "double-fork": f"import os\nif os.fork() == 0:\n    if os.fork() == 0:\n        os.execv('/bin/sleep', ['sleep', '{marker}'])\n"
+                       "    os._exit(0)\nos.wait()\n",
         "popen-new-session": f"import subprocess\nsubprocess.Popen(['/bin/sleep', '{marker}'], start_new_session=True)\n",
     }[how]
     ok, why = run_untrusted(program, timeout_s=5)
