@@ -4,7 +4,7 @@
 from __future__ import annotations
 
 import json
-from typing import Annotated, ClassVar, Literal, Union
+from typing import TYPE_CHECKING, Annotated, Any, ClassVar, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, create_model, field_validator
 
@@ -35,20 +35,22 @@ class Strict(BaseModel):
     model_config = ConfigDict(strict=True, extra="forbid")
 
 
-def field_of(d: Declared):
+def field_of(d: Declared) -> Any:
     """The pydantic type of a declared setting, as a request may give it (null: the server's default)."""
     sp = d.spec
+    t: Any
     if d.kind == "int":
         t = Annotated[int, Field(ge=sp.lo, le=sp.hi)]
     elif d.kind == "float":
-        bounds = {"gt" if sp.lo_open else "ge": sp.lo, "le": None if sp.allow_inf else sp.hi}
+        bounds: dict[str, Any] = {"gt" if sp.lo_open else "ge": sp.lo, "le": None if sp.allow_inf else sp.hi}
         t = Annotated[float, Field(**{k: v for k, v in bounds.items() if v is not None}, allow_inf_nan=sp.allow_inf)]
     elif d.kind == "bool":
         t = bool
     elif d.kind == "choice":
         t = Literal[sp.choices]
     elif d.kind == "layers":
-        t = Annotated[list[Annotated[int, Field(ge=sp.lo, le=sp.hi)]], Field(min_length=1, max_length=sp.hi + 1)]
+        assert sp.hi is not None  # (declared with the setting)
+        t = Annotated[list[Annotated[int, Field(ge=sp.lo, le=sp.hi)]], Field(min_length=1, max_length=int(sp.hi) + 1)]
     elif d.kind == "bias":  # OpenAI's shape: {"50256": -100} (JSON keys are text); the vocabulary bound: parsing.config_for
         t = dict[Annotated[str, Field(pattern=r"^[0-9]{1,10}$")], Annotated[float, Field(ge=sp.lo, le=sp.hi, allow_inf_nan=False)]]
     else:
@@ -93,7 +95,7 @@ class JSONSchemaFormat(_Format):
 
 
 # OpenAI's `response_format` (viasd's regex and grammar come in the `viasd` object)
-ResponseFormat = Annotated[Union[TextFormat, JSONObjectFormat, JSONSchemaFormat], Field(discriminator="type")]
+ResponseFormat = Annotated[TextFormat | JSONObjectFormat | JSONSchemaFormat, Field(discriminator="type")]
 GRAMMAR_TEXT = Annotated[str, Field(min_length=1, max_length=1 << 17)]
 
 # The `viasd` extension object: decoding settings by their GenerateConfig names, one field per setting
@@ -101,19 +103,26 @@ GRAMMAR_TEXT = Annotated[str, Field(min_length=1, max_length=1 << 17)]
 # not given. Routes are layer lists; the drafter model, route files and threshold files are the
 # server's (`viasd serve --drafter / --slim-route ...`).
 # `provenance`: each token's source in the answer's `viasd` object (a response option, not a decode setting).
-ViasdExtension = create_model("ViasdExtension", __base__=_Extension,
-                              regex=(GRAMMAR_TEXT | None, None), grammar=(GRAMMAR_TEXT | None, None),
-                              provenance=(bool | None, None),
-                              **{n: (field_of(d), None) for n, d in SETTINGS.items() if d.spec.server == "viasd"})
-MaxTokens = field_of(SETTINGS["max_new_tokens"])  # max_tokens, max_completion_tokens
+_EXTENSION_FIELDS: dict[str, Any] = {
+    "regex": (GRAMMAR_TEXT | None, None), "grammar": (GRAMMAR_TEXT | None, None), "provenance": (bool | None, None),
+    **{n: (field_of(d), None) for n, d in SETTINGS.items() if d.spec.server == "viasd"}}
 # the settings a request sets by a top-level field of the same name: OpenAI's sampling fields (temperature,
 # top_p, seed, presence_penalty, frequency_penalty, logit_bias) and vLLM's / llama-server's extras (top_k,
 # min_p, repetition_penalty); max_new_tokens is max_tokens, response_format a typed object (below), logprobs
 # each endpoint's own fields (`logprobs_setting`)
 OPENAI_FIELDS = tuple(n for n, d in SETTINGS.items() if d.spec.server == "openai" and n not in ("max_new_tokens", "response_format",
                                                                                                "logprobs"))
-_Sampling = create_model("_Sampling", __base__=Strict, **{n: (field_of(SETTINGS[n]), None) for n in OPENAI_FIELDS})
-Logprobs = field_of(SETTINGS["logprobs"])
+_SAMPLING_FIELDS: dict[str, Any] = {n: (field_of(SETTINGS[n]), None) for n in OPENAI_FIELDS}
+if TYPE_CHECKING:  # what mypy checks the models built from the settings (below) as
+    ViasdExtension = _Extension
+    _Sampling = Strict
+    MaxTokens = int | None
+    Logprobs = int | None
+else:
+    ViasdExtension = create_model("ViasdExtension", __base__=_Extension, **_EXTENSION_FIELDS)
+    _Sampling = create_model("_Sampling", __base__=Strict, **_SAMPLING_FIELDS)
+    MaxTokens = field_of(SETTINGS["max_new_tokens"])  # max_tokens, max_completion_tokens
+    Logprobs = field_of(SETTINGS["logprobs"])
 
 
 class StreamOptions(Strict):
@@ -128,7 +137,7 @@ class _Common(_Sampling):  # (its sampling fields: _Sampling's, one per setting)
     stream: bool = False
     stream_options: StreamOptions | None = None
     viasd: ViasdExtension | None = None
-    _SUPPORTED: ClassVar = ()  # UNSUPPORTED's parameters this endpoint does support
+    _SUPPORTED: ClassVar[tuple[str, ...]] = ()  # UNSUPPORTED's parameters this endpoint does support
     # unsupported (400 when set to anything but their default) and ignored fields
     echo: object = None
     best_of: object = None
@@ -176,12 +185,13 @@ class CompletionRequest(_Common):
     # a string, or token ids; a list of one string or of one id list is accepted too (batches of
     # more than one prompt are not: n and batching are 1 here)
     prompt: Annotated[str, Field(max_length=1_000_000)] | Annotated[list[Annotated[int, Field(ge=0)]], Field(min_length=1)] | Annotated[
-        list[str], Field(min_length=1, max_length=1)] | Annotated[list[Annotated[list[Annotated[int, Field(ge=0)]], Field(min_length=1)]], Field(min_length=1, max_length=1)]
+        list[str], Field(min_length=1, max_length=1)] | Annotated[
+        list[Annotated[list[Annotated[int, Field(ge=0)]], Field(min_length=1)]], Field(min_length=1, max_length=1)]
     max_tokens: MaxTokens = None
     logprobs: Logprobs = None  # the chosen token's and this many alternatives' (OpenAI: at most 5; here 20)
     suffix: Annotated[str, Field(max_length=1_000_000)] | None = None  # the text after the gap (fim.py); the prompt is before it
 
-    _SUPPORTED: ClassVar = ("suffix",)
+    _SUPPORTED: ClassVar[tuple[str, ...]] = ("suffix",)
 
     def logprobs_setting(self) -> int | None:
         return self.logprobs
@@ -224,7 +234,7 @@ class Message(Strict):
         """The message as the chat template takes it (a tool call's arguments: an object, as
         transformers' templates expect them)."""
         text = self.content if isinstance(self.content, str) or self.content is None else "".join(p.text for p in self.content)
-        out = {"role": "system" if self.role == "developer" else self.role, "content": text}
+        out: dict[str, Any] = {"role": "system" if self.role == "developer" else self.role, "content": text}
         if self.tool_calls:
             out["tool_calls"] = [{"id": c.id, "type": "function", "function": {
                 "name": c.function.name, "arguments": _arguments(c.function.arguments)}} for c in self.tool_calls]
@@ -271,7 +281,7 @@ class ChatCompletionRequest(_Common):
     logprobs: bool | None = None
     top_logprobs: Logprobs = None  # alternatives per token, with logprobs
 
-    _SUPPORTED: ClassVar = ("tools", "tool_choice", "parallel_tool_calls")
+    _SUPPORTED: ClassVar[tuple[str, ...]] = ("tools", "tool_choice", "parallel_tool_calls")
 
     def logprobs_setting(self) -> int | None:
         if self.top_logprobs is not None and not self.logprobs:
