@@ -39,8 +39,8 @@ def gguf_architecture(path: Path) -> str:
         reader = GGUFReader(path)
         field_ = reader.fields["general.architecture"]
         arch = bytes(field_.parts[field_.data[0]]).decode()
-        scaling = reader.fields.get(f"{arch}.rope.scaling.type")
-        scaling = bytes(scaling.parts[scaling.data[0]]).decode() if scaling is not None else "none"
+        scaling_field = reader.fields.get(f"{arch}.rope.scaling.type")
+        scaling = bytes(scaling_field.parts[scaling_field.data[0]]).decode() if scaling_field is not None else "none"
         rope_freqs = any(t.name == "rope_freqs.weight" for t in reader.tensors)
     except Exception as e:  # gguf raises assorted errors on truncated files
         raise CorruptFileError(f"{path}: corrupt or truncated GGUF file ({type(e).__name__}: {e})") from None

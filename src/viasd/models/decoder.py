@@ -22,7 +22,7 @@ strategies equal `ar` token for token, and a request's tokens the same in any ba
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import ClassVar
+from typing import ClassVar, Literal, overload
 
 import torch
 import torch.nn.functional as F
@@ -89,6 +89,7 @@ class Decoder:
         # an untied model's own head, whether it loaded as float weights or as the file's native blocks
         own_head = not config.tied_embeddings and ("lm_head.weight" in w.state or "lm_head.weight" in native)
         head = "lm_head.weight" if own_head else "model.embed_tokens.weight"
+        embed: QuantEmbedding | Embedding
         if "model.embed_tokens.weight" in native:
             embed = QuantEmbedding(native["model.embed_tokens.weight"])
         else:
@@ -140,6 +141,7 @@ class Decoder:
             index = torch.tensor(key, dtype=torch.long)
             if not key or any(a >= b for a, b in zip(key, key[1:])) or key[0] < 0 or key[-1] >= vocab:
                 raise ValueError(f"a reduced head needs ascending, distinct token ids in [0, {vocab})")
+            linear: QuantLinear | PackedLinear
             if isinstance(self.lm_head, QuantLinear):
                 parts, offset = [], 0
                 for part in self.lm_head.parts:  # each part's own rows among the ids, in order
@@ -151,6 +153,7 @@ class Decoder:
                 if self._graph is not None:
                     self._graph.pack_parts(linear, count=False)
             else:
+                assert self._head_weight is not None  # (float weights keep the head unpacked)
                 linear = PackedLinear(self._head_weight.index_select(0, index).contiguous(), None)
             heads[key] = ReducedHead(index, linear, vocab)
         return heads[key]
@@ -171,6 +174,19 @@ class Decoder:
         if self._graph is not None:  # rounded up: graphs are built per cache length
             max_len = ggml_forward.cache_length(max_len, self.config.max_positions)
         return KVCache(self.config, max_len, self.dtype, self.device)
+
+    @overload
+    def forward(self, tokens: torch.Tensor | list[int], start: int, cache: KVCache, route: LayerMask | None = ...,
+                last_only: bool = ..., resume: bool = ..., logits: Literal[True] = ..., head: ReducedHead | None = ...,
+                expand: bool = ..., scored: Literal[False] = ...) -> torch.Tensor: ...
+    @overload
+    def forward(self, tokens: torch.Tensor | list[int], start: int, cache: KVCache, route: LayerMask | None = ...,
+                last_only: bool = ..., resume: bool = ..., logits: Literal[True] = ..., head: ReducedHead | None = ...,
+                expand: bool = ..., *, scored: Literal[True]) -> PassOutput: ...
+    @overload
+    def forward(self, tokens: torch.Tensor | list[int], start: int, cache: KVCache, route: LayerMask | None = ...,
+                last_only: bool = ..., resume: bool = ..., logits: bool = ..., head: ReducedHead | None = ...,
+                expand: bool = ..., scored: bool = ...) -> torch.Tensor | PassOutput | None: ...
 
     @torch.inference_mode()
     def forward(
@@ -201,7 +217,7 @@ class Decoder:
         tokens = token_ids(tokens)
         n_tokens = len(tokens)
         route, end = begin_pass(self.config, cache, route, start, n_tokens, resume)
-        first = cache.resume_layer if resume else 0
+        first = (cache.resume_layer or 0) if resume else 0  # (a resumed pass has a resume layer)
         save = cache.resume_layer if cache.saves_hidden(route) and not resume else None
         # No pass attends more than ROW_ATTENTION_MAX rows at once: longer ones (a prompt, tiered mode's
         # pending run) go in chunks, each attending row by row, so that every row comes out as it does
@@ -258,14 +274,14 @@ class Decoder:
             runnable.append((i, tokens, start, cache, want, end))
         if not runnable:
             return results
+        assert self._graph is not None, "forward_many runs native weights only"
         outs = self._graph.run([(t, s, c, w) for _, t, s, c, w, _ in runnable], route, first, save, head)
         for (i, _, start, cache, _, end), out in zip(runnable, outs):
             cache._commit(route, start, end)
             kw = calls[i][1]
             if out is not None:
                 out = self._finish(out, head, kw.get("expand", True))
-                out = out if kw.get("scored") else out.logits
-            results[i] = out
+                results[i] = out if kw.get("scored") else out.logits
         return results
 
     def _rows(self, tokens: list[int], start: int, cache: KVCache, route: LayerMask | None, last_only: bool,
@@ -277,18 +293,20 @@ class Decoder:
         cfg = self.config
         if self._graph is not None:
             return self._graph(tokens, start, cache, route, last_only, first, save, logits, head)
-        tokens = torch.as_tensor(tokens, dtype=torch.long)
+        ids = torch.as_tensor(tokens, dtype=torch.long)
 
         if first:  # a resumed pass
+            assert cache.hidden is not None  # (a resumable cache keeps the streams)
             x = cache.hidden[start:end].clone()  # [T, hidden] entering layer `first`
         else:
-            x = self.embed(tokens)  # [T, hidden]
+            x = self.embed(ids)  # [T, hidden]
             if cfg.embed_scale is not None:
                 x = x * cfg.embed_scale
         # per RoPE table (global, local): [T, 1, head_dim]
         ropes = [(self._cos[t, start:end, None, :], self._sin[t, start:end, None, :]) for t in range(self._cos.shape[0])]
         for i, layer in enumerate(self.layers[first:], start=first):
             if i == save:
+                assert cache.hidden is not None  # (`save`: the cache keeps the streams)
                 cache.hidden[start:end] = x
                 if not logits and route is not None and not any(route.attn[i:]) and not any(route.mlp[i:]):
                     break  # nothing past here is kept, and no head
@@ -320,7 +338,7 @@ class Decoder:
         q = qkv[:, :nq].view(n_tokens, cfg.n_heads, hd)
         k = qkv[:, nq : nq + nkv].view(n_tokens, cfg.n_kv_heads, hd)
         v = qkv[:, nq + nkv :].view(n_tokens, cfg.n_kv_heads, hd)
-        if layer.q_norm is not None:
+        if layer.q_norm is not None and layer.k_norm is not None:  # (both or neither)
             q = _rms_norm(q, layer.q_norm, cfg.rms_eps)
             k = _rms_norm(k, layer.k_norm, cfg.rms_eps)
         cos, sin = rope
@@ -370,7 +388,7 @@ class _Weights:
     def linear(self, names: list[str], bias: torch.Tensor | None = None) -> Linear:
         if all(n in self.native for n in names):
             return QuantLinear([self.native[n] for n in names], bias)
-        return PackedLinear(torch.cat([self.get(n) for n in names]), bias, self.pack)
+        return PackedLinear(torch.cat([self.get(n) for n in names]), bias, bool(self.pack))  # ("ggml", "row-exact": native only)
 
     def get(self, name: str) -> torch.Tensor:
         if name not in self.state:
@@ -410,6 +428,6 @@ def _layer(w: _Weights, i: int) -> _Layer:
 def _rope_angles(config: ModelConfig, layers: list[_Layer]) -> torch.Tensor:
     """[n_tables, max_positions, head_dim] RoPE angles: the global table, then the local one where a layer uses it."""
     tables = [_rope_table(config.rope_theta, config.rope_factor, config.head_dim, config.max_positions)]
-    if any(layer.rope == 1 for layer in layers):
+    if config.rope_local_theta is not None and any(layer.rope == 1 for layer in layers):
         tables.append(_rope_table(config.rope_local_theta, 1.0, config.head_dim, config.max_positions))
     return torch.stack(tables)

@@ -26,7 +26,7 @@ from __future__ import annotations
 import ctypes
 import time
 from collections import OrderedDict
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, cast
 
 import numpy as np
 import torch
@@ -72,8 +72,8 @@ class NativeForward:
         # embedding table is looked up from the plain bytes
         self.packed: dict[str, int] = {}  # buffer type (or "plain") -> weights
         self._pack = pack
-        self.pack_parts(*(lin for layer in decoder.layers for lin in (layer.qkv, layer.o, layer.gate_up, layer.down)),
-                        decoder.lm_head)
+        linears = [lin for layer in decoder.layers for lin in (layer.qkv, layer.o, layer.gate_up, layer.down)] + [decoder.lm_head]
+        self.pack_parts(*cast(list[QuantLinear], linears))  # (a native decoder's products are all the file's blocks)
         # decoding passes attend with viasd's row-exact op where the products run on the row-exact kernel
         # and the CPU has AVX-512 or AVX2 (`rowexact.attention_op_address`), else with ggml's reference flash
         # attention; attention="ggml" / "row-exact" asks for one (tests compare them)
@@ -91,6 +91,11 @@ class NativeForward:
         self._graphs: OrderedDict[tuple, tuple] = OrderedDict()
         self._keep: list[torch.Tensor] = []  # float copies the graphs' leaves point into (norms, biases)
         self._mask_tables: dict[int, tuple[torch.Tensor, torch.Tensor | None]] = {}  # cache length -> masks
+
+    @property
+    def _table(self) -> gk.NativeTensor:
+        """The embedding table: a native decoder's is the file's blocks."""
+        return cast(gk.QuantEmbedding, self.dec.embed).table
 
     def pack_parts(self, *linears: QuantLinear, count: bool = True) -> None:
         """Lay the weights of `linears` out for this CPU's kernels, as chosen at construction (each
@@ -207,7 +212,7 @@ class NativeForward:
                           exact_attention=max(n for n, _, _ in parts) <= ROW_ATTENTION_MAX)
         leaves = self._leaves(graph, parts, n_rows, streams=bool(first) or save is not None)
         x = self._input_stream(graph, leaves, parts, first)
-        writes = []
+        writes: list[gk._T] = []
         for i, layer in enumerate(self.dec.layers):
             if i < first:
                 continue
@@ -243,8 +248,9 @@ class NativeForward:
                 own = g.get_rows(ctx, item["hidden"], pos if len(parts) == 1 else g.view_1d(ctx, pos, n, 4 * offset))
                 x = own if x is None else g.concat(ctx, x, own, 1)
                 offset += n
+            assert x is not None  # (a pass of at least one request)
             return x
-        x = g.get_rows(ctx, self.dec.embed.table._bind(graph), leaves["ids"])  # [hidden, T]
+        x = g.get_rows(ctx, self._table._bind(graph), leaves["ids"])  # [hidden, T]
         if cfg.embed_scale is not None:
             x = g.scale(ctx, x, cfg.embed_scale)
         return x
@@ -265,7 +271,7 @@ class NativeForward:
         """x plus layer i's attention sub-layer (norm, QKV, RoPE, attention, output product)."""
         g, cfg, ctx, pos = lib(), self.dec.config, graph.ctx, leaves["pos"]
         nq, nkv = cfg.n_heads * cfg.head_dim, cfg.n_kv_heads * cfg.head_dim
-        theta = cfg.rope_theta if layer.rope == 0 else cfg.rope_local_theta
+        theta = cfg.rope_theta if layer.rope == 0 or cfg.rope_local_theta is None else cfg.rope_local_theta  # (rope 1: local)
         freq_scale = 1.0 / cfg.rope_factor if layer.rope == 0 else 1.0
         q, k, v = self._normed(graph, layer.qkv, x, layer.attn_norm, [nq, nkv, nkv], n_rows)
         q = self._heads(graph, q, cfg.n_heads, n_rows, layer.q_norm, pos, theta, freq_scale)  # [d, H, T]
@@ -298,7 +304,7 @@ class NativeForward:
                 sel = graph.tensor(I32, len(out_rows))
                 sel.contents.data = leaves["out_rows"].data_ptr()
                 x = g.get_rows(ctx, x, sel)
-        head = head or dec.lm_head
+        head = head or cast(QuantLinear, dec.lm_head)
         if len(head.parts) == 1 and head.bias is None and self._fuses(head):  # row maxima found on the way
             norm = None if dec.norm is None else self._keep_f32(dec.norm)
             logits, leaves["maxima"] = gk.fused_head(graph, head.parts[0], x, len(out_rows), norm, cfg.rms_eps)
@@ -382,8 +388,8 @@ class NativeForward:
             self._graphs.move_to_end(key)
         graph, leaves, logits_t = built
         ids = [i for t, _, _, _ in calls for i in t]  # (Python ints: `decoder.token_ids`)
-        if ids and (min(ids) < 0 or max(ids) >= self.dec.embed.table.rows):
-            raise IndexError(f"token id out of range [0, {self.dec.embed.table.rows})")
+        if ids and (min(ids) < 0 or max(ids) >= self._table.rows):
+            raise IndexError(f"token id out of range [0, {self._table.rows})")
         pos = None if len(calls) == 1 else torch.cat([self.pos32[s : s + len(t)] for t, s, _, _ in calls])
         counts = [count for _, _, _, (_, count) in calls]
         width = (head_linear or self.dec.lm_head).out_features
@@ -404,7 +410,7 @@ class NativeForward:
             found = maxima.result() if maxima is not None else None
         outs, at = [], 0
         for n in counts:
-            outs.append(PassOutput(out[at : at + n], None if found is None else found[at : at + n]) if n else None)
+            outs.append(PassOutput(out[at : at + n], None if found is None else found[at : at + n]) if n and out is not None else None)
             at += n
         return outs
 
@@ -416,6 +422,7 @@ class NativeForward:
         if local is not None:
             graph.bind(item["local_mask"], local.data_ptr())
         if item["hidden"] is not None:
+            assert cache.hidden is not None  # (its leaf exists where the pass reads or stores streams)
             graph.bind(item["hidden"], cache.hidden.data_ptr())
         k_base, v_base, stride = cache.k.data_ptr(), cache.v.data_ptr(), cache.k.stride(0) * 4
         if item.get("bound_cache") != (k_base, v_base):  # the same cache as this graph's last call: bound

@@ -24,6 +24,7 @@ import ctypes
 import importlib.util
 import sys
 import threading
+from typing import TYPE_CHECKING, Any, TypeAlias
 from pathlib import Path
 
 import torch
@@ -41,7 +42,10 @@ class NativeWeightsUnavailable(ViasdError):
     """The ggml kernels cannot be loaded here (package missing or built for another CPU)."""
 
 
-_T = ctypes.POINTER(_Tensor)
+if TYPE_CHECKING:
+    _T: TypeAlias = ctypes._Pointer[_Tensor]  # a `ggml_tensor *`
+else:
+    _T = ctypes.POINTER(_Tensor)
 _P = ctypes.c_void_p
 _LogCallback = ctypes.CFUNCTYPE(None, ctypes.c_int, ctypes.c_char_p, ctypes.c_void_p)
 _LOG_WARN = 3  # enum ggml_log_level: NONE, DEBUG, INFO, WARN, ERROR, CONT
@@ -64,7 +68,7 @@ def _library_dir() -> Path:
 
 
 # The functions bound, per area: attribute of `lib()` -> (C function, restype, *argtypes).
-_GRAPH_FUNCTIONS = {
+_GRAPH_FUNCTIONS: dict[str, tuple[Any, ...]] = {
     "init": ("ggml_init", _P, _InitParams),
     "free": ("ggml_free", None, _P),
     "graph_overhead_custom": ("ggml_graph_overhead_custom", ctypes.c_size_t, ctypes.c_size_t, ctypes.c_bool),
@@ -84,7 +88,7 @@ _GRAPH_FUNCTIONS = {
     "graph_plan": ("ggml_graph_plan", _CPlan, _P, ctypes.c_int, _P),
     "graph_compute": ("ggml_graph_compute", ctypes.c_int, _P, ctypes.POINTER(_CPlan)),
 }
-_LAYER_OPS = {  # the ops of a decoder layer
+_LAYER_OPS: dict[str, tuple[Any, ...]] = {  # the ops of a decoder layer
     "rms_norm": ("ggml_rms_norm", _T, _P, _T, ctypes.c_float),
     "mul": ("ggml_mul", _T, _P, _T, _T),
     "add": ("ggml_add", _T, _P, _T, _T),
@@ -108,7 +112,7 @@ _LAYER_OPS = {  # the ops of a decoder layer
     "custom_4d": ("ggml_custom_4d", _T, _P, ctypes.c_int, ctypes.c_int64, ctypes.c_int64, ctypes.c_int64, ctypes.c_int64,
                   ctypes.POINTER(_T), ctypes.c_int, _P, ctypes.c_int, _P),
 }
-_BACKEND_FUNCTIONS = {  # backend buffers: the extra buffer types that hold repacked weights
+_BACKEND_FUNCTIONS: dict[str, tuple[Any, ...]] = {  # backend buffers: the extra buffer types that hold repacked weights
     "buft_name": ("ggml_backend_buft_name", ctypes.c_char_p, _P),
     "buft_alloc_buffer": ("ggml_backend_buft_alloc_buffer", _P, _P, ctypes.c_size_t),
     "buft_get_alloc_size": ("ggml_backend_buft_get_alloc_size", ctypes.c_size_t, _P, _T),
@@ -122,6 +126,9 @@ _BACKEND_FUNCTIONS = {  # backend buffers: the extra buffer types that hold repa
 
 class _Lib:
     """ctypes bindings of the ggml functions used here, and one thread pool for every graph."""
+
+    if TYPE_CHECKING:  # the bindings are set from the function tables above, by name
+        def __getattr__(self, name: str) -> Any: ...
 
     def __init__(self, n_threads: int):
         libdir = _library_dir()
@@ -316,6 +323,7 @@ class _Graph:
             view.data = ptr + offset
 
     def run(self) -> None:
+        assert self.plan is not None, "run before finish"
         with RUN_LOCK:
             # the threads the machine leaves free now; a plan for more threads has room for fewer
             self.plan.n_threads = min(compute.budget().apply(), self.planned_threads)
@@ -368,7 +376,7 @@ class _Arena:
     """First-fit blocks of one buffer: `top` its size so far, `free` its released (offset, size)
     blocks, sorted by offset, neighbours merged."""
 
-    def __init__(self):
+    def __init__(self) -> None:
         self.free: list[tuple[int, int]] = []
         self.top = 0
 
@@ -447,6 +455,7 @@ class NativeTensor:
             if name not in allowed if allowed is not None else self.ggml_type in _SLOWER_PACKED.get(name, ()):
                 continue
             if self._pack_into(name, buft, rows):
+                assert self.packed is not None  # (set by _pack_into)
                 return self.packed.label
         # Q6_K, which ggml keeps plain here: its one-row results, several rows at a time
         if self.ggml_type == Q6_K and rows and (op := _rows_op(self, rowexact.ROWS_Q6K, self.data.data_ptr())):
@@ -580,6 +589,7 @@ def fused_head(graph: _Graph, w: NativeTensor, x: _T, n_rows: int, norm: torch.T
 
 def _fused(graph: _Graph, w: NativeTensor, x: _T, n_rows: int, norm: torch.Tensor | None, eps: float,
            residual: _T | None) -> tuple[_T, rowexact.FusedOp]:
+    assert w.packed is not None  # (a row-exact weight: `_fuses`)
     op = rowexact.FusedOp(ctypes.addressof(w.packed.tensor.op), None if norm is None else norm.data_ptr(), eps,
                           int(residual is not None))
     graph.keep.append(op)
@@ -637,13 +647,13 @@ class QuantLinear:
         self.parts = merged
         self.in_features, self.out_features = merged[0].cols, sum(p.rows for p in merged)
         self.bias = bias
-        self._graphs: dict[int, tuple[_Graph, _T, list[_T]]] = {}
+        self._graphs: dict[int, tuple[_Graph, _T, list[tuple[_T, int]]]] = {}
 
     @property
     def nbytes(self) -> int:
         return sum(p.nbytes for p in self.parts)
 
-    def _build(self, n_rows: int) -> tuple[_Graph, _T, list[_T]]:
+    def _build(self, n_rows: int) -> tuple[_Graph, _T, list[tuple[_T, int]]]:  # its outputs: (tensor, byte offset)
         graph = _Graph(n_tensors=2 * len(self.parts) + 1)
         x = graph.tensor(F32, self.in_features, n_rows)
         outs, offset = [], 0

@@ -15,6 +15,7 @@ reads and writes (`KVCache`), with the invariant every pass keeps (`begin_pass`)
 from __future__ import annotations
 
 import functools
+from collections.abc import Iterable
 from dataclasses import dataclass
 
 import torch
@@ -30,7 +31,7 @@ class LayerMask:
     mlp: tuple[bool, ...]
 
     @classmethod
-    def from_layers(cls, n_layers: int, kept: list[int] | tuple[int, ...]) -> LayerMask:
+    def from_layers(cls, n_layers: int, kept: Iterable[int]) -> LayerMask:
         keep = tuple(i in set(kept) for i in range(n_layers))
         return cls(attn=keep, mlp=keep)
 
@@ -135,6 +136,7 @@ class KVCache:
         self.k[:, :, :n].copy_(k[:, :, :n])
         self.v[:, :, :n].copy_(v[:, :, :n])
         if hidden is not None:
+            assert self.hidden is not None, "streams copied into a cache that keeps none"
             self.hidden[:n].copy_(hidden[:n])
         self._commit(None, 0, n)
 
@@ -162,7 +164,7 @@ class KVCache:
             if self.saves_hidden(route):  # [start, end) now hold exact lower layers and stored states
                 if start <= self.n_exact:
                     self.n_exact = end
-            elif any(route.attn[: self.resume_layer]):  # it wrote lower layers' K/V from a routed stream
+            elif route is not None and any(route.attn[: self.resume_layer]):  # it wrote lower layers' K/V from a routed stream
                 self.n_exact = min(self.n_exact, start)
         if route is None:
             # A full pass makes [start, end) valid in every layer; routed entries past it were

@@ -26,7 +26,7 @@ class PackedLinear:
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None, pack: bool = True):
         self.out_features, self.in_features = weight.shape
         self.bias = bias
-        self.weight = weight
+        self.weight: torch.Tensor | None = weight
         self.packed = None
         if (pack and weight.device.type == "cpu" and weight.dtype in (torch.float32, torch.bfloat16)
                 and hasattr(torch.ops.mkldnn, "_linear_pointwise")):
@@ -37,7 +37,7 @@ class PackedLinear:
                 self.packed = None
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        if self.packed is not None:
+        if self.weight is None:  # (packed)
             return torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [], "")
         return F.linear(x, self.weight, self.bias)
 

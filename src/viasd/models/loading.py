@@ -16,6 +16,7 @@ import functools
 import os
 import shutil
 from dataclasses import dataclass, field
+from typing import Any, cast
 from pathlib import Path
 
 import torch
@@ -59,7 +60,7 @@ class LoadedModel:
     path: Path  # the transformers-format directory the weights came from
     config: ModelConfig
     decoder: Decoder  # or models.t5.EncoderDecoder (same forward and cache interface, plus encode)
-    tokenizer: object = field(repr=False)
+    tokenizer: Any = field(repr=False)  # a transformers tokenizer (whichever class the model's files give)
     source_sha256: str | None = None  # of the GGUF for zoo / GGUF sources
     # the weight format it runs: "native" (the GGUF's own blocks), one it was re-quantized to ("q4_0") or a float type
     weights: str = "float32"
@@ -319,6 +320,7 @@ def _native_source(source: str, progress: bool, device: str, explicit: bool) -> 
     """The GGUF whose own weights a native load uses; None: the model runs in float32 (see load_model)."""
     from viasd.models import ggml_kernels
 
+    gguf: Path | None
     if source in ZOO:
         gguf = zoo_gguf_verified(ZOO[source], progress)
     else:
@@ -374,7 +376,8 @@ def _load_dir(source: str, path: Path, digest: str | None, dtype, device, pack, 
         if config.family == "t5":  # encoder-decoder: transformers' encoder, our routed decoder
             from viasd.models.t5 import EncoderDecoder
 
-            decoder = EncoderDecoder.from_pretrained(path, hf_config, state, dtype=dtype, device=device, pack=pack)
+            # (decoded through the `Decoder` interface: the same forward and cache, plus encode)
+            decoder = cast(Decoder, EncoderDecoder.from_pretrained(path, hf_config, state, dtype=dtype, device=device, pack=pack))
         else:
             decoder = Decoder.from_state_dict(config, state, dtype=dtype, device=device, pack=pack, native=native)
     except (KeyError, ValueError, RuntimeError, TypeError) as e:

@@ -270,7 +270,10 @@ def quantize(state: dict[str, torch.Tensor], config: ModelConfig | None, ggml_ty
     """Native weights of `ggml_type` (Q8_0, Q4_0, ...) quantized from the float ones in `state`: those
     a native model holds (`native_names(config)`), or the given `names`."""
     chunk = _quantize_chunk()
-    return {name: _quantized(state[name], ggml_type, chunk) for name in (names if names is not None else native_names(config))
+    if names is None:
+        assert config is not None, "quantize needs the model's config or the names"
+        names = native_names(config)
+    return {name: _quantized(state[name], ggml_type, chunk) for name in names
             if name in state or name != "lm_head.weight"}
 
 

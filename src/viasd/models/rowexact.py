@@ -225,6 +225,21 @@ def lib() -> ctypes.CDLL | None:
         return _lib
 
 
+def _loaded() -> ctypes.CDLL:
+    """`lib()`, where the caller runs only once it loaded (`available`)."""
+    cdll = lib()
+    if cdll is None:
+        raise RuntimeError(f"the row-exact kernels are unavailable: {_lib_error}")
+    return cdll
+
+
+def _address(fn) -> int:
+    """A C function's address (ggml's custom ops take it)."""
+    address = ctypes.cast(fn, ctypes.c_void_p).value
+    assert address is not None  # (a function of a loaded library)
+    return address
+
+
 REFERENCE, VNNI, AVX2 = 0, 1, 2  # the kernels (`impl`): portable reference, AVX-512 VNNI, AVX2
 
 
@@ -257,13 +272,13 @@ def best_kernel() -> int:
 
 def op_address() -> int:
     """Address of the ggml custom-op function (`ggml_custom_4d`'s fun)."""
-    return ctypes.cast(lib().rx_ggml_op, ctypes.c_void_p).value
+    return _address(_loaded().rx_ggml_op)
 
 
 def fused_op_address() -> int:
     """Address of the product with its input's RMS norm and a residual fused in (`rx_ggml_fused_op`;
     userdata a `FusedOp`)."""
-    return ctypes.cast(lib().rx_ggml_fused_op, ctypes.c_void_p).value
+    return _address(_loaded().rx_ggml_fused_op)
 
 
 def set_prefetch_rows(rows: int) -> None:
@@ -307,7 +322,7 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Ten
     mask = mask.to(torch.float16).contiguous()
     out = torch.empty_like(q)
     prm = AttentionParams.of(scale, softcap)
-    status = lib().rx_attention(ctypes.c_void_p(q.data_ptr()), ctypes.c_void_p(k.data_ptr()), ctypes.c_void_p(v.data_ptr()),
+    status = _loaded().rx_attention(ctypes.c_void_p(q.data_ptr()), ctypes.c_void_p(k.data_ptr()), ctypes.c_void_p(v.data_ptr()),
                                 ctypes.c_void_p(mask.data_ptr()), ctypes.c_void_p(out.data_ptr()),
                                 ctypes.c_int64(q.shape[0]), ctypes.c_int64(q.shape[1]), ctypes.c_int64(k.shape[0]),
                                 ctypes.c_int64(k.shape[1]), ctypes.c_int(q.shape[2]), ctypes.c_float(prm.scale),
@@ -320,7 +335,7 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Ten
 def attention_op_address() -> int:
     """Address of the row-exact attention custom op: dst [d, H, T] from q [d, T, H], the K and V cache
     [d, n_keys, Hkv] float32 and the mask [n_keys, T] float16; userdata an `AttentionParams`."""
-    return ctypes.cast(lib().rx_attn_op, ctypes.c_void_p).value
+    return _address(_loaded().rx_attn_op)
 
 
 # ---------------------------------------------------------------- unpacking the file's blocks
@@ -343,6 +358,8 @@ class _Blocks:
 
 def _unpack(ggml_type: int, data: np.ndarray, rows: int, cols: int) -> _Blocks:
     """The file's blocks (ggml's layouts, as gguf-py's `quants` reads them) -> `_Blocks`."""
+    q: np.ndarray  # [rows, cols] quants, uint8 (by layout)
+    high: np.ndarray
     if ggml_type == Q4_0:  # d f16, 16 bytes: low nibbles elements 0-15, high 16-31; w = d * (q - 8)
         b = data.reshape(-1, 18)
         q = np.concatenate([b[:, 2:] & 15, b[:, 2:] >> 4], axis=1)
@@ -389,6 +406,7 @@ def _block_values(spec: tuple, sup_blocks: int, scale: np.ndarray | None = None)
     if spec[0] == "half":
         return spec[1]
     if spec[0] == "mult":
+        assert scale is not None  # (a multiple of the scale)
         return (np.float32(spec[1]) * scale).astype(np.float32)
     return (np.repeat(spec[1], sup_blocks, axis=1) * spec[2].astype(np.float32)).astype(np.float32)
 
@@ -423,7 +441,7 @@ class RowExactWeight:
             return torch.from_numpy(np.ascontiguousarray(a.astype(dtype).reshape(tiles, 16, -1).transpose(0, 2, 1)).reshape(-1))
 
         modes, self._arrays = {}, []
-        ptrs = {}
+        ptrs: dict[str, int | None] = {}
         for which, spec in (("scale", u.scale), ("min", u.min)):
             if spec[0] == "mult":
                 modes[which], ptrs[which], ptrs[which + "_sup"] = 3, None, None
@@ -449,7 +467,7 @@ class RowExactWeight:
         impl: REFERENCE, VNNI or AVX2 (default: the op's, the fastest this CPU runs)."""
         x = x.to(torch.float32).contiguous()
         y = torch.empty(x.shape[0], self.rows, dtype=torch.float32)
-        status = lib().rx_matmul(ctypes.byref(self.op.w), x.data_ptr(), self.cols, x.shape[0], y.data_ptr(), self.rows,
+        status = _loaded().rx_matmul(ctypes.byref(self.op.w), x.data_ptr(), self.cols, x.shape[0], y.data_ptr(), self.rows,
                                  0, 1, self.op.impl if impl is None else impl)
         if status != 0:
             raise MemoryError("the row-exact kernel could not allocate its activation buffer")
@@ -480,7 +498,7 @@ def rows_unavailable_reason() -> str | None:
     return None
 
 
-def rows_op(kind: int, data_ptr: int, rows: int, cols: int, quantize_ptr: int) -> GgmlRowsOp:
+def rows_op(kind: int, data_ptr: int, rows: int, cols: int, quantize_ptr: int | None) -> GgmlRowsOp:
     """The op struct for a weight at `data_ptr` (`quantize_ptr`: ggml's quantize_row_q8_K)."""
     if rows % (8 if kind == ROWS_Q4K8 else 1) or cols % 256:
         raise ValueError(f"a {'repacked Q4_K' if kind == ROWS_Q4K8 else 'Q6_K'} weight of {rows}x{cols} does not fit the kernel")
@@ -490,7 +508,7 @@ def rows_op(kind: int, data_ptr: int, rows: int, cols: int, quantize_ptr: int) -
 def rows_matmul(op: GgmlRowsOp, x: torch.Tensor, split: int = 1) -> torch.Tensor:
     """x [T, cols] float32 -> [T, rows] through the several-row kernel, on the calling thread (checks,
     tests); `split`: the work divided as among that many threads, their parts computed in turn."""
-    cdll = lib()
+    cdll = _loaded()
     x = x.to(torch.float32).contiguous()
     y = torch.empty(x.shape[0], op.rows, dtype=torch.float32)
     cdll.rx_rows_matmul.restype = ctypes.c_int
@@ -504,4 +522,4 @@ def rows_matmul(op: GgmlRowsOp, x: torch.Tensor, split: int = 1) -> torch.Tensor
 
 def rows_op_address() -> int:
     """Address of the several-row custom op: dst [rows, T] from src[0] [cols, T]; userdata a `GgmlRowsOp`."""
-    return ctypes.cast(lib().rx_rows_ggml_op, ctypes.c_void_p).value
+    return _address(_loaded().rx_rows_ggml_op)

@@ -102,7 +102,8 @@ class EncoderDecoder:
         from transformers import T5EncoderModel
 
         config = t5_config(hf_config)
-        encoder = T5EncoderModel.from_pretrained(path, dtype=dtype).to(device).eval()
+        # (transformers types `.to` through a decorator mypy reads as taking the model)
+        encoder = T5EncoderModel.from_pretrained(path, dtype=dtype).to(device).eval()  # type: ignore[arg-type]
         start = hf_config.decoder_start_token_id if hf_config.decoder_start_token_id is not None else hf_config.pad_token_id
         return cls(config, encoder, state, int(start), hf_config.relative_attention_num_buckets,
                    hf_config.relative_attention_max_distance, dtype, torch.device(device), pack)
@@ -143,7 +144,7 @@ class EncoderDecoder:
         stores resumable streams; so is a reduced `head`: routes of a T5 store no vocabulary.)"""
         if head is not None:
             raise ValueError("an encoder-decoder decoder has no reduced LM heads")
-        if cache.cross_k is None:
+        if cache.cross_k is None or cache.cross_v is None:
             raise ValueError("encoder-decoder model: encode the source into this cache first")
         tokens = torch.as_tensor(tokens, dtype=torch.long)
         n_tokens = tokens.shape[0]
