@@ -236,7 +236,7 @@ def propose(drafter: Drafter, tokens: list[int], k: int, policy: DraftLength | N
     calls = stats.calls[CallKind.DRAFT] if stats is not None else None
     with PassTimer(getattr(drafter, "decoder", None)) as timer:
         draft = drafter.propose(tokens, j)
-    passes = stats.calls[CallKind.DRAFT] - calls if calls is not None else None
+    passes = stats.calls[CallKind.DRAFT] - calls if stats is not None and calls is not None else None
     if j:
         policy.observe_drafting(timer.seconds, len(draft) - draft.forced, passes)
     return draft, None

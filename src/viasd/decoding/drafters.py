@@ -12,7 +12,7 @@ from __future__ import annotations
 import functools
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Protocol
+from typing import TYPE_CHECKING, Protocol, cast
 
 import numpy as np
 import torch
@@ -26,6 +26,9 @@ from viasd.models.decoder import Decoder
 from viasd.models.kvcache import KVCache, LayerMask
 from viasd.models.layers import ReducedHead
 from viasd.models.logits import PassOutput
+
+if TYPE_CHECKING:
+    from viasd.models.t5 import EncoderDecoder, Seq2SeqCache
 
 
 @dataclass
@@ -139,7 +142,7 @@ class _AutoregressiveDrafter:
                 start -= 1  # another token: dropped
                 cache.rollback(start)
                 ahead = None
-            if self.threshold is not None and top < self.threshold or enough is not None and enough(tokens):
+            if self.threshold is not None and top is not None and top < self.threshold or enough is not None and enough(tokens):
                 break
             feed = [token]
         self._observe_singles()
@@ -153,7 +156,10 @@ class _AutoregressiveDrafter:
         healed token is drawn from; q appended to `probs` where kept. None: nothing the grammar allows."""
         if plain and first is None:  # greedy: the argmax, found by the LM head (no row taken)
             i = first_maxima(out.logits, out.argmax)[-1]  # (over a reduced head's ids ascending: the expanded row's first maximum)
-            return self.head.id_list[i] if compact else i, None
+            if compact:
+                assert self.head is not None  # (compact: drafting over the reduced head's ids)
+                return self.head.id_list[i], None
+            return i, None
         row = out[-1]
         logits, known = row.logits, row.argmax  # [V] (or [N]); its argmax, [1], where the pass found it
         if first is not None and not plain:
@@ -168,6 +174,7 @@ class _AutoregressiveDrafter:
         if first is not None and plain:  # the masked row's first maximum, without the masked row
             return first_among(logits, first, known), None
         if compact:  # (ascending ids: the first maximum is the expanded row's first maximum)
+            assert self.head is not None
             token = self.head.id_list[first_maxima(logits, known)[0]]
             return token, float(self.params.confidence(logits).max()) if self.threshold is not None else None
         if self.keep_probs or self.threshold is not None:
@@ -236,7 +243,7 @@ class ModelDrafter(_AutoregressiveDrafter):
         if getattr(verifier, "source", None) is not None:  # an encoder-decoder drafter reads the verifier's source
             if not self.decoder.is_encoder_decoder:
                 raise ValueError("an encoder-decoder verifier needs an encoder-decoder drafter model")
-            self.decoder.encode(torch.tensor(verifier.source), self.cache)
+            cast("EncoderDecoder", self.decoder).encode(torch.tensor(verifier.source), cast("Seq2SeqCache", self.cache))
             self.stats.observe_call(CallKind.DRAFT, verifier_share=self.verifier_share)
         # the prompt but its last token (the first `propose` feeds that one, to get its logits), in one
         # pass before the verifier's prefill: reading the prompt is prefill work, which belongs to the
@@ -281,6 +288,7 @@ class SelfDrafter(_AutoregressiveDrafter):
 
     def _sync(self, context: list[int]) -> tuple[KVCache, int]:
         # routed entries past n_full belong to an earlier draft: restart drafting at n_full
+        assert self.cache is not None, "propose before begin"
         return self.cache, self.cache.n_full
 
 
@@ -338,7 +346,7 @@ class LookupDrafter:
     its next pass. What the draft-length policy reads of it is the model drafter's (it prices its
     passes, and learns only its drafts' acceptance: `Draft.looked_up`)."""
 
-    def __init__(self, inner: Drafter, n: int):
+    def __init__(self, inner: ModelDrafter, n: int):
         self.inner, self.ngram = inner, NgramDrafter(n, n)
 
     @property
@@ -434,16 +442,16 @@ class GrammarDrafter:
         if self.inner is None or k <= 0:
             return Draft(forced, None, len(forced))
         if masks:
-            self.inner.grammar = lambda drafted: self.constraint.allowed_after(ahead + forced + drafted)
+            cast(_AutoregressiveDrafter, self.inner).grammar = lambda drafted: self.constraint.allowed_after(ahead + forced + drafted)
         try:
             own = self.inner.propose(context + forced, k)
         finally:
             if masks:
-                self.inner.grammar = None
+                cast(_AutoregressiveDrafter, self.inner).grammar = None
         own = own.cut(self.constraint.valid(own.tokens, ahead + forced))
         if own.tokens and own.probs is None:  # a deterministic drafter: so is the whole draft
             return Draft(forced + own.tokens, None, len(forced))
         # the forced tokens' q: one-hot (a drafter with probabilities keeps them for every token)
         one_hot = torch.nn.functional.one_hot(torch.tensor(forced, dtype=torch.long), self.constraint.vocab_size).float()
-        probs = torch.cat([one_hot, own.probs.float()]) if own.tokens else one_hot
+        probs = torch.cat([one_hot, own.probs.float()]) if own.tokens and own.probs is not None else one_hot
         return Draft(forced + own.tokens, probs if forced or own.tokens else None, len(forced))

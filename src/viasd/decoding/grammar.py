@@ -24,12 +24,17 @@ does the same): a free extra key is where a model repeats keys (`{"n":1,"":1,"":
 from __future__ import annotations
 
 import json
+from collections.abc import Sequence
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import torch
 
 from viasd.errors import InvalidArgumentError
+
+if TYPE_CHECKING:
+    import llguidance
 
 FORCED_MAX = 16  # grammar-forced tokens drafted in one round at most (the caches keep room for them)
 GRAMMAR_MAX_CHARS = 1 << 17  # a schema, regex or grammar longer than this is refused before it compiles
@@ -170,7 +175,7 @@ def _no_answer(grammar: str) -> str | None:
     return None
 
 
-def check_format(response_format: dict | None) -> tuple[str, object]:
+def check_format(response_format: dict | None) -> tuple[str, Any]:  # (the body's type follows the kind's)
     """`response_format`'s shape checked: (its type, the schema / regex / grammar text it carries)."""
     if response_format is None:
         return "text", None
@@ -208,9 +213,9 @@ class Constraint:
     `mask` needs the tokens past the committed ones to be grammar-valid: drafts are cut first (`valid`)
     and tokens a masked distribution chose always are."""
 
-    matcher: object  # llguidance.LLMatcher, at the state after the committed tokens
+    matcher: llguidance.LLMatcher  # at the state after the committed tokens
     vocab_size: int  # V, the logits' width (may exceed the tokenizer's)
-    tokenizer: object = None  # llguidance.LLTokenizer (tokenizes the forced bytes)
+    tokenizer: llguidance.LLTokenizer | None = None  # (tokenizes the forced bytes)
     committed: list[int] = field(default_factory=list)  # the tokens the matcher consumed
 
     def __post_init__(self) -> None:
@@ -297,7 +302,7 @@ class Constraint:
         self._rollback(len(ahead))
         return out.add_(logits)  # (a new tensor: a pass' logits may be its buffer)
 
-    def valid(self, tokens: list[int], ahead: list[int] = ()) -> int:
+    def valid(self, tokens: list[int], ahead: Sequence[int] = ()) -> int:
         """How many of `tokens` (after the committed tokens and `ahead`) the grammar accepts in a row."""
         self._consume(list(ahead))
         if self._after_stop or self.matcher.is_stopped():  # only end tokens may follow
@@ -307,7 +312,7 @@ class Constraint:
         self._rollback(len(ahead))
         return n
 
-    def forced(self, ahead: list[int] = (), tail: bool = True) -> list[int]:
+    def forced(self, ahead: Sequence[int] = (), tail: bool = True) -> list[int]:
         """The tokens of what the grammar alone determines after the committed tokens and `ahead`.
         llguidance's own forced tokens (`compute_ff_tokens`) stop before the last token that could
         still merge with free text (`":"` after a key); with `tail`, the tokenizer's tokens of all the

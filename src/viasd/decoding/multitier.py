@@ -232,7 +232,7 @@ class _TieredLoop:
         if draft.tokens and self.slim_tiers:
             slim = self.params.confidence(v.slim(self.route, draft.tokens, head=self.head).logits)  # [k'+1, V]
             tiers = round_tiers(draft.tokens, draft.probs, slim, self.thresholds,
-                                self.head and self.head.contains(draft.tokens))  # k'+1
+                                self.head.contains(draft.tokens) if self.head is not None else None)  # k'+1
             # 2. tiers 1 and 2, in order, up to the first tier-3 position
             new, i = _settle_without_full(draft, slim, tiers, self.params, self.req.generator)
         else:  # no draft (or no tier but the full one): the full model decides, with no slim pass

@@ -7,6 +7,7 @@ names.
 from __future__ import annotations
 
 from collections.abc import Callable
+from typing import TypeVar
 from dataclasses import dataclass
 from enum import StrEnum
 
@@ -52,13 +53,22 @@ class LoopArgs:
 
 
 Loop = Callable[[Decoder, Drafter | None, DecodeRequest, LoopArgs], list[int]]
+T = TypeVar("T")
+
+
+def _given(value: T | None, what: str) -> T:
+    """`value`, which the strategy's loop needs (its drafter, route or thresholds, set by `generate`)."""
+    if value is None:
+        raise ValueError(f"this strategy's loop needs {what}")
+    return value
 
 
 def _viasd(decoder: Decoder, drafter: Drafter | None, req: DecodeRequest, args: LoopArgs) -> list[int]:
     if args.mode is Mode.LOSSLESS:
-        return viasd_lossless_decode(decoder, drafter, args.slim, req, args.k, full_block=args.full_block, resume=args.resume,
-                                     head=args.slim_head, adaptive=args.adaptive)
-    return viasd_tiered_decode(decoder, drafter, args.slim, req, args.k, args.thresholds, resume=args.resume, head=args.slim_head,
+        return viasd_lossless_decode(decoder, _given(drafter, "a drafter"), _given(args.slim, "a slim route"), req, args.k,
+                                     full_block=args.full_block, resume=args.resume, head=args.slim_head, adaptive=args.adaptive)
+    return viasd_tiered_decode(decoder, _given(drafter, "a drafter"), _given(args.slim, "a slim route"), req, args.k,
+                               _given(args.thresholds, "tier thresholds"), resume=args.resume, head=args.slim_head,
                                adaptive=args.adaptive, correct=args.correct)
 
 
@@ -102,11 +112,11 @@ def _ar(decoder: Decoder, drafter: Drafter | None, req: DecodeRequest, args: Loo
 
 
 def _sd(decoder: Decoder, drafter: Drafter | None, req: DecodeRequest, args: LoopArgs) -> list[int]:
-    return speculative_decode(decoder, drafter, req, args.k, adaptive=args.adaptive)
+    return speculative_decode(decoder, _given(drafter, "a drafter"), req, args.k, adaptive=args.adaptive)
 
 
 def _cascade(decoder: Decoder, drafter: Drafter | None, req: DecodeRequest, args: LoopArgs) -> list[int]:
-    return speculative_decode(decoder, drafter, req, args.k, args.cascade, adaptive=args.adaptive)
+    return speculative_decode(decoder, _given(drafter, "a drafter"), req, args.k, args.cascade, adaptive=args.adaptive)
 
 
 STRATEGIES: dict[str, Strategy] = {s.name: s for s in (

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import time
 from collections import Counter
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from enum import StrEnum
@@ -145,7 +145,7 @@ class DecodeStats:
         in tiered mode whichever settled it)."""
         self.rounds += verification
         self.drafted += n_drafted
-        if verification and self._pass_mark is not None:  # decode-only: after the first token
+        if verification and self._pass_mark is not None and self.pass_seconds is not None:  # decode-only: after the first token
             now, passed = time.perf_counter(), self.pass_seconds()
             if self._round_mark is not None and self.drafted > self._round_mark[2]:
                 self.drafting_host_s += max(0.0, now - self._round_mark[0] - (passed - self._round_mark[1]))
@@ -195,7 +195,7 @@ class DecodeStats:
         self.grammar_s += time.perf_counter() - t0
         self.grammar_masks += rows
 
-    def observe_tiers(self, tiers: list[int]) -> None:
+    def observe_tiers(self, tiers: Iterable[int]) -> None:
         self.tiers.update(tiers)
 
     def observe_tokens(self, n: int) -> None:
@@ -238,7 +238,7 @@ class DecodeStats:
 
     def finish(self) -> None:
         self.wall_s = time.perf_counter() - self._t0
-        if self._pass_mark is not None:
+        if self._pass_mark is not None and self.pass_seconds is not None:
             self.decode_pass_s = self.pass_seconds() - self._pass_mark
 
     @property

@@ -13,10 +13,10 @@ token; everything after that is the decoder-only loop.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from enum import StrEnum
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, cast
 
 import torch
 
@@ -33,6 +33,7 @@ from viasd.models.logits import PassOutput
 
 if TYPE_CHECKING:
     from viasd.decoding.drafters import Drafter
+    from viasd.models.t5 import EncoderDecoder, Seq2SeqCache
 
 
 class CallKind(StrEnum):
@@ -89,7 +90,7 @@ class Verifier:
         # encoder-decoder: the prompt is the encoder's source; the decoder starts from its start token
         self.source: list[int] | None = list(req.prompt) if decoder.is_encoder_decoder else None
         # every committed token, prompt included (decoder-only) or the start token (encoder-decoder)
-        self.tokens: list[int] = [decoder.start_token] if self.source is not None else list(req.prompt)
+        self.tokens: list[int] = [cast("EncoderDecoder", decoder).start_token] if self.source is not None else list(req.prompt)
         self.out: list[int] = []  # the new tokens
         self.origins: list[int] = []  # each new token's `Tier`, where the loop records tiers
         self.sources: list[Source] = []  # who settled each new token
@@ -136,7 +137,7 @@ class Verifier:
         then restores the invariant), None for an empty prompt. For an encoder-decoder, the source first
         goes through the encoder (counted as one full call)."""
         if self.source is not None:
-            self.decoder.encode(torch.tensor(self.source), self.cache)
+            cast("EncoderDecoder", self.decoder).encode(torch.tensor(self.source), cast("Seq2SeqCache", self.cache))
             self.stats.observe_call(CallKind.FULL, verifier_share=1.0)
         if not self.tokens:
             return None
@@ -184,7 +185,7 @@ class Verifier:
         rows = n + len(ahead) - start
         feed = self.tokens[start:] + ahead if start <= n else ahead[start - n :]  # (a slim pass may start inside `ahead`)
         out = self.passes.forward(self.decoder, feed, start, self.cache, route=route, resume=resume, head=head)  # [rows, V]
-        first = self.cache.resume_layer if resume else 0
+        first = (self.cache.resume_layer or 0) if resume else 0  # (a resumed pass has a resume layer)
         share = (1.0 if route is None else route.fraction) - (first / self.decoder.config.n_layers)
         full = route is None and not first and head is None  # (its bytes, known since the request began)
         self.stats.observe_call(kind, verifier_share=share,
@@ -206,7 +207,7 @@ class Verifier:
                 rows = self.constraint.mask(rows, ahead)
         return PassOutput(rows)
 
-    def commit(self, new: list[int], tiers: list[int] | None = None, checked: bool = True,
+    def commit(self, new: list[int], tiers: Sequence[int] | None = None, checked: bool = True,
                sources: list[Source] | None = None, logits: torch.Tensor | None = None) -> int:
         """Commit `new`, cut at the token budget and after the first end token; record the kept
         tokens' tiers and `sources` (default: the full model's) and, with the request's `logprobs`,
@@ -232,7 +233,7 @@ class Verifier:
         counts = self.stats.sources
         for source in sources:  # (not Counter.update: its Mapping check alone costs ~40 us right after a pass)
             counts[source] += 1
-        if self.logprobs is not None and new:
+        if self.logprobs is not None and self.req.logprobs is not None and new:
             if logits is None:  # (tiered VIA-SD settles tokens without the full model: refused in settings)
                 raise RuntimeError("logprobs asked for, but this loop committed tokens without the full model's logits")
             self.logprobs += token_logprobs(logits[: len(new)], new, self.req.logprobs)

@@ -54,7 +54,7 @@ class _Call:
 class BatchSession:
     """Members' forward calls, gathered into passes by `step` on the compute thread."""
 
-    def __init__(self):
+    def __init__(self) -> None:
         self._cv = threading.Condition()
         self._parked: list[_Call] = []
         self.members = 0

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable, Iterable
-from typing import TYPE_CHECKING, TypeVar
+from typing import TYPE_CHECKING, Any, Literal, TypeVar, overload
 
 from viasd.execution.batching import BatchSession
 from viasd.execution.prefix import PrefixCache
@@ -37,7 +37,13 @@ class Passes:
         self._prefix = {id(d): c for d, c in prefix}
         self.seconds = 0.0
 
-    def forward(self, decoder, tokens: torch.Tensor | list[int], start: int, cache: KVCache, **kw) -> PassOutput | None:
+    @overload
+    def forward(self, decoder, tokens: torch.Tensor | list[int], start: int, cache: KVCache, *, logits: Literal[False],
+                **kw: Any) -> None: ...
+    @overload
+    def forward(self, decoder, tokens: torch.Tensor | list[int], start: int, cache: KVCache, **kw: Any) -> PassOutput: ...
+
+    def forward(self, decoder, tokens: torch.Tensor | list[int], start: int, cache: KVCache, **kw: Any) -> PassOutput | None:
         """`decoder.forward(tokens, start, cache, scored=True, **kw)`, run as this request runs its passes:
         the logits with the rows' maxima the pass found (None: a pass without logits)."""
         kw["scored"] = True

@@ -18,7 +18,7 @@ import statistics
 import sys
 import time
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -191,7 +191,7 @@ def _measure(decoder: Decoder, rows: int, reps: int, last_only: bool, head: Redu
     n = max(1, min(_CONTEXT, decoder.config.max_positions - rows - 1))
     ids = torch.arange(rows + n) % min(1000, decoder.config.vocab_size)  # any tokens: the cost is the same
     cache = decoder.new_cache(n + rows)
-    over = {} if head is None else {"head": head, "expand": False}  # (drafting passes: the last row only)
+    over: dict[str, Any] = {} if head is None else {"head": head, "expand": False}  # (drafting passes: the last row only)
 
     def run(tokens: torch.Tensor, start: int, last: bool) -> None:
         decoder.forward(tokens, start, cache, last_only=last, **(over if last else {}))
