@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
@@ -32,7 +33,7 @@ from viasd.settings import (CONVERSIONS, DRAFT_KINDS, MODES, CascadeOptions, Dra
                             GenerateConfig, ViasdOptions, bias_of, check_bias_ids, preflight_files)
 from viasd.validation import check_text, check_token_ids
 
-def _as_model(model: str | LoadedModel, progress: bool, drafter: bool = False) -> LoadedModel:
+def _as_model(model: str | LoadedModel | None, progress: bool, drafter: bool = False) -> LoadedModel:
     if not isinstance(model, (str, LoadedModel)) or (isinstance(model, str) and not model):
         raise UsageError(f"model must be a model name or path (str) or a LoadedModel, got {model!r}")
     if isinstance(model, LoadedModel):
@@ -73,7 +74,8 @@ class TextStream:
         self.sent = 0
         tok = getattr(model, "tokenizer", None)
         backend = getattr(tok, "backend_tokenizer", None)
-        self._backend, self._steps = None, None
+        self._backend: Any = None  # the fast tokenizer's `tokenizers.Tokenizer`
+        self._steps = None
         if backend is not None and not getattr(tok, "clean_up_tokenization_spaces", False):
             from tokenizers.decoders import DecodeStream
 
@@ -87,8 +89,9 @@ class TextStream:
         if self.emit is None:
             return
         pieces = [self._piece(len(self.ids) - len(new_ids) + j) for j in range(len(new_ids))]
+        unscored: list[TokenLogprob | None] = [None] * len(new_ids)
         self.emit([TokenText(i, p, s, None if logprobs is None else lp)
-                   for i, p, s, lp in zip(new_ids, pieces, sources, logprobs or [None] * len(new_ids))])
+                   for i, p, s, lp in zip(new_ids, pieces, sources, logprobs or unscored)])
 
     def _piece(self, j: int) -> str:
         """The text token `j` (of self.ids) adds."""
@@ -168,7 +171,8 @@ def _cross_drafter(verifier: LoadedModel, draft_model: LoadedModel, config: Gene
 
 def _loop_args(spec: Strategy, config: GenerateConfig, verifier: LoadedModel) -> tuple[LoopArgs, dict]:
     """The loop's arguments, and what they add to the result record."""
-    v, extra = config.viasd, {}
+    v = config.viasd
+    extra: dict[str, Any] = {}
     slim = thresholds = head = None
     if spec.multitier:
         resolved = resolve_route(verifier, "slim", v.slim_layers, v.slim_route)
@@ -192,7 +196,7 @@ def _loop_args(spec: Strategy, config: GenerateConfig, verifier: LoadedModel) ->
     # weights); oneDNN's float products round a row computed alone otherwise, and with bfloat16 weights
     # that changed a token of lossless VIA-SD on the AMD EPYC with AVX-512 (tests/models/test_native.py)
     resume = v.resume and getattr(verifier.decoder, "native", False)  # (T5: float weights, no resuming)
-    if spec.multitier:
+    if spec.multitier and slim is not None:
         extra["resume_layer"] = resume_layer(slim, resume)
     if tiered:
         extra["correct"] = v.correct
@@ -339,7 +343,7 @@ def _emitter(on_text: Callable[[str], None] | None,
         if on_tokens is not None:
             on_tokens(tokens)
         text = "".join(t.text for t in tokens) if on_text is not None else ""
-        if text:
+        if text and on_text is not None:
             on_text(text)
 
     return emit

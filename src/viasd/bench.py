@@ -17,6 +17,7 @@ import time
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 from viasd import compute
 from viasd.api import GenerateConfig, generate
@@ -140,8 +141,8 @@ def load_tasks(spec: str, limit: int | None, turns: int = 1) -> list[Prompt]:
                     prompts.append(Prompt(f"spec_bench/{cat}", str(row["question_id"]), row["turns"][0], None,
                                           row.get("reference"), follow_up=follow_up))
         elif task == "human_eval":
-            for p in human_eval()[:limit]:
-                prompts.append(Prompt("human_eval", p["task_id"], p["prompt"], False, problem=p))
+            for problem in human_eval()[:limit]:
+                prompts.append(Prompt("human_eval", problem["task_id"], problem["prompt"], False, problem=problem))
         elif task.startswith("file:"):
             path, metric = _file_task(task)
             prompts += _file_prompts(path, task, limit, metric)
@@ -150,7 +151,8 @@ def load_tasks(spec: str, limit: int | None, turns: int = 1) -> list[Prompt]:
     if not prompts:
         raise UsageError(f"no prompts in tasks {spec!r}")
     # overlapping tasks (spec_bench and spec_bench:translation) ask some prompts twice: once each, first kept
-    seen, unique = set(), []
+    seen: set[tuple[str, str]] = set()
+    unique: list[Prompt] = []
     for p in prompts:
         if (p.task, p.id) not in seen:
             seen.add((p.task, p.id))
@@ -174,7 +176,8 @@ def _file_prompts(path: Path, task: str, limit: int | None, metric: str | None =
 
     if not path.exists():
         raise UsageError(f"{task}: no such file")
-    out, lines = [], {}
+    out: list[Prompt] = []
+    lines: dict[str, int] = {}
     data = read_capped(path, "task", UsageError)
     for n, line in enumerate(decode_utf8(data, str(path)).splitlines(), 1):
         if not line.strip():
@@ -448,7 +451,7 @@ def _methods_here(methods, drafters: dict) -> tuple[dict, dict, dict]:
 def _decode(prompt: Prompt, model, drafter, config: GenerateConfig) -> dict:
     """A record's fields for one decode of `prompt` (both turns of a two-turn prompt): text, tokens,
     stats, config and quality."""
-    record = {}
+    record: dict[str, Any] = {}
     r = generate(prompt.text, model, drafter=drafter, config=config, progress=False)
     stats = r.stats
     if prompt.follow_up is not None:  # the second turn answers after the model's own first answer

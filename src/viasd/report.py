@@ -106,12 +106,13 @@ def summarize(records: list[dict]) -> dict[tuple[str, str], dict]:
         ratios = [r["stats"]["tokens_per_s"] / ar[(r["task"], r["prompt_id"])] for r in ok if ar.get((r["task"], r["prompt_id"]))]
         decode = [r["stats"]["decode_tokens_per_s"] / ar_decode[(r["task"], r["prompt_id"])] for r in ok
                   if ar_decode.get((r["task"], r["prompt_id"])) and r["stats"].get("decode_tokens_per_s")]
-        tiers = defaultdict(int)
+        tiers: defaultdict[str, int] = defaultdict(int)
         for r in ok:
             for t, n in r["stats"].get("tiers", {}).items():
                 tiers[t] += n
         checks = [_full_check(r) for r in ok]
-        checked = sum(c[0] for c in checks) if None not in checks else 0
+        judged = [c for c in checks if c is not None] if None not in checks else []  # (all known, or none used)
+        checked = sum(c[0] for c in judged)
         quality = defaultdict(list)
         for r in ok:
             for m, v in r.get("quality", {}).items():
@@ -124,7 +125,7 @@ def summarize(records: list[dict]) -> dict[tuple[str, str], dict]:
             "mean_accepted_length": sum(r["stats"]["mean_accepted_length"] for r in ok) / len(ok),
             "rejection_rate": (drafted - accepted) / drafted if drafted else 0.0,
             # share of the proposed tokens the full verifier judged that it rejected (None: nothing judged)
-            "full_rejection_rate": (checked - sum(c[1] for c in checks)) / checked if checked else None,
+            "full_rejection_rate": (checked - sum(c[1] for c in judged)) / checked if checked else None,
             "full_calls_per_token": sum(r["stats"]["calls"].get("full", 0) for r in ok) / max(tokens, 1),
             "layer_passes_per_token":
                 sum(r["stats"]["verifier_layer_passes_per_token"] * r["stats"]["new_tokens"] for r in ok) / max(tokens, 1),

@@ -351,14 +351,19 @@ def check_setting(d: Declared, value) -> object:
             raise InvalidArgumentError(f"{name} must be True{', False or None' if d.optional else ' or False'}, got {value!r}")
         return value
     if d.kind == "choice":
+        assert s.choices is not None  # (declared with the setting)
         return check_choice(s.label or name, value, s.choices)
     if d.kind == "format":
         grammar_of(value)  # the shape, then the library's own verdict on the schema, regex or grammar
         return value
     if d.kind == "bias":
+        assert s.lo is not None and s.hi is not None  # (declared with the setting)
         return bias_of(value, s.lo, s.hi)
     if d.kind == "layers":
+        assert s.lo is not None and s.hi is not None  # (declared with the setting)
         layers = check_layers(name, value)
+        if layers is None:  # (None is accepted above where the setting is optional)
+            raise InvalidArgumentError(f"{name} must be a list of layer indices, got None")
         if len(layers) > s.hi + 1:
             raise InvalidArgumentError(f"{name} lists {len(layers)} layers, more than {int(s.hi) + 1}")
         return tuple(check_int(f"{name} entry", x, int(s.lo), int(s.hi)) for x in layers)

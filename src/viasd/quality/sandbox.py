@@ -130,7 +130,7 @@ def _launch(tmp: str, fds: dict[int, int], mode: str, cgroup: str | None, memory
     # output goes to a file, not a pipe: a descendant holding stderr open can never hang the wait
     with open(os.path.join(tmp, "stderr"), "wb") as err_w:
         if mode == "namespaces":
-            cmd = [shutil.which("unshare"), *_userns_flags(), *_NS_FLAGS, sys.executable, "-I", "-S", "-c", LAUNCHER,
+            cmd = [shutil.which("unshare") or "unshare", *_userns_flags(), *_NS_FLAGS, sys.executable, "-I", "-S", "-c", LAUNCHER,
                    tmp, python, str(memory_mb), str(cpu_s), "1" if drop else "0"]
             preexec = None
         else:

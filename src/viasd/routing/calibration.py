@@ -63,7 +63,10 @@ def build_calibration(model: LoadedModel, n_seqs: int = 16, seq_len: int = 128, 
         cache = model.decoder.new_cache(len(seq))
         logits = model.decoder.forward(seq[:-1], 0, cache)[len(ids) - 1 :]  # predicting tokens P..L-1
         logp, idx = torch.log_softmax(logits, -1).topk(top_k, dim=-1)
-        seqs.append(seq), plens.append(len(ids)), logps.append(logp), idxs.append(idx)
+        seqs.append(seq)
+        plens.append(len(ids))
+        logps.append(logp)
+        idxs.append(idx)
     calib = Calibration(seqs, plens, logps, idxs, f"{len(seqs)} Spec-Bench dev sequences of {seq_len} tokens, top-{top_k}")
     buf = io.BytesIO()
     torch.save({k: v for k, v in calib.__dict__.items() if not k.startswith("_")}, buf)

@@ -44,8 +44,9 @@ def resolve_route(model: LoadedModel, role: str, layers: Sequence[int] | None, r
     if layers is None:
         shipped = shipped_route_path(fingerprint, role)
         if shipped is not None:
-            route = shipped_route(fingerprint, role)
-            return Resolved(route.mask, shipped, route.vocab)
+            found = shipped_route(fingerprint, role)
+            assert found is not None  # (its file was found just now)
+            return Resolved(found.mask, shipped, found.vocab)
         layers = default_draft_layers(n) if role == "draft" else default_slim_layers(n)
     layers = tuple(layers)
     bad = [i for i in layers if not 0 <= i < n]

@@ -182,9 +182,9 @@ def drafter_misses(verifier: LoadedModel, drafter: LoadedModel, calib: Calibrati
         guess = bridge.to_verifier[logits.argmax(-1)]  # [len(d_ids)] verifier ids
         wrong = torch.ones(len(truth), dtype=torch.bool)
         for j in range(plen - 1, len(ids) - 1):
-            m = at.get(ends[j])
-            if m is not None:
-                wrong[j - plen + 1] = int(guess[m]) != ids[j + 1]
+            pos = at.get(ends[j])
+            if pos is not None:
+                wrong[j - plen + 1] = int(guess[pos]) != ids[j + 1]
         out.append(wrong)
     return out
 
