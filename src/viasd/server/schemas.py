@@ -115,7 +115,9 @@ OPENAI_FIELDS = tuple(n for n, d in SETTINGS.items() if d.spec.server == "openai
 _SAMPLING_FIELDS: dict[str, Any] = {n: (field_of(SETTINGS[n]), None) for n in OPENAI_FIELDS}
 if TYPE_CHECKING:  # what mypy checks the models built from the settings (below) as
     ViasdExtension = _Extension
-    _Sampling = Strict
+
+    class _Sampling(Strict):
+        def __getattr__(self, name: str) -> Any: ...  # its fields: one per OPENAI_FIELDS setting
     MaxTokens = int | None
     Logprobs = int | None
 else:
