@@ -59,7 +59,7 @@ class TokenLog:
     batch where the text sent covers all of it (cut where a stop string cuts the answer), so that the
     tokens handed out carry, in order, exactly the text sent."""
 
-    def __init__(self):
+    def __init__(self) -> None:
         self.tokens: list[TokenText] = []  # every committed token
         self.ends: list[int] = []  # [len(tokens)] where each token's text ends in the whole text
         self.out = 0  # tokens handed out
@@ -272,7 +272,8 @@ class Worker:
                 return
             job.started = time.perf_counter()
             if alone:  # on the compute thread, as `viasd generate` decodes
-                done, error = threading.Event(), []
+                done = threading.Event()
+                error: list[BaseException] = []
                 with self.lock:
                     self._inline.append((job, done, error))
                 self.session.wake()

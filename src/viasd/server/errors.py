@@ -3,6 +3,8 @@ each failure becomes: engine errors, request validation, requests the server end
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 from fastapi.responses import JSONResponse
 from pydantic import ValidationError
 
@@ -22,7 +24,7 @@ def error_body(message: str, type_: str = "invalid_request_error", param: str | 
 
 
 # the error body of another dialect's routes, by path prefix (routes_ollama.py, routes_infill.py register theirs)
-DIALECT_ERRORS: dict[str, object] = {}
+DIALECT_ERRORS: dict[str, Callable[[APIError], dict]] = {}
 
 
 def error_response(e: APIError, path: str = "") -> JSONResponse:

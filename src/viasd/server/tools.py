@@ -20,6 +20,7 @@ from __future__ import annotations
 import json
 import uuid
 from dataclasses import dataclass, field
+from typing import Any
 
 from viasd.decoding.grammar import closed_objects, grammar_of
 from viasd.errors import UsageError
@@ -60,14 +61,16 @@ class ToolPlan:
     # special ones, which the text "<tool_call>" never matches), and whether decoding drops them
     tags: tuple[int, int] | None = None
     dropped: bool = False
-    tokenizer: object = field(default=None, repr=False)
+    tokenizer: Any = field(default=None, repr=False)  # a transformers tokenizer
 
     def answer_text(self, text: str, ids: list[int]) -> str:
         """An answer's text with its tool-call tags: where decoding drops them (special tokens), the
         answer decoded again around them."""
         if not self.dropped:
             return text
-        out, piece = [], []
+        assert self.tags is not None  # (dropped: the tags are special tokens)
+        out: list[str] = []
+        piece: list[int] = []
         for t in ids:
             if t in self.tags:
                 out += [self.tokenizer.decode(piece, skip_special_tokens=True), OPEN if t == self.tags[0] else CLOSE]
@@ -301,7 +304,7 @@ class ToolStream:
     def feed(self, piece: str, final: bool = False) -> list[dict]:
         self.text += piece
         parsed = split(self.text, self.family, final)
-        deltas = []
+        deltas: list[dict] = []
         if len(parsed.content) > self.content_sent and not self.sent:
             deltas.append({"content": parsed.content[self.content_sent:]})
             self.content_sent = len(parsed.content)
