@@ -166,6 +166,7 @@ def install(app: FastAPI, settings) -> None:
                            allow_headers=["Authorization", "Content-Type", "X-Api-Key", "Anthropic-Version"])
     hosts = None if settings.allowed_hosts is None or "*" in settings.allowed_hosts else frozenset(settings.allowed_hosts)
     app.add_middleware(BrowserGuard, hosts=hosts, origins=origins, metrics=app.state.metrics)
-    app.add_exception_handler(APIError, on_api_error)
-    app.add_exception_handler(StarletteHTTPException, on_http_error)
+    # (Starlette types a handler as taking any Exception; it calls each with its own class's only)
+    app.add_exception_handler(APIError, on_api_error)  # type: ignore[arg-type]
+    app.add_exception_handler(StarletteHTTPException, on_http_error)  # type: ignore[arg-type]
     app.add_exception_handler(Exception, on_internal_error)

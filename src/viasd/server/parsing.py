@@ -122,7 +122,8 @@ def config_for(req, max_tokens: int | None, defaults: dict, max_positions: int, 
         if vocab_size is not None:
             check_bias_ids(s.get("logit_bias"), vocab_size)
     except UsageError as e:
-        named = re.match(r"\w*", str(e)).group()  # (a setting's message starts with its name: "top_p must ...", "logit_bias[5] ...")
+        # (a setting's message starts with its name: "top_p must ...", "logit_bias[5] ...")
+        named = m.group() if (m := re.match(r"\w*", str(e))) else ""
         param = fmt_param if named == "response_format" else named if named in OPENAI_FIELDS + ("logprobs",) else "viasd"
         raise APIError(400, str(e), param=param, code="invalid_value") from None
     return s

@@ -44,6 +44,7 @@ class GuardedH11Protocol(H11Protocol):
     """uvicorn's H11Protocol with a size and a time limit on each request's head (`protocol` sets the time)."""
 
     header_timeout: float = HEADER_TIMEOUT
+    conn: _Connection
 
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
