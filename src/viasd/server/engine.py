@@ -121,6 +121,13 @@ class Job:
     taken: int = 0
     last_taken: float = field(default_factory=time.monotonic)
 
+    @property
+    def decoded(self) -> DecodeResult:
+        """`result`, read once the decode is done (the answer's body, its record)."""
+        if self.result is None:
+            raise RuntimeError("the request's decode has no result yet")
+        return self.result
+
     def stop(self, reason: str) -> None:
         """End the decode after its current round, for `reason` (the first reason given wins)."""
         if self.cancel_reason is None:

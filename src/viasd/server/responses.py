@@ -11,6 +11,7 @@ import uuid
 from fastapi.responses import Response
 
 from viasd.api import TokenText
+from viasd.decoding.stats import TokenLogprob
 from viasd.errors import VocabularyMismatchError
 from viasd.server.engine import Job
 from viasd.server.errors import ended_by_server, engine_error
@@ -34,15 +35,22 @@ def finite(x):
 
 
 def usage(job: Job) -> dict:
-    st = job.result.stats
+    st = job.decoded.stats
     return {"prompt_tokens": st.prompt_tokens, "completion_tokens": st.new_tokens,
             "total_tokens": st.prompt_tokens + st.new_tokens}
 
 
 def record(job: Job) -> dict:
     """The `viasd` field of an answer: the settings the decode used and its stats."""
-    c = job.result.config
-    return finite({"config": {k: c[k] for k in _RECORDED if k in c}, "stats": job.result.stats.to_dict()})
+    c = job.decoded.config
+    return finite({"config": {k: c[k] for k in _RECORDED if k in c}, "stats": job.decoded.stats.to_dict()})
+
+
+def _scored(t: TokenText) -> TokenLogprob:
+    """A token's logprob, which every token carries with the logprobs setting."""
+    if t.logprob is None:
+        raise RuntimeError("a token without its logprob under the logprobs setting")
+    return t.logprob
 
 
 def token_string(piece: bytes) -> str:
@@ -74,17 +82,18 @@ class Reply:
             return None
         piece = self._piece
         name = lambda i: token_string(piece(i))  # noqa: E731
+        scored = [_scored(t) for t in tokens]
         if self.chat:
             def entry(i: int, lp: float) -> dict:
                 return {"token": name(i), "logprob": lp, "bytes": list(piece(i))}
-            return {"content": [{**entry(t.id, t.logprob.logprob), "top_logprobs": [entry(i, lp) for i, lp in t.logprob.top]}
-                                for t in tokens], "refusal": None}
+            return {"content": [{**entry(t.id, s.logprob), "top_logprobs": [entry(i, lp) for i, lp in s.top]}
+                                for t, s in zip(tokens, scored)], "refusal": None}
         offsets = []
         for t in tokens:
             offsets.append(self.offset)
             self.offset += len(t.text)
-        return {"tokens": [name(t.id) for t in tokens], "token_logprobs": [t.logprob.logprob for t in tokens],
-                "top_logprobs": [{name(i): lp for i, lp in t.logprob.top} for t in tokens] if self.logprobs else None,
+        return {"tokens": [name(t.id) for t in tokens], "token_logprobs": [s.logprob for s in scored],
+                "top_logprobs": [{name(i): lp for i, lp in s.top} for s in scored] if self.logprobs else None,
                 "text_offset": offsets}
 
     def _piece(self, i: int) -> bytes:
@@ -148,7 +157,7 @@ class Reply:
         if self.chat:
             message, finish = {"role": "assistant", "content": job.text}, job.finish_reason
             if self.tools is not None:
-                text = self.tools.answer_text(job.text, job.result.token_ids)
+                text = self.tools.answer_text(job.text, job.decoded.token_ids)
                 message, finish = whole_message(text, finish, self.tools.family)
             choice = {"index": 0, "message": message, "logprobs": self.token_logprobs(job.tokens), "finish_reason": finish}
         else:

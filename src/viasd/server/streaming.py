@@ -7,6 +7,7 @@ import json
 
 from fastapi.responses import Response, StreamingResponse
 
+from viasd.api import TokenText
 from viasd.server.errors import ended_by_server, engine_error, error_body
 from viasd.server.responses import Reply, record
 from viasd.server.tools import ToolStream, finish_of
@@ -39,7 +40,7 @@ async def chunks(reply: Reply, event: tuple, include_usage: bool):
     done = False
     plan = reply.tools
     calls = ToolStream(plan.family) if plan is not None else None  # text and tool-call fragments
-    tokens = []  # tokens whose logprobs / sources no chunk has carried yet (a tool call's text may send none)
+    tokens: list[TokenText] = []  # tokens whose logprobs / sources no chunk has carried yet (a tool call's text may send none)
     extras = reply.logprobs is not None or reply.provenance
     try:
         if reply.chat:
@@ -75,7 +76,7 @@ def final_deltas(reply: Reply, calls: ToolStream) -> list[dict]:
     plan, job = reply.tools, reply.job
     if not plan.dropped:
         return calls.feed("", final=True)
-    return calls.feed(plan.answer_text(job.text, job.result.token_ids), final=True)
+    return calls.feed(plan.answer_text(job.text, job.decoded.token_ids), final=True)
 
 
 def last_events(reply: Reply, event: tuple, include_usage: bool, called: bool = False, tokens=()) -> list:

@@ -339,12 +339,12 @@ def chat_prompt(model, messages: list[dict], plan: ToolPlan | None):
                        code="invalid_value") from None
 
 
-def finish_of(finish_reason: str, called: bool) -> str:
+def finish_of(finish_reason: str | None, called: bool) -> str | None:
     """OpenAI's finish reason of an answer that called tools (`called`): "tool_calls" where it ended by itself."""
     return "tool_calls" if called and finish_reason == "stop" else finish_reason
 
 
-def whole_message(text: str, finish_reason: str, family: str) -> tuple[dict, str]:
+def whole_message(text: str, finish_reason: str | None, family: str) -> tuple[dict, str | None]:
     """A whole answer's `message` and `finish_reason` when tools may be called (`text`: `answer_text`'s)."""
     parsed = split(text, family, True)
     if not parsed.calls:
