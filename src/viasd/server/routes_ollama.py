@@ -12,7 +12,7 @@ from __future__ import annotations
 import hashlib
 import json
 from datetime import datetime, UTC
-from typing import Annotated, Literal
+from typing import TYPE_CHECKING, Annotated, Any, Literal
 
 from fastapi import APIRouter, Request
 from fastapi.responses import Response, StreamingResponse
@@ -38,13 +38,17 @@ SAMPLING = {"temperature": "temperature", "top_k": "top_k", "top_p": "top_p", "m
 IGNORED = ("numa", "num_ctx", "num_batch", "num_gpu", "main_gpu", "low_vram", "f16_kv", "logits_all", "vocab_only", "use_mmap",
            "use_mlock", "embedding_only", "num_thread", "num_keep", "repeat_last_n", "tfs_z", "typical_p", "mirostat",
            "mirostat_tau", "mirostat_eta", "penalize_newline")
-Options = create_model(
-    "Options", __base__=Strict,
+_OPTION_FIELDS: dict[str, Any] = {
     **{o: (field_of(SETTINGS[s]), None) for o, s in SAMPLING.items()},
-    num_predict=(Annotated[int, Field(ge=-2, le=MAX_NEW_TOKENS)] | None, None),  # -1, -2 (no limit, fill the context): the default
-    stop=(list[Annotated[str, Field(min_length=1, max_length=256)]] | None, None),
-    viasd=(ViasdExtension | None, None),
-    **{o: (object, None) for o in IGNORED})
+    "num_predict": (Annotated[int, Field(ge=-2, le=MAX_NEW_TOKENS)] | None, None),  # -1, -2 (no limit, fill the context): the default
+    "stop": (list[Annotated[str, Field(min_length=1, max_length=256)]] | None, None),
+    "viasd": (ViasdExtension | None, None),
+    **{o: (object, None) for o in IGNORED}}
+if TYPE_CHECKING:  # (built from the settings below; mypy reads its fields as Any)
+    class Options(Strict):
+        def __getattr__(self, name: str) -> Any: ...
+else:
+    Options = create_model("Options", __base__=Strict, **_OPTION_FIELDS)
 
 
 class Lenient(BaseModel):
@@ -138,12 +142,13 @@ def common_fields(state, body: _Request, chat: bool) -> dict:
 def openai_messages(messages: list[Message]) -> list[dict]:
     """Ollama's messages as OpenAI's: calls get ids, and each tool result the id of the call it answers
     (the one of its `tool_name`, else the next unanswered one)."""
-    out, open_calls = [], []
+    out: list[dict] = []
+    open_calls: list[dict[str, Any]] = []
     for i, m in enumerate(messages):
         if m.images:
             raise APIError(400, "images are not supported: the model reads text only", param=f"messages[{i}].images",
                            code="invalid_value")
-        entry = {"role": m.role, "content": m.content}
+        entry: dict[str, Any] = {"role": m.role, "content": m.content}
         if m.role == "assistant" and m.tool_calls:
             calls = [{"id": f"call_{i}_{k}", "type": "function",
                       "function": {"name": c.function.name, "arguments": json.dumps(c.function.arguments)}}
@@ -204,9 +209,9 @@ async def answer(reply: Reply, name: str, key: str, stream: bool):
         job = reply.job
         out = final(reply, name, key)
         if key == "message":
-            message = {"role": "assistant", "content": job.text}
+            message: dict[str, Any] = {"role": "assistant", "content": job.text}
             if plan is not None:
-                message, _ = whole_message(plan.answer_text(job.text, job.result.token_ids), "stop", plan.family)
+                message, _ = whole_message(plan.answer_text(job.text, job.decoded.token_ids), "stop", plan.family)
                 message = {"role": "assistant", "content": message.get("content") or "",
                            **({"tool_calls": ollama_calls(message)} if message.get("tool_calls") else {})}
             out[key] = message
@@ -226,8 +231,8 @@ async def records(reply: Reply, event: tuple, name: str, key: str):
     calls = ToolStream(plan.family) if plan is not None and not plan.dropped else None
 
     def record_of(text: str, tokens=None, **more) -> bytes:
-        r = {"model": name, "created_at": now(), key: {"role": "assistant", "content": text, **more} if key == "message" else text,
-             "done": False}
+        r: dict[str, Any] = {"model": name, "created_at": now(),
+                             key: {"role": "assistant", "content": text, **more} if key == "message" else text, "done": False}
         if tokens and reply.logprobs is not None:
             r["logprobs"] = logprobs_of(reply, tokens)
         return (json.dumps(r, ensure_ascii=False) + "\n").encode()
@@ -242,7 +247,7 @@ async def records(reply: Reply, event: tuple, name: str, key: str):
         elif ev[0] == "done":
             job = reply.job
             if plan is not None:
-                whole = plan.answer_text(job.text, job.result.token_ids)
+                whole = plan.answer_text(job.text, job.decoded.token_ids)
                 parsed = split(whole, plan.family, True)
                 rest = "".join(d.get("content", "") for d in calls.feed("", final=True)) if calls is not None else \
                     (whole if not parsed.calls else parsed.content)
@@ -295,7 +300,7 @@ async def generate(request: Request):
     return await answer(reply, name, "response", body.stream)
 
 
-def details(state) -> dict:
+def details(state) -> tuple[dict, int]:  # (Ollama's details, the weights' bytes)
     model, c = state.model, state.model.config
     try:
         n = model.decoder.weight_bytes()
