@@ -13,7 +13,7 @@ cache is always on; `t_max_prompt_ms`, `t_max_predict_ms`, `n_indent`, `samplers
 from __future__ import annotations
 
 import json
-from typing import Annotated
+from typing import TYPE_CHECKING, Annotated, Any
 
 from fastapi import APIRouter, Request
 from fastapi.responses import Response, StreamingResponse
@@ -46,19 +46,23 @@ class ExtraFile(Strict):
     text: TEXT = ""
 
 
-InfillRequest = create_model(
-    "InfillRequest", __base__=Lenient,
-    input_prefix=(TEXT, ""), input_suffix=(TEXT, ""), prompt=(TEXT, ""),
-    input_extra=(Annotated[list[ExtraFile], Field(max_length=1024)], []),
-    n_predict=(Annotated[int, Field(ge=-1, le=MAX_NEW_TOKENS)] | None, None),  # -1: no limit (the server's default)
-    stop=(list[Annotated[str, Field(min_length=1, max_length=256)]] | None, None),
-    stream=(bool, False),
-    n_probs=(Annotated[int, Field(ge=0, le=20)], 0),  # each token's probability and this many alternatives'
-    response_fields=(list[str] | None, None),
-    model=(object, None),  # (llama-server serves one model: any name is it)
-    viasd=(ViasdExtension | None, None),
+_REQUEST_FIELDS: dict[str, Any] = {
+    "input_prefix": (TEXT, ""), "input_suffix": (TEXT, ""), "prompt": (TEXT, ""),
+    "input_extra": (Annotated[list[ExtraFile], Field(max_length=1024)], []),
+    "n_predict": (Annotated[int, Field(ge=-1, le=MAX_NEW_TOKENS)] | None, None),  # -1: no limit (the server's default)
+    "stop": (list[Annotated[str, Field(min_length=1, max_length=256)]] | None, None),
+    "stream": (bool, False),
+    "n_probs": (Annotated[int, Field(ge=0, le=20)], 0),  # each token's probability and this many alternatives'
+    "response_fields": (list[str] | None, None),
+    "model": (object, None),  # (llama-server serves one model: any name is it)
+    "viasd": (ViasdExtension | None, None),
     **{f: (field_of(SETTINGS[s]), None) for f, s in SAMPLING.items()},
-    **{f: (object, None) for f in IGNORED})
+    **{f: (object, None) for f in IGNORED}}
+if TYPE_CHECKING:  # (built from the settings below; mypy reads its fields as Any)
+    class InfillRequest(Lenient):
+        def __getattr__(self, name: str) -> Any: ...
+else:
+    InfillRequest = create_model("InfillRequest", __base__=Lenient, **_REQUEST_FIELDS)
 
 
 def stop_type(reply: Reply) -> tuple[str, str]:
@@ -95,7 +99,7 @@ def result(reply: Reply, req, content: str, tokens) -> dict:
     out = {"index": 0, "content": content, "tokens": [], "id_slot": 0, "stop": True, "model": reply.served,
            "tokens_predicted": t["predicted_n"], "tokens_evaluated": t["prompt_n"],
            "generation_settings": {"n_predict": job.settings.get("max_new_tokens"), **{
-               f: job.result.config.get(s) for f, s in SAMPLING.items() if s in job.result.config}},
+               f: job.decoded.config.get(s) for f, s in SAMPLING.items() if s in job.decoded.config}},
            "has_new_line": "\n" in job.text, "truncated": False, "stop_type": kind, "stopping_word": word,
            "tokens_cached": t["prompt_n"] + t["predicted_n"], "timings": t, "viasd": record(job)}
     if req.n_probs:
