@@ -12,6 +12,7 @@ between consecutive completions of one file)."""
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 from viasd.server.errors import APIError
@@ -41,7 +42,9 @@ def fim_tokens(tokenizer) -> FimTokens | None:
     vocab = tokenizer.get_vocab()
     for names in SPELLINGS:
         if all(n in vocab for n in names[:3]):
-            return FimTokens(*(vocab.get(n) for n in names), names=names)
+            pre, suf, mid = (vocab[n] for n in names[:3])
+            rep, sep = (vocab.get(n) for n in names[3:])
+            return FimTokens(pre, suf, mid, rep, sep, names=names)
     return None
 
 
@@ -75,7 +78,7 @@ def plain(model, fim: FimTokens, prefix: str, suffix: str) -> list[int]:
     return bos(tok) + [fim.pre, *text_ids(tok, prefix), fim.suf, *text_ids(tok, suffix), fim.mid]
 
 
-def repository(model, fim: FimTokens, prefix: str, suffix: str, prompt: str = "", extra: list[tuple[str, str]] = (),
+def repository(model, fim: FimTokens, prefix: str, suffix: str, prompt: str = "", extra: Sequence[tuple[str, str]] = (),
                n_predict: int = 0) -> list[int]:
     """llama.cpp's `format_infill`: the other files (filename, text) first, then the prefix with the text
     typed at the cursor (`prompt`), the suffix, the middle token. As there, the prefix keeps its last

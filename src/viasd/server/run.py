@@ -11,6 +11,7 @@ import re
 import signal
 import sys
 import time
+from typing import TYPE_CHECKING
 from urllib.parse import urlsplit
 
 from viasd.errors import UsageError
@@ -28,7 +29,7 @@ def add_arguments(p: argparse.ArgumentParser, add_model_flags) -> None:
         print(f"viasd serve: error: {message} (see viasd serve --help)", file=sys.stderr)
         sys.exit(2)
 
-    p.error = one_line_error
+    p.error = one_line_error  # type: ignore[method-assign]  # (this parser's own errors, one line each)
     s = p.add_argument_group("server")
     s.add_argument("--host", default="127.0.0.1", help="address to bind (default: %(default)s, loopback only)")
     s.add_argument("--port", type=int, default=8000, help="TCP port (default: %(default)s)")
@@ -208,12 +209,15 @@ def run_uvicorn(app, host: str, port: int, drain_timeout: float = 30.0, log_leve
     server.run(sockets=[sock])
 
 
-try:
-    import uvicorn as _uvicorn
+if TYPE_CHECKING:
+    from uvicorn import Server as _Server
+else:
+    try:
+        import uvicorn as _uvicorn
 
-    _Server = _uvicorn.Server
-except ImportError:  # pragma: no cover
-    _Server = object
+        _Server = _uvicorn.Server
+    except ImportError:  # pragma: no cover
+        _Server = object
 
 
 class DrainingServer(_Server):
