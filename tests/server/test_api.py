@@ -136,7 +136,8 @@ def test_a_server_with_a_drafter_model_serves_sd(tiny, tiny_drafter):
                      "reduced_head": False, "draft_confident": 0.9}):
             r = c.completions.create(model="tiny", prompt="w5 w6 w7", max_tokens=6, extra_body={"viasd": ext})
             ref = generate("w5 w6 w7", tiny, drafter=tiny_drafter, chat=False, progress=False,
-                           **{"strategy": "sd", "k": 3, "max_new_tokens": 6, **{k: tuple(v) if isinstance(v, list) else v for k, v in ext.items()}})
+                           **{"strategy": "sd", "k": 3, "max_new_tokens": 6,
+                              **{k: tuple(v) if isinstance(v, list) else v for k, v in ext.items()}})
             assert r.choices[0].text == ref.text
             assert r.model_extra["viasd"]["config"]["draft"] == "model"
             config = r.model_extra["viasd"]["config"]

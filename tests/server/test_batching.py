@@ -129,9 +129,11 @@ def test_a_member_measures_pass_times_in_a_step_of_its_own(tiny_q8, monkeypatch)
     decoder = tiny_q8.decoder
     order: list[int] = []  # the cache of each pass, in the order the compute thread ran them
     own = decoder.forward
-    monkeypatch.setitem(decoder.__dict__, "forward", lambda tokens, start, cache, *a, **kw: (order.append(id(cache)), own(tokens, start, cache, *a, **kw))[1])
+    monkeypatch.setitem(decoder.__dict__, "forward",
+                        lambda tokens, start, cache, *a, **kw: (order.append(id(cache)), own(tokens, start, cache, *a, **kw))[1])
     many = decoder.forward_many
-    monkeypatch.setattr(decoder, "forward_many", lambda calls, rows=None: ([order.append(id(args[2])) for args, _ in calls], many(calls, rows))[1])
+    monkeypatch.setattr(decoder, "forward_many",
+                        lambda calls, rows=None: ([order.append(id(args[2])) for args, _ in calls], many(calls, rows))[1])
     monkeypatch.setattr(decoder, "pass_times", {})
     session = batching.BatchSession()
     measuring = threading.Event()

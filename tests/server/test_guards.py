@@ -126,7 +126,8 @@ OPENAI_400 = {  # messages -> (param, code, message)
         [{"role": "tool", "tool_call_id": "call_1", "content": "1"}, USER],
         "messages.[0].role", "invalid_value", "must be a response to a preceding message with 'tool_calls'"),
     "tool message after a user message": (
-        [USER, {"role": "assistant", "content": None, "tool_calls": [CALL]}, USER, {"role": "tool", "tool_call_id": "call_1", "content": "1"}],
+        [USER, {"role": "assistant", "content": None, "tool_calls": [CALL]}, USER,
+         {"role": "tool", "tool_call_id": "call_1", "content": "1"}],
         "messages.[3].role", "invalid_value", "must be a response to a preceding message with 'tool_calls'"),
     "tool message answering another call": (
         [USER, {"role": "assistant", "content": None, "tool_calls": [CALL]}, {"role": "tool", "tool_call_id": "call_9", "content": "1"}],

@@ -95,7 +95,8 @@ def test_a_tool_call_complete_at_exactly_max_tokens_finishes_with_tool_calls(oc)
     calls = [(c.function.name, c.function.arguments) for c in whole.choices[0].message.tool_calls]
     n = whole.usage.completion_tokens - 1  # all but its end token: where the grammar allows nothing but the end
     at_budget = chat(oc, max_tokens=n, **kw).choices[0]
-    assert at_budget.finish_reason == "tool_calls" and [(c.function.name, c.function.arguments) for c in at_budget.message.tool_calls] == calls
+    assert at_budget.finish_reason == "tool_calls"
+    assert [(c.function.name, c.function.arguments) for c in at_budget.message.tool_calls] == calls
     assert streamed(oc, max_tokens=n, **kw) == (None, calls, "tool_calls")
     # a token earlier the grammar still allows the newline that ends a turn: the budget cut the answer
     assert chat(oc, max_tokens=n - 1, **kw).choices[0].finish_reason == "length"
@@ -210,8 +211,9 @@ LIBRARY_SAYS = {"invalid json schema": "no-such-type", "invalid regex": "unclose
 NO_ANSWER = {  # request fields -> (param, what the one-line message says)
     "false schema": ({"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": False}}},
                      "response_format", "the schema is false, which no JSON value satisfies"),
-    "schema that only refers to itself": ({"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {"$ref": "#"}}}},
-                                          "response_format", "invalid json schema: no text satisfies it"),
+    "schema that only refers to itself": (
+        {"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {"$ref": "#"}}}},
+        "response_format", "invalid json schema: no text satisfies it"),
     "required property that only recurses": ({"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {
         "type": "object", "properties": {"a": {"$ref": "#"}}, "required": ["a"]}}}}, "response_format",
         "invalid json schema: no finite text satisfies it"),
@@ -250,7 +252,8 @@ def test_families_grammars_and_parsers(tiny_qwen):
     assert family_of(SimpleNamespace(chat_template=llama)) == LLAMA3
     assert family_of(SimpleNamespace(chat_template={"default": "x", "tool_use": "<tool_call>"})) == HERMES
     functions = [t["function"] for t in TOOLS]
-    cases = {LLAMA3: '{"name": "get_weather", "parameters": {"city": "Paris", "unit": "f"}}; {"name": "get_time", "parameters": {"utc": true}}',
+    cases = {LLAMA3: '{"name": "get_weather", "parameters": {"city": "Paris", "unit": "f"}}; '
+                     '{"name": "get_time", "parameters": {"utc": true}}',
              GENERIC: 'ok <tool_call>\n{"name": "get_time", "arguments": {"utc": false}}\n</tool_call>'}
     for family, text in cases.items():
         constraint = constraint_for(tiny_qwen, {"type": "grammar", "grammar": grammar(ToolPlan(functions, "auto", True, family))})
@@ -275,7 +278,8 @@ def test_generic_template_gets_the_tools_in_a_system_message(tiny_qwen):
         assert family_of(tiny_qwen.tokenizer) == GENERIC
         plan = ToolPlan([t["function"] for t in TOOLS], "required", False, GENERIC)
         call = {"id": "c", "type": "function", "function": {"name": "get_time", "arguments": {"utc": True}}}
-        messages = HI + [{"role": "assistant", "content": None, "tool_calls": [call]}, {"role": "tool", "tool_call_id": "c", "content": "12:00"}]
+        messages = HI + [{"role": "assistant", "content": None, "tool_calls": [call]},
+                         {"role": "tool", "tool_call_id": "c", "content": "12:00"}]
         text = tiny_qwen.tokenizer.decode(chat_prompt(tiny_qwen, messages, plan))
         assert text.startswith("<system># Tools") and '"name": "get_weather"' in text
         assert text.endswith('<user>hi\n<assistant><tool_call>\n{"name": "get_time", "arguments": {"utc": true}}\n</tool_call>\n'
