@@ -10,8 +10,11 @@ install:
 demo: install
 	viasd generate
 
-## test: install and run the whole test suite, one worker per core (fetches the zoo models it needs once into the cache)
+## test: install, lint (ruff) and type-check (mypy) the code, then run the whole test suite, one worker per core
+## (fetches the zoo models it needs once into the cache)
 test: install browser
+	$(PYTHON) -m ruff check src tests benchmarks
+	$(PYTHON) -m mypy
 	$(PYTHON) -m pytest -q -n auto --dist worksteal
 
 ## browser: Debian's chromium and chromium-driver, for the chat page's test (tests/server/test_page.py), installed
