@@ -38,7 +38,7 @@ def operations(loaded, drafter) -> dict:
     """name -> f(logits [1, V]) for the operations measured."""
     from viasd.decoding.acceptance import first_among
     from viasd.decoding.stats import DecodeStats
-    from viasd.decoding.verifier import CallKind, pass_bytes
+    from viasd.decoding.session import CallKind, pass_bytes
     from viasd.models.logits import PassOutput
 
     dec, stats, counts = loaded.decoder, DecodeStats(), collections.Counter()

@@ -13,7 +13,7 @@ from viasd.api import GenerateConfig
 from viasd.bench import load_tasks
 from viasd.decoding.acceptance import SamplingParams, logits_to_probs
 from viasd.decoding.strategies import autoregressive_decode, speculative_decode
-from viasd.decoding.verifier import DecodeRequest
+from viasd.decoding.session import DecodeRequest
 from viasd.models.loading import LoadedModel
 from viasd.models.kvcache import LayerMask
 

@@ -21,7 +21,7 @@ from viasd.decoding.multitier import resume_layer
 from viasd.decoding.processors import LogitProcessors
 from viasd.decoding.registry import DraftKind, LoopArgs, Mode, Strategy
 from viasd.decoding.stats import DecodeResult, DecodeStats, Source, TokenLogprob
-from viasd.decoding.verifier import DecodeRequest
+from viasd.decoding.session import DecodeRequest
 from viasd.execution.passes import Passes
 from viasd.errors import UsageError, VocabularyMismatchError
 from viasd import compute

@@ -14,7 +14,7 @@ from viasd.api import generate
 from viasd.decoding.acceptance import SamplingParams
 from viasd.decoding.crossvocab import Conversion, CrossVocabDrafter, DrafterContext, complete_utf8
 from viasd.decoding.strategies import speculative_decode
-from viasd.decoding.verifier import DecodeRequest
+from viasd.decoding.session import DecodeRequest
 from viasd.errors import UsageError, VocabularyMismatchError
 from viasd.models.loading import load_model
 from viasd.models.vocabulary import VocabBridge, Vocabulary, _byte_decoder
@@ -147,14 +147,14 @@ def test_greedy_output_equals_ar_with_a_drafter_of_another_vocabulary(bpe_pair, 
 
 def test_a_context_ending_in_a_special_token_drafts_without_healing(bpe_pair):
     """A control token heals into nothing: the drafter drafts after it, k tokens of new text at least."""
-    from viasd.decoding.verifier import Verifier
+    from viasd.decoding.session import Session
 
     v, d = bpe_pair
     prompt = v.vocabulary.encode("the quick brown fox<eos>")
     assert prompt[-1] in v.vocabulary.special
     drafter = CrossVocabDrafter(d.decoder, VocabBridge(v.vocabulary, d.vocabulary), Conversion.TEXT, GREEDY, None, None,
                                 eos=d.eos_token_ids)
-    drafter.begin(64, Verifier(v.decoder, DecodeRequest(prompt=prompt, max_new_tokens=20, params=GREEDY, eos=NO_EOS), 64))
+    drafter.begin(64, Session(v.decoder, DecodeRequest(prompt=prompt, max_new_tokens=20, params=GREEDY, eos=NO_EOS), 64))
     drafted = []
     draft_ids = drafter.draft_ids
     drafter.draft_ids = lambda *a, **kw: (drafted.append(draft_ids(*a, **kw)[0]) or drafted[-1], None)
@@ -262,14 +262,14 @@ def test_a_right_guess_of_the_healed_token_saves_its_pass_and_a_wrong_one_change
     first pass with the context (`guess`), a token drawn again costs no pass of its own, and a guess
     the drafter does not draw leaves drafts and cache as without it."""
     from viasd.decoding.drafters import ModelDrafter
-    from viasd.decoding.verifier import Verifier
+    from viasd.decoding.session import Session
 
     prompt = [1, 5, 6, 7, 5, 6, 7, 5]
     every = list(range(tiny_drafter.config.vocab_size))
 
     def drafted(guess_of):
         drafter = ModelDrafter(tiny_drafter.decoder, GREEDY, None, None)
-        drafter.begin(64, Verifier(tiny.decoder, DecodeRequest(prompt=prompt, max_new_tokens=20, params=GREEDY, eos=NO_EOS), 64))
+        drafter.begin(64, Session(tiny.decoder, DecodeRequest(prompt=prompt, max_new_tokens=20, params=GREEDY, eos=NO_EOS), 64))
         out = []
         for context in (prompt, prompt + [6, 7], prompt + [6, 7, 9, 9]):  # later rounds: what was committed
             calls = drafter.stats.calls["draft"]
@@ -321,7 +321,7 @@ def test_healing_greedy_draws_the_masked_rows_first_maximum(tiny, tiny_drafter):
     """A greedy drafter that keeps no q picks the healed token from the allowed ids' logits alone
     (`first_among`); it drafts what the masked row gives (a drafter keeping q masks the row)."""
     from viasd.decoding.drafters import ModelDrafter
-    from viasd.decoding.verifier import Verifier
+    from viasd.decoding.session import Session
 
     prompt = [1, 5, 6, 7, 5, 6, 7, 5]
     g = torch.Generator().manual_seed(0)
@@ -330,6 +330,6 @@ def test_healing_greedy_draws_the_masked_rows_first_maximum(tiny, tiny_drafter):
         drafts = []
         for probs in (False, True):
             drafter = ModelDrafter(tiny_drafter.decoder, GREEDY, None, None, probs=probs)
-            drafter.begin(64, Verifier(tiny.decoder, DecodeRequest(prompt=prompt, max_new_tokens=20, params=GREEDY, eos=NO_EOS), 64))
+            drafter.begin(64, Session(tiny.decoder, DecodeRequest(prompt=prompt, max_new_tokens=20, params=GREEDY, eos=NO_EOS), 64))
             drafts.append(drafter.draft_ids(prompt, 3, first=first)[0])
         assert drafts[0] == drafts[1] and drafts[0][0] in first, trial

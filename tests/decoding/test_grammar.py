@@ -20,7 +20,7 @@ from viasd.decoding.drafters import GrammarDrafter, ModelDrafter
 from viasd.decoding.grammar import Constraint, closed_objects, grammar_of
 from viasd.decoding.strategies import speculative_decode
 from viasd.decoding.stats import Source
-from viasd.decoding.verifier import DecodeRequest
+from viasd.decoding.session import DecodeRequest
 from viasd.errors import UsageError
 from viasd.models.loading import load_model
 

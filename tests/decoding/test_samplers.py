@@ -16,7 +16,7 @@ from viasd.decoding.multitier import viasd_lossless_decode, viasd_tiered_decode
 from viasd.decoding.processors import LogitProcessors, ProcessorState
 from viasd.decoding.strategies import autoregressive_decode, speculative_decode
 from viasd.decoding.tiers import TierThresholds
-from viasd.decoding.verifier import DecodeRequest
+from viasd.decoding.session import DecodeRequest
 from viasd.errors import UsageError
 from viasd.models.kvcache import LayerMask
 

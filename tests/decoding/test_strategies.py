@@ -16,7 +16,7 @@ from viasd.decoding.draft_length import DraftLength, expected_tokens
 from viasd.execution.timing import pass_times
 from viasd.decoding.drafters import Draft, LookupDrafter, ModelDrafter, NgramDrafter, SelfDrafter
 from viasd.decoding.strategies import speculative_decode
-from viasd.decoding.verifier import DecodeRequest, Verifier
+from viasd.decoding.session import DecodeRequest, Session
 from viasd.models.kvcache import LayerMask
 from viasd.routing.resolve import default_draft_layers
 
@@ -553,7 +553,7 @@ def test_a_drafter_without_q_drafts_what_one_with_q_drafts(tiny, tiny_drafter, r
     head = tiny_drafter.decoder.reduced_head(list(range(1, tiny.config.vocab_size, 3))) if reduced else None
     with_q, without = (ModelDrafter(tiny_drafter.decoder, GREEDY, None, None, head, probs=p) for p in (True, False))
     for d in (with_q, without):
-        d.begin(64, Verifier.start(tiny.decoder, None, DecodeRequest(prompt=context, max_new_tokens=0, params=GREEDY), 64))
+        d.begin(64, Session.start(tiny.decoder, None, DecodeRequest(prompt=context, max_new_tokens=0, params=GREEDY), 64))
     a, b = with_q.propose(context, 5), without.propose(context, 5)
     assert a.tokens == b.tokens and len(a.tokens) == 5
     assert a.probs is not None and a.probs.shape[0] == 5 and b.probs is None

@@ -17,7 +17,7 @@ from viasd.decoding.drafters import NO_DRAFT, ModelDrafter, NgramDrafter, SelfDr
 from viasd.decoding.multitier import lossless_policy, resume_layer, viasd_lossless_decode, viasd_tiered_decode
 from viasd.decoding.strategies import speculative_decode
 from viasd.decoding.tiers import Tier, TierThresholds, assign_tiers, confidence_signals
-from viasd.decoding.verifier import DecodeRequest
+from viasd.decoding.session import DecodeRequest
 from viasd.models.loading import load_model
 from viasd.models.kvcache import LayerMask
 from viasd.routing.resolve import default_slim_layers

@@ -134,7 +134,7 @@ def test_cache_overflow_is_an_error(tiny):
 def resumed_after_slim(model, route: LayerMask, prompt: list[int], block: list[int], lower_rows: int = 0):
     """Logits of `block` by a plain full pass, and by a full pass resumed at the route's prefix after
     one slim pass over all of the block but its last `lower_rows` tokens (those go through the layers
-    below it alone first, as `Verifier.full` sends them)."""
+    below it alone first, as `Session.full` sends them)."""
     dec, n = model.decoder, len(prompt)
     plain, resumed = dec.new_cache(64), dec.new_cache(64)
     resumed.enable_resume(route.prefix)

@@ -659,7 +659,7 @@ def test_a_long_pending_run_is_checked_on_the_logits_ar_computes(tiny_native):
     logits decoding computes for it one row at a time, bit for bit: it goes in row-exact chunks."""
     from viasd.decoding.acceptance import SamplingParams
     from viasd.decoding.stats import DecodeStats
-    from viasd.decoding.verifier import DecodeRequest, Verifier
+    from viasd.decoding.session import DecodeRequest, Session
     from viasd.models.kvcache import ROW_ATTENTION_MAX
 
     prompt, n = [1, 5, 6, 7], ROW_ATTENTION_MAX + 40
@@ -669,7 +669,7 @@ def test_a_long_pending_run_is_checked_on_the_logits_ar_computes(tiny_native):
     dec.forward(torch.tensor(prompt), 0, cache, last_only=True)
     one_by_one = [dec.forward(torch.tensor(seq[p : p + 1]), p, cache)[0] for p in range(L, len(seq))]  # as `ar` runs
     req = DecodeRequest(prompt=prompt, max_new_tokens=n + 1, params=SamplingParams(), eos=frozenset(), stats=DecodeStats())
-    v = Verifier.start(dec, None, req, 256)
+    v = Session.start(dec, None, req, 256)
     assert v.tokens == seq[: L + 1]
     logits = v.full(seq[L + 1 :]).logits  # every later token checked in one pass, as a long pending run is
     assert len(logits) == len(one_by_one)

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from viasd import generate
-from viasd.decoding.verifier import DecodeRequest, Verifier
+from viasd.decoding.session import DecodeRequest, Session
 from viasd.models.loading import load_model
 from viasd.models.kvcache import LayerMask
 
@@ -162,14 +162,14 @@ def test_a_decoder_only_drafter_is_refused_for_an_encoder_decoder_verifier(t5, t
 
     req = DecodeRequest(prompt=[5, 6, EOS], max_new_tokens=4)
     with pytest.raises(ValueError, match="encoder-decoder drafter"):
-        Verifier.start(t5.decoder, ModelDrafter(tiny.decoder, req.params, None, None), req, 16)
+        Session.start(t5.decoder, ModelDrafter(tiny.decoder, req.params, None, None), req, 16)
 
 
 def test_ngram_drafts_come_from_the_source(t5):
     from viasd.decoding.drafters import NgramDrafter
 
     req = DecodeRequest(prompt=[9, 10, 11, 12, EOS], max_new_tokens=4)
-    v = Verifier(t5.decoder, req, 16)
+    v = Session(t5.decoder, req, 16)
     d = NgramDrafter()
     d.begin(16, v)
     assert d.propose([PAD, 10], 2).tokens == [11, 12]

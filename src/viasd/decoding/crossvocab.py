@@ -27,7 +27,7 @@ import torch
 
 from viasd.decoding.acceptance import SamplingParams
 from viasd.decoding.drafters import NO_DRAFT, Draft, ModelDrafter, common_prefix
-from viasd.decoding.verifier import CallKind, Verifier, pass_bytes
+from viasd.decoding.session import CallKind, Session, pass_bytes
 from viasd.models.decoder import Decoder
 from viasd.models.layers import ReducedHead
 from viasd.models.vocabulary import VocabBridge
@@ -156,13 +156,13 @@ class CrossVocabDrafter(ModelDrafter):
         self._shared = torch.tensor(bridge.shared, dtype=torch.long)  # [n_shared]
         bridge.piece_id(b"")  # (the drafter's tokens by their bytes: indexed here, not in a drafting round)
 
-    def begin(self, max_len: int, verifier: Verifier) -> None:
-        self.stats, self.passes = verifier.stats, verifier.passes
-        if getattr(verifier, "source", None) is not None:
-            raise ValueError("cross-vocabulary drafting needs a decoder-only verifier")
+    def begin(self, max_len: int, session: Session) -> None:
+        self.stats, self.passes = session.stats, session.passes
+        if getattr(session, "source", None) is not None:
+            raise ValueError("cross-vocabulary drafting needs a decoder-only session")
         self.context = DrafterContext(self.bridge)
-        prompt = self.context.update(list(verifier.tokens))
-        self.capacity = int(len(prompt) + self.ratio * (max_len - len(verifier.tokens))) + 8
+        prompt = self.context.update(list(session.tokens))
+        self.capacity = int(len(prompt) + self.ratio * (max_len - len(session.tokens))) + 8
         self.cache = self.decoder.new_cache(self.capacity)
         self.cached_ids = []
         self._window(prompt)

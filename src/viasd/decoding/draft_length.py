@@ -22,7 +22,7 @@ sampled output can differ between runs, as the measured costs do (a fixed `k` re
 from __future__ import annotations
 
 from viasd.decoding.drafters import NO_DRAFT, Draft, Drafter
-from viasd.decoding.verifier import CallKind
+from viasd.decoding.session import CallKind
 from viasd.execution.passes import Passes
 from viasd.execution.timing import PassTimer, pass_times
 from viasd.models.decoder import Decoder

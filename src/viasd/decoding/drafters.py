@@ -1,6 +1,6 @@
 """Drafters: one small protocol of two methods, three kinds.
 
-`begin(max_len, verifier)` starts a request (a self drafter takes the verifier's KV cache, every
+`begin(max_len, session)` starts a request (a self drafter takes the verifier's KV cache, every
 drafter its statistics); `propose(context, k) -> Draft` returns up to k next tokens for the
 committed `context` (+ their draft probabilities q, or None for deterministic drafters). Drafters
 keep whatever state they need (their own KV cache) and resynchronise with `context` at every call,
@@ -20,7 +20,7 @@ import torch
 from viasd.decoding.acceptance import SamplingParams, first_among, first_maxima
 from viasd.decoding.grammar import FORCED_MAX, Constraint
 from viasd.decoding.stats import DecodeStats
-from viasd.decoding.verifier import CallKind, Verifier, pass_bytes
+from viasd.decoding.session import CallKind, Session, pass_bytes
 from viasd.execution.passes import Passes
 from viasd.models.decoder import Decoder
 from viasd.models.kvcache import KVCache, LayerMask
@@ -61,8 +61,8 @@ def common_prefix(a: list[int], b: list[int]) -> int:
 
 
 class Drafter(Protocol):
-    def begin(self, max_len: int, verifier: Verifier) -> None:
-        """Start a new request of `verifier` whose sequences stay below `max_len` positions."""
+    def begin(self, max_len: int, session: Session) -> None:
+        """Start a new request of `session` whose sequences stay below `max_len` positions."""
 
     def propose(self, context: list[int], k: int) -> Draft:
         """Up to k draft tokens continuing `context` (every committed token, prompt included)."""
@@ -101,8 +101,8 @@ class _AutoregressiveDrafter:
     def _sync(self, context: list[int]) -> tuple[KVCache, int]:
         raise NotImplementedError
 
-    def begin(self, max_len: int, verifier: Verifier) -> None:
-        self.stats, self.passes = verifier.stats, verifier.passes
+    def begin(self, max_len: int, session: Session) -> None:
+        self.stats, self.passes = session.stats, session.passes
 
     def propose(self, context: list[int], k: int) -> Draft:
         tokens, probs = self.draft_ids(context, k)
@@ -235,21 +235,21 @@ class ModelDrafter(_AutoregressiveDrafter):
     def draft_ids(self, context: list[int], k: int, *args, **kw) -> tuple[list[int], torch.Tensor | None]:
         return super().draft_ids(context[self.offset :], k, *args, **kw)  # (cache position 0: context[offset])
 
-    def begin(self, max_len: int, verifier: Verifier) -> None:
-        super().begin(max_len, verifier)
+    def begin(self, max_len: int, session: Session) -> None:
+        super().begin(max_len, session)
         self.cache = self.decoder.new_cache(max_len)
         self.cached_ids: list[int] = []  # token ids at cache positions 0 .. n_full-1 (context[offset:])
-        self._window([] if self.decoder.is_encoder_decoder else verifier.tokens)
-        if getattr(verifier, "source", None) is not None:  # an encoder-decoder drafter reads the verifier's source
+        self._window([] if self.decoder.is_encoder_decoder else session.tokens)
+        if getattr(session, "source", None) is not None:  # an encoder-decoder drafter reads the verifier's source
             if not self.decoder.is_encoder_decoder:
-                raise ValueError("an encoder-decoder verifier needs an encoder-decoder drafter model")
-            cast("EncoderDecoder", self.decoder).encode(torch.tensor(verifier.source), cast("Seq2SeqCache", self.cache))
+                raise ValueError("an encoder-decoder session needs an encoder-decoder drafter model")
+            cast("EncoderDecoder", self.decoder).encode(torch.tensor(session.source), cast("Seq2SeqCache", self.cache))
             self.stats.observe_call(CallKind.DRAFT, verifier_share=self.verifier_share)
         # the prompt but its last token (the first `propose` feeds that one, to get its logits), in one
         # pass before the verifier's prefill: reading the prompt is prefill work, which belongs to the
         # time to the first token. Left to the first draft it landed in decoding (seconds for a
         # 1000-token RAG prompt on qwen 0.5B) and made drafting look dear to the draft-length policy.
-        prompt = verifier.tokens[self.offset : -1]
+        prompt = session.tokens[self.offset : -1]
         if prompt:
             self.passes.forward(self.decoder, torch.tensor(prompt), 0, self.cache, logits=False)  # K/V only, no head
             self.stats.observe_call(CallKind.DRAFT, verifier_share=self.verifier_share,
@@ -282,9 +282,9 @@ class SelfDrafter(_AutoregressiveDrafter):
         self.owner = "verifier"
         self.cache: KVCache | None = None
 
-    def begin(self, max_len: int, verifier: Verifier) -> None:
-        super().begin(max_len, verifier)
-        self.cache = verifier.cache  # shared for this request
+    def begin(self, max_len: int, session: Session) -> None:
+        super().begin(max_len, session)
+        self.cache = session.cache  # shared for this request
 
     def _sync(self, context: list[int]) -> tuple[KVCache, int]:
         # routed entries past n_full belong to an earlier draft: restart drafting at n_full
@@ -309,8 +309,8 @@ class NgramDrafter:
 
     source: list[int] = []
 
-    def begin(self, max_len: int, verifier: Verifier) -> None:
-        self.source = getattr(verifier, "source", None) or []
+    def begin(self, max_len: int, session: Session) -> None:
+        self.source = getattr(session, "source", None) or []
         self._reset()
 
     def _reset(self) -> None:
@@ -368,9 +368,9 @@ class LookupDrafter:
     def propose(self, context: list[int], k: int) -> Draft:
         return self.inner.propose(context, k)
 
-    def begin(self, max_len: int, verifier: Verifier) -> None:
-        self.inner.begin(max_len, verifier)
-        self.ngram.begin(max_len, verifier)
+    def begin(self, max_len: int, session: Session) -> None:
+        self.inner.begin(max_len, session)
+        self.ngram.begin(max_len, session)
 
     def lookup(self, context: list[int], k: int) -> Draft:
         """Up to k tokens that followed the latest earlier occurrence of the context's last n tokens."""
@@ -428,14 +428,14 @@ class GrammarDrafter:
     def lookup(self) -> Callable[[list[int], int], Draft] | None:
         return getattr(self.inner, "lookup", None)
 
-    def begin(self, max_len: int, verifier: Verifier) -> None:
-        self.verifier = verifier
+    def begin(self, max_len: int, session: Session) -> None:
+        self.session = session
         if self.inner is not None:
-            self.inner.begin(max_len, verifier)
+            self.inner.begin(max_len, session)
 
     def propose(self, context: list[int], k: int) -> Draft:
         """The forced tokens, then up to k of `inner`'s (k = 0: the forced ones only)."""
-        ahead = context[len(self.verifier.tokens) :]  # past the committed tokens (lossless VIA-SD's block)
+        ahead = context[len(self.session.tokens) :]  # past the committed tokens (lossless VIA-SD's block)
         masks = type(self.inner) in (ModelDrafter, SelfDrafter)  # the verifier's vocabulary: masked as it drafts
         # the forced bytes' last token a masked drafter model tokenizes as the model would; else a guess
         forced = self.constraint.forced(ahead, tail=not masks or k <= 0)[:FORCED_MAX] if self.forces else []

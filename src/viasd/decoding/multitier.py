@@ -34,7 +34,7 @@ from viasd.execution.timing import PassTimer
 from viasd.decoding.drafters import Draft, Drafter
 from viasd.decoding.stats import Source, drafted_sources
 from viasd.decoding.tiers import Tier, TierThresholds, confident_round, round_tiers
-from viasd.decoding.verifier import DecodeRequest, Verifier, pass_bytes
+from viasd.decoding.session import DecodeRequest, Session, pass_bytes
 from viasd.execution.passes import Passes
 from viasd.models.decoder import Decoder
 from viasd.models.kvcache import LayerMask
@@ -60,7 +60,7 @@ def viasd_lossless_decode(decoder: Decoder, drafter: Drafter, route: LayerMask, 
     that is what it does unless nearly every draft is kept)."""
     from_layer = resume_layer(route, resume)
     policy = lossless_policy(decoder, drafter, route, k, from_layer, head, req.passes) if adaptive else None
-    v = Verifier.start(decoder, drafter, req, len(req.prompt) + req.max_new_tokens + k + full_block + 2, tiers=True,
+    v = Session.start(decoder, drafter, req, len(req.prompt) + req.max_new_tokens + k + full_block + 2, tiers=True,
                        resume_layer=from_layer)
     while not v.done:
         # 1. slim stage: speculative decoding drafter -> slim builds a block distributed as q'
@@ -112,7 +112,7 @@ class _SlimBlock(NamedTuple):
     peek: int | None  # a free drafter's proposal the policy cut when the block is empty (scored on the full model's token)
 
 
-def _slim_stage(v: Verifier, drafter: Drafter, route: LayerMask, k: int, full_block: int,
+def _slim_stage(v: Session, drafter: Drafter, route: LayerMask, k: int, full_block: int,
                 head: ReducedHead | None = None, policy: DraftLength | None = None) -> _SlimBlock:
     """Draft and slim-verify rounds until the block is full, an end token appears, or the slim
     verifier rejects a draft (`policy`: each round drafts as many as it chooses, at most k).
@@ -190,7 +190,7 @@ class _TieredLoop:
         from_layer = resume_layer(route, resume and self.slim_tiers)
         # (its resumed full passes cost a fraction of a full pass: not learnt for the model's other loops)
         self.policy = draft_policy(decoder, drafter, k, shared=from_layer is None, passes=req.passes) if adaptive else None
-        self.v = Verifier.start(decoder, drafter, req, len(req.prompt) + req.max_new_tokens + k + 2, tiers=True,
+        self.v = Session.start(decoder, drafter, req, len(req.prompt) + req.max_new_tokens + k + 2, tiers=True,
                                 resume_layer=from_layer)
         self.v.hold = correct
         self.drafted = [False] * len(self.v.out)  # [len(v.out)] whether each new token is a kept draft (correction takes some back)
@@ -276,12 +276,12 @@ class _TieredLoop:
         return new + draft.tokens[i : i + n] + [x], origin + [Tier.FULL] * (n + 1)
 
 
-def _recheck(v: Verifier, rows: PassOutput, unchecked: list[int], new: list[int], origin: list[Tier],
+def _recheck(v: Session, rows: PassOutput, unchecked: list[int], new: list[int], origin: list[Tier],
              correct: bool, drafted: list[bool]) -> tuple[list[int], list[Tier], bool]:
     """Greedy, after a full pass: rows [u, V] are the full model's logits before each of `unchecked`
     (the committed tokens it had not processed, then the round's `new` ones); count where its choice
     differs (`observe_recheck`). With `correct`, at the first such token that choice replaces it and
-    everything after it is dropped: committed ones are taken back (`Verifier.retract`, never
+    everything after it is dropped: committed ones are taken back (`Session.retract`, never
     streamed; the drafts among them, `drafted`'s flags of the new tokens, no longer count as
     accepted), the round's are cut. Returns the round's tokens and tiers to commit (unchanged when
     nothing is corrected; otherwise ending with the corrected token, tier 3) and whether it corrected one."""

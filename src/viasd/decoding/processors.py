@@ -1,7 +1,7 @@
 """Logit processors of the verifier's rows: `logit_bias` and the presence, frequency and repetition
 penalties, as pure tensor functions named as the settings, and the per-request state they read.
 
-They change the *target* distribution p itself: `Verifier._pass` / `prefill` apply them to every
+They change the *target* distribution p itself: `Session._pass` / `prefill` apply them to every
 row (full and slim) before the grammar mask, so every acceptance rule sees the processed p and every
 lossless strategy stays lossless. Semantics follow vLLM's: the bias is added first; then the
 repetition penalty (HF/CTRL: a positive logit divided, a negative one multiplied) over the ids in the
@@ -62,7 +62,7 @@ def penalties(logits: torch.Tensor, ids: torch.Tensor, generated: torch.Tensor, 
 
 class ProcessorState:
     """One request's processors and what the penalties read of its committed tokens: each id's count
-    among the generated tokens (kept by `Verifier.commit` / `retract`) and the prompt's ids."""
+    among the generated tokens (kept by `Session.commit` / `retract`) and the prompt's ids."""
 
     def __init__(self, processors: LogitProcessors, prompt: list[int]):
         self.processors = processors

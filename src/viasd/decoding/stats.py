@@ -55,7 +55,7 @@ def token_logprobs(logits: torch.Tensor, tokens: list[int], top: int) -> list[To
 class DecodeStats:
     """Counters filled by a decoding loop through `observe_*`; `to_dict` derives the rates.
 
-    Keys of `calls` are `decoding.verifier.CallKind` values: "full" (verifier, every layer), "slim"
+    Keys of `calls` are `decoding.session.CallKind` values: "full" (verifier, every layer), "slim"
     (verifier along the slim route), "draft" (drafter: a separate model or a drafting route of the
     verifier). Model-free drafters (n-gram lookup) make no calls.
     """

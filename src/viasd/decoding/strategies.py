@@ -1,7 +1,7 @@
 """Decoding loops of the two-tier strategies. The drafter is what tells `sd`, `pld` and `self-sd`
 apart, so they share `speculative_decode`; `cascade` is the same loop with another target.
 
-Every loop goes through a `Verifier` (passes, commits, the cache invariant) and `acceptance.accept`.
+Every loop goes through a `Session` (passes, commits, the cache invariant) and `acceptance.accept`.
 """
 
 from __future__ import annotations
@@ -11,13 +11,13 @@ from viasd.decoding.draft_length import draft_policy, propose
 from viasd.execution.timing import PassTimer
 from viasd.decoding.drafters import Drafter
 from viasd.decoding.stats import drafted_sources
-from viasd.decoding.verifier import DecodeRequest, Verifier
+from viasd.decoding.session import DecodeRequest, Session
 from viasd.models.decoder import Decoder
 
 
 def autoregressive_decode(decoder: Decoder, req: DecodeRequest) -> list[int]:
     """Plain decoding: one full-model call per token."""
-    v = Verifier.start(decoder, None, req, len(req.prompt) + req.max_new_tokens + 1)
+    v = Session.start(decoder, None, req, len(req.prompt) + req.max_new_tokens + 1)
     while not v.done:
         out = v.full([])  # [1, V] the position after the last committed token
         req.stats.observe_round(0, 0)
@@ -43,7 +43,7 @@ def speculative_decode(
     """
     params, stats = req.params, req.stats
     policy = draft_policy(decoder, drafter, k, passes=req.passes) if adaptive else None
-    v = Verifier.start(decoder, drafter, req, len(req.prompt) + req.max_new_tokens + k + 1)
+    v = Session.start(decoder, drafter, req, len(req.prompt) + req.max_new_tokens + k + 1)
     while not v.done:
         # 1. draft up to k tokens (as many as the policy chooses); never more than the budget can use
         # (the round adds one more); a free drafter's first token past them is scored too (`peek`)

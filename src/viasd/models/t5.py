@@ -5,7 +5,7 @@ ours, with routes over its layers and the same KV cache and invariant as the dec
   `encode(source, cache)`; every decoder layer's cross-attention K/V is computed from its output
   there, once, and kept in the cache (`Seq2SeqCache.cross_k / cross_v`) for the whole request.
 - The decoder's forward has the decoder-only signature `forward(tokens, start, cache, route,
-  last_only) -> logits`, so `Verifier`, the drafters and every loop call it unchanged. Its self-attention
+  last_only) -> logits`, so `Session`, the drafters and every loop call it unchanged. Its self-attention
   K/V lives in the same preallocated `KVCache` with the same n_full rules.
 - A route keeps or skips, per decoder layer, its attention sub-layers (self- and cross-attention
   together: `LayerMask.attn`) and its feed-forward sub-layer (`LayerMask.mlp`).

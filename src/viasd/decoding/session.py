@@ -75,7 +75,7 @@ def pass_bytes(decoder, route: LayerMask | None, from_layer: int = 0, head: bool
     return weight_bytes(route, from_layer, head) if weight_bytes is not None else 0
 
 
-class Verifier:
+class Session:
     """Decoder, KV cache, committed tokens and statistics of one request."""
 
     def __init__(self, decoder: Decoder, req: DecodeRequest, max_len: int, resume_layer: int | None = None):
@@ -104,7 +104,7 @@ class Verifier:
 
     @classmethod
     def start(cls, decoder: Decoder, drafter: Drafter | None, req: DecodeRequest, max_len: int,
-              tiers: bool = False, resume_layer: int | None = None) -> Verifier:
+              tiers: bool = False, resume_layer: int | None = None) -> Session:
         """A verifier with the whole prompt prefilled, the first new token committed from the prefill's
         last row (a round of its own; `tiers`: counted as decided by the full model), and `drafter`
         begun on it. `resume_layer`: full passes start there for positions a slim pass along a route
