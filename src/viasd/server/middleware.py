@@ -61,14 +61,15 @@ def same_host(origin: str, host: str, scheme: str) -> bool:
         return False
 
 
-class BrowserGuard:
-    """ASGI middleware against other web pages: a Host header that is no name of this server (DNS rebinding:
-    a page whose domain now resolves to this machine) and an Origin header of another site, both 403.
-    `hosts`: names accepted besides IP literals and localhost, None: any; `origins`: the other sites'
-    origins accepted ("*": any)."""
+class _Refusing:
+    """ASGI middleware that answers a request its `problem` names with that error (counted by endpoint)
+    and passes every other one on."""
 
-    def __init__(self, app, hosts: frozenset[str] | None, origins: frozenset[str], metrics: Metrics):
-        self.app, self.hosts, self.origins, self.metrics = app, hosts, origins, metrics
+    app: object
+    metrics: Metrics
+
+    def problem(self, scope) -> APIError | None:
+        raise NotImplementedError
 
     async def __call__(self, scope, receive, send):
         if scope["type"] == "http":
@@ -78,6 +79,16 @@ class BrowserGuard:
                 await error_response(problem, scope["path"])(scope, receive, send)
                 return
         await self.app(scope, receive, send)
+
+
+class BrowserGuard(_Refusing):
+    """ASGI middleware against other web pages: a Host header that is no name of this server (DNS rebinding:
+    a page whose domain now resolves to this machine) and an Origin header of another site, both 403.
+    `hosts`: names accepted besides IP literals and localhost, None: any; `origins`: the other sites'
+    origins accepted ("*": any)."""
+
+    def __init__(self, app, hosts: frozenset[str] | None, origins: frozenset[str], metrics: Metrics):
+        self.app, self.hosts, self.origins, self.metrics = app, hosts, origins, metrics
 
     def problem(self, scope) -> APIError | None:
         headers = dict(scope.get("headers") or [])
@@ -96,21 +107,12 @@ class BrowserGuard:
                              "--allowed-origins"[:300], code="origin_not_allowed")
 
 
-class AuthAndSize:
+class AuthAndSize(_Refusing):
     """ASGI middleware: the bearer token (all routes but the public ones: /health, the chat page and its
     files; constant-time comparison) and the declared body size (413 before reading a byte of it)."""
 
     def __init__(self, app, api_key: str | None, max_body: int, metrics: Metrics):
         self.app, self.key, self.max_body, self.metrics = app, api_key.encode() if api_key else None, max_body, metrics
-
-    async def __call__(self, scope, receive, send):
-        if scope["type"] == "http":
-            problem = self.problem(scope)
-            if problem is not None:
-                self.metrics.requests.labels(endpoint_of(scope["path"]), str(problem.status)).inc()
-                await error_response(problem, scope["path"])(scope, receive, send)
-                return
-        await self.app(scope, receive, send)
 
     def problem(self, scope) -> APIError | None:
         """The error for a request without the token or with a declared body over the limit, else None."""

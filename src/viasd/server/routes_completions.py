@@ -7,7 +7,7 @@ import asyncio
 
 from fastapi import APIRouter, Request
 
-from viasd.server import fim
+from viasd.server import dialect, fim
 from viasd.server.engine import Draining, Job, QueueFull
 from viasd.server.errors import APIError
 from viasd.server.parsing import config_for, parse, read_json
@@ -112,13 +112,5 @@ async def watch_disconnect(request: Request, job: Job) -> None:
 
 
 async def answer_whole(reply: Reply):
-    try:
-        event = await reply.job.next_event()
-    except asyncio.CancelledError:  # the handler itself was cancelled: stop the decode, account for it
-        reply.abandon()
-        raise
-    ended = reply.ended_early(event)
-    if ended is not None:
-        return ended
-    reply.finish(200)
-    return reply.body()
+    ended = await dialect.whole(reply)
+    return ended if ended is not None else reply.body()
